@@ -1,0 +1,201 @@
+"""One batched, non-blocking exchange per tick between a stage and its two pipeline neighbours.
+
+Activations go down (stage k -> k+1); input gradients and the loss they belong to go up
+(k+1 -> k). Everything a tick sends is posted at its end in one ``batch_isend_irecv`` together
+with the receives for the next tick, so the transfer overlaps with whatever runs until the next
+tick waits for it. Under gloo this is deadlock-free without parity ordering (each direction of
+each link carries one ordered stream of messages).
+
+Shapes and dtypes of activations travel once, before the first activation, in a small int64
+header (and before every activation when the module has ``dynamic_shape=True``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from fdg_schedule.errors import FDGRuntimeError
+
+_HEADER_INTS = 256
+_DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8,
+    torch.int8, torch.int16, torch.int32, torch.int64, torch.bool,
+]  # fmt: skip
+TAG = 0x0FD6  # FDG traffic never matches DeepSpeed's own (tag 0) point-to-point messages
+
+Meta = list[tuple[torch.Size, torch.dtype]]
+
+
+def meta_of(tensors: Sequence[Tensor]) -> Meta:
+    return [(t.shape, t.dtype) for t in tensors]
+
+
+class NeighbourExchange:
+    """Posts and completes the per-tick point-to-point messages of one stage.
+
+    Args:
+        prev_rank / next_rank: global ranks of the neighbouring stages (None at the ends).
+        device: where received tensors are allocated.
+        dynamic_shape: send the activation header every time instead of once.
+        describe: names this stage in error messages.
+    """
+
+    def __init__(
+        self,
+        prev_rank: int | None,
+        next_rank: int | None,
+        device: torch.device,
+        dynamic_shape: bool,
+        describe: str,
+    ) -> None:
+        self.prev_rank, self.next_rank = prev_rank, next_rank
+        self.device, self.dynamic_shape, self.describe = device, dynamic_shape, describe
+        self.sent_meta: Meta | None = None
+        self.recv_meta: Meta | None = None
+        self._sends: list[dist.Work] = []
+        self._send_refs: list[Tensor] = []
+        self._activation: tuple[list[dist.Work], list[Tensor]] | None = None
+        self._grad: tuple[list[dist.Work], list[Tensor], Tensor] | None = None
+
+    def post(
+        self,
+        activation: Sequence[Tensor] | None,
+        grads: Sequence[Tensor] | None,
+        loss: Tensor | None,
+        recv_activation: bool,
+        recv_grad_meta: Meta | None,
+    ) -> None:
+        """Send this tick's activation / gradients+loss; receive next tick's (shapes in ``recv_grad_meta``)."""
+        self.wait_sends()
+        if activation is not None:
+            activation = [_wire(t) for t in activation]
+        self._exchange_headers(activation, recv_activation)
+        ops: list[dist.P2POp] = []
+        if activation is not None:
+            ops += [dist.P2POp(dist.isend, t, self.next_rank, tag=TAG) for t in activation]
+            self._send_refs += activation
+        if grads is not None:
+            assert loss is not None
+            upstream = [*grads, loss.detach().float().reshape(1)]
+            ops += [dist.P2POp(dist.isend, t.contiguous(), self.prev_rank, tag=TAG) for t in upstream]
+            self._send_refs += upstream
+        n_sends = len(ops)
+        act_bufs: list[Tensor] = []
+        if recv_activation:
+            assert self.recv_meta is not None
+            act_bufs = [torch.empty(s, dtype=_wire_dtype(d), device=self.device) for s, d in self.recv_meta]
+            ops += [dist.P2POp(dist.irecv, t, self.prev_rank, tag=TAG) for t in act_bufs]
+        grad_bufs: list[Tensor] = []
+        if recv_grad_meta is not None:
+            grad_bufs = [torch.empty(s, dtype=d, device=self.device) for s, d in recv_grad_meta]
+            grad_bufs.append(torch.empty(1, dtype=torch.float32, device=self.device))
+            ops += [dist.P2POp(dist.irecv, t, self.next_rank, tag=TAG) for t in grad_bufs]
+        works = dist.batch_isend_irecv(ops) if ops else []
+        self._sends = list(works[:n_sends])
+        rest = works[n_sends:]
+        if recv_activation:
+            self._activation = (list(rest[: len(act_bufs)]), act_bufs)
+        if recv_grad_meta is not None:
+            self._grad = (list(rest[len(act_bufs) :]), grad_bufs[:-1], grad_bufs[-1])
+
+    def wait_activation(self) -> tuple[Tensor, ...]:
+        """The activation posted for this tick (blocks until it has arrived)."""
+        if self._activation is None:
+            raise FDGRuntimeError(f"{self.describe}: no activation receive was posted for this tick")
+        works, bufs = self._activation
+        self._activation = None
+        _wait_all(works)
+        assert self.recv_meta is not None
+        return tuple(_unwire(t, d) for t, (_, d) in zip(bufs, self.recv_meta))
+
+    def wait_grad(self) -> tuple[tuple[Tensor, ...], Tensor]:
+        """The gradients and carried loss posted for this tick (blocks until they have arrived)."""
+        if self._grad is None:
+            raise FDGRuntimeError(f"{self.describe}: no gradient receive was posted for this tick")
+        works, grads, loss = self._grad
+        self._grad = None
+        _wait_all(works)
+        return tuple(grads), loss[0]
+
+    def wait_sends(self) -> None:
+        _wait_all(self._sends)
+        self._send_refs = []
+
+    def pending_receives(self) -> bool:
+        return self._activation is not None or self._grad is not None
+
+    def complete(self) -> None:
+        """Wait for everything posted: sends, and receives (kept for the next tick's waits)."""
+        self.wait_sends()
+        for pending in (self._activation, self._grad):
+            if pending is not None:
+                _wait_all(pending[0])
+
+    def _exchange_headers(self, activation: Sequence[Tensor] | None, recv_activation: bool) -> None:
+        send = activation is not None and (self.sent_meta is None or self.dynamic_shape)
+        recv = recv_activation and (self.recv_meta is None or self.dynamic_shape)
+        if activation is not None and not send:
+            self._check_same_shapes(activation)
+        if not (send or recv):
+            return
+        ops = []
+        if send:
+            assert activation is not None
+            self.sent_meta = meta_of(activation)
+            ops.append(dist.P2POp(dist.isend, _encode(self.sent_meta).to(self.device), self.next_rank, tag=TAG))
+        header = torch.empty(_HEADER_INTS, dtype=torch.int64, device=self.device)
+        if recv:
+            ops.append(dist.P2POp(dist.irecv, header, self.prev_rank, tag=TAG))
+        _wait_all(dist.batch_isend_irecv(ops))
+        if recv:
+            self.recv_meta = _decode(header)
+
+    def _check_same_shapes(self, activation: Sequence[Tensor]) -> None:
+        meta = meta_of(activation)
+        if meta != self.sent_meta:
+            raise FDGRuntimeError(
+                f"{self.describe}: activation shapes changed from {self.sent_meta} to {meta}; build the "
+                "PipelineModule with dynamic_shape=True to send varying shapes (costs one header per tick)"
+            )
+
+
+def _wait_all(works: list[dist.Work]) -> None:
+    """Wait for and forget each work: a gloo receive waited twice waits for a second message."""
+    while works:
+        works.pop(0).wait()
+
+
+def _wire(t: Tensor) -> Tensor:
+    t = t.detach().contiguous()
+    return t.view(torch.uint8) if t.dtype == torch.bool else t
+
+
+def _wire_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.uint8 if dtype == torch.bool else dtype
+
+
+def _unwire(t: Tensor, dtype: torch.dtype) -> Tensor:
+    return t.view(torch.bool) if dtype == torch.bool else t
+
+
+def _encode(meta: Meta) -> Tensor:
+    ints = [len(meta)]
+    for shape, dtype in meta:
+        ints += [_DTYPES.index(dtype), len(shape), *shape]
+    if len(ints) > _HEADER_INTS:
+        raise FDGRuntimeError(f"activation header too long ({len(ints)} ints): send fewer or flatter tensors")
+    return torch.tensor(ints + [0] * (_HEADER_INTS - len(ints)), dtype=torch.int64)
+
+
+def _decode(header: Tensor) -> Meta:
+    ints = header.tolist()
+    meta, i = [], 1
+    for _ in range(ints[0]):
+        dtype, ndim = _DTYPES[ints[i]], ints[i + 1]
+        meta.append((torch.Size(ints[i + 2 : i + 2 + ndim]), dtype))
+        i += 2 + ndim
+    return meta

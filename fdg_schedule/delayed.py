@@ -1,0 +1,178 @@
+"""What a stage keeps between a micro-batch's forward and its delayed backward, in each FDG mode.
+
+    weights \\ activations   "stored"                          "recomputed"
+    "current"               graph; saved weights read live    input + RNG; forward rerun, live weights
+    "stashed"               graph + weight snapshot           input + RNG + weight snapshot
+
+Note [saved weights read live]: torch 2.x records a version counter with every tensor autograd
+saves, and an optimizer step between forward and backward bumps the weights' counters, so the
+delayed backward would raise "modified by an inplace operation" (for torch optimizers; DeepSpeed's
+wrappers write through ``.data`` and would silently mix versions). The forward therefore runs
+under saved-tensor hooks: a saved parameter (or view of one) is handed back as the same tensor,
+so the backward reads its storage as it is at backward time -- the current weights, whatever
+optimizer wrote them. Every other saved tensor keeps its version check.
+
+Note [stashed weights]: ``weights="stashed"`` copies the stage's trainable weights at forward
+time and, for the backward, copies them into the parameters' own storage and back afterwards.
+Autograd, activation checkpointing and the recomputed forward then all see the forward's weights
+through the same storage, for every optimizer and precision wrapper.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from fdg_schedule.config import FDGConfig
+
+
+@dataclasses.dataclass
+class Held:
+    """What is kept for one micro-batch in flight on one stage."""
+
+    weights: list[Tensor] | None = None
+    rng_state: tuple[Tensor, Tensor | None] | None = None
+    saved_bytes: int = 0
+
+
+class DelayedBackward:
+    """Runs a stage's forwards so their backward can run ``delay`` ticks and optimizer steps later.
+
+    Args:
+        module: the stage (its trainable parameters are the ones stashed or read live).
+        config: the FDG modes.
+        delayed: False on the last stage (delay 0): forward and backward run back to back.
+    """
+
+    def __init__(self, module: nn.Module, config: FDGConfig, delayed: bool) -> None:
+        self.module = module
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.delayed = delayed
+        self.stash = delayed and config.weights == "stashed"
+        self.recompute = delayed and config.activations == "recomputed"
+        self.held: dict[int, Held] = {}
+
+    def forward(self, buffer_id: int, run: Callable[[], Any]) -> Any:
+        """Run ``run()`` (the stage forward) for the micro-batch in ``buffer_id``, keeping what its backward needs."""
+        if not self.delayed:  # the backward follows at once: plain autograd
+            return run()
+        held = Held()
+        if self.stash:
+            held.weights = [p.detach().clone() for p in self.params]
+        if self.recompute:
+            held.rng_state = _rng_state()
+            with torch.no_grad():
+                outputs = run()
+        else:
+            with _saved_tensors_read_live(held):
+                outputs = run()
+        self.held[buffer_id] = held
+        return outputs
+
+    @contextlib.contextmanager
+    def backward(self, buffer_id: int, stored_outputs: Any, run: Callable[[], Any]) -> Iterator[Any]:
+        """Context for the delayed backward: yields the outputs to back-propagate through.
+
+        With stashed weights the forward's weights sit in the parameters for the whole context;
+        with recomputed activations the forward is rerun inside it with the forward's RNG state,
+        leaving buffers (batch-norm running statistics) as the first forward left them.
+        """
+        held = self.held.pop(buffer_id)
+        with self._weights_of(held):
+            if held.rng_state is None:
+                yield stored_outputs
+                return
+            with _replayed_rng(held.rng_state), _buffers_kept(self.module):
+                outputs = run()
+            yield outputs
+
+    @contextlib.contextmanager
+    def _weights_of(self, held: Held) -> Iterator[None]:
+        if held.weights is None:
+            yield
+            return
+        # Note [stashed weights]
+        with torch.no_grad():
+            current = [p.detach().clone() for p in self.params]
+            torch._foreach_copy_(_data(self.params), held.weights)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                torch._foreach_copy_(_data(self.params), current)
+
+    def held_bytes(self) -> int:
+        """Bytes held for delayed backward passes: saved activations and weight snapshots."""
+        total = 0
+        for held in self.held.values():
+            total += held.saved_bytes
+            total += sum(w.numel() * w.element_size() for w in held.weights or ())
+        return total
+
+    def clear(self) -> None:
+        self.held.clear()
+
+
+def _data(params: Sequence[Tensor]) -> list[Tensor]:
+    # ``.data`` has its own version counter: restoring weights is not an autograd-visible write.
+    return [p.data for p in params]
+
+
+def _is_weight(t: Tensor) -> bool:
+    return isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
+
+
+@contextlib.contextmanager
+def _saved_tensors_read_live(held: Held) -> Iterator[None]:
+    """Note [saved weights read live]."""
+
+    def pack(t: Tensor) -> tuple[Tensor, int | None]:
+        if _is_weight(t):
+            return t, None
+        held.saved_bytes += t.numel() * t.element_size()
+        return t, t._version
+
+    def unpack(packed: tuple[Tensor, int | None]) -> Tensor:
+        t, version = packed
+        if version is not None and t._version != version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: saved at version {version}, now at version {t._version}; "
+                "a layer of this stage writes in place into a tensor autograd saved"
+            )
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
+
+
+def _rng_state() -> tuple[Tensor, Tensor | None]:
+    device = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), device
+
+
+@contextlib.contextmanager
+def _replayed_rng(state: tuple[Tensor, Tensor | None]) -> Iterator[None]:
+    cpu, device = state
+    devices = [torch.cuda.current_device()] if device is not None else []
+    with torch.random.fork_rng(devices=devices):
+        torch.set_rng_state(cpu)
+        if device is not None:
+            torch.cuda.set_rng_state(device)
+        yield
+
+
+@contextlib.contextmanager
+def _buffers_kept(module: nn.Module) -> Iterator[None]:
+    saved = [b.detach().clone() for b in module.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, s in zip(module.buffers(), saved):
+                b.copy_(s)

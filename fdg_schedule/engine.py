@@ -1,0 +1,339 @@
+"""``FDGPipelineEngine``: DeepSpeed's ``PipelineEngine`` running the FDG schedule.
+
+The engine only executes: :class:`~fdg_schedule.schedule.FDGTrainSchedule` decides what happens
+at each tick, :class:`~fdg_schedule.delayed.DelayedBackward` keeps what a delayed backward needs,
+:class:`~fdg_schedule.comm.NeighbourExchange` moves tensors. DeepSpeed's own data loading,
+gradient all-reduce, optimizer wrappers, checkpoints and monitors are reused as they are.
+
+What ``train_batch()`` returns on each rank: the mean loss of the micro-batches this stage
+*back-propagated* during the call, averaged over the stage's data-parallel group. On the last
+stage these are the losses computed in the call; on stage k they arrived with the gradients,
+``K-1-k`` ticks after the last stage computed them. NaN while the pipeline is filling and no
+loss has reached the stage yet.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.pipe.engine import PipelineEngine
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+from torch import Tensor
+
+from fdg_schedule import ticks
+from fdg_schedule.comm import Meta, NeighbourExchange, meta_of
+from fdg_schedule.config import FDGConfig
+from fdg_schedule.delayed import DelayedBackward
+from fdg_schedule.errors import FDGRuntimeError
+from fdg_schedule.schedule import (
+    AdvanceTick,
+    Exchange,
+    FDGBackward,
+    FDGForward,
+    FDGLoad,
+    FDGTrainSchedule,
+    LocalOptimizerStep,
+    WaitActivation,
+    WaitGrad,
+)
+
+
+class FDGPipelineEngine(PipelineEngine):
+    """A ``PipelineEngine`` whose ``train_batch()`` runs FDG ticks instead of a 1F1B batch.
+
+    Built by ``deepspeed.initialize`` when the config has ``"pipeline": {"schedule": "fdg"}`` and
+    ``fdg_schedule`` is imported (or through :func:`fdg_schedule.initialize`).
+    """
+
+    def __init__(self, *args: Any, fdg_config: FDGConfig, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fdg_config = fdg_config
+        self._decouple_optimizer_from_other_stages()
+        describe = f"stage {self.stage_id} (global rank {self.global_rank})"
+        self._exchange = NeighbourExchange(
+            prev_rank=None if self.is_first_stage() else self.grid.stage_to_global(self.prev_stage),
+            next_rank=None if self.is_last_stage() else self.grid.stage_to_global(self.next_stage),
+            device=self.device,
+            dynamic_shape=self.dynamic_shape,
+            describe=describe,
+        )
+        self._delayed = DelayedBackward(self.module, fdg_config, delayed=not self.is_last_stage())
+        self.segment_tick = 0  # ticks since the pipeline last filled (micro-batch 0 of the segment)
+        self._sent_meta: dict[int, Meta] = {}  # buffer -> activation shapes, for the gradient receive
+        self._received: dict[int, tuple[tuple[Tensor, ...], Tensor]] = {}  # buffer -> grads, loss
+        self._to_send: dict[int, tuple[tuple[Tensor, ...], Tensor]] = {}  # buffer -> input grads, loss
+        self._losses: dict[int, Tensor] = {}  # buffer -> loss (last stage)
+        self._call_losses: list[Tensor] = []
+        self.fdg_stats = {"ticks": 0, "steps": 0, "compute_s": 0.0, "wait_s": 0.0}
+
+    # -- public ---------------------------------------------------------------------------------
+
+    def train_batch(self, data_iter: Any = None) -> Tensor:
+        """Run ``gradient_accumulation_steps`` FDG ticks; see the module docstring for the return value."""
+        if not torch.is_grad_enabled():
+            raise RuntimeError("train_batch() requires gradients enabled. Use eval_batch() instead.")
+        if data_iter is not None:
+            self.set_dataiterator(data_iter)
+        return self._run(self._schedule(self.micro_batches, drain=False))
+
+    def drain(self) -> Tensor:
+        """Finish every in-flight backward pass without starting new micro-batches.
+
+        Runs ``2(K-1)`` ticks (the same on every stage); afterwards the pipeline is empty, every
+        accumulated gradient has been stepped, and the next ``train_batch()`` fills it again.
+        Use it at the end of training and before a schedule-independent checkpoint.
+        """
+        loss = self._run(self._schedule(ticks.drain_ticks(self.num_stages), drain=True))
+        self.segment_tick = 0
+        return loss
+
+    def in_flight(self) -> int:
+        """Micro-batches this stage has forwarded but not yet back-propagated."""
+        return len(self._delayed.held)
+
+    def held_bytes(self) -> int:
+        """Bytes held on this stage for delayed backward passes (activations, inputs, weight snapshots)."""
+        inputs = sum(
+            _nbytes(self.pipe_buffers["inputs"][b]) for b in self._delayed.held if b < self.num_pipe_buffers
+        )
+        return inputs + self._delayed.held_bytes()
+
+    def eval_batch(self, *args: Any, **kwargs: Any) -> Any:
+        """DeepSpeed's ``eval_batch``, run on its own buffers so in-flight FDG work is untouched."""
+        fdg_buffers, fdg_count = self.pipe_buffers, self.num_pipe_buffers
+        self.pipe_buffers = {key: [] for key in fdg_buffers}
+        self.num_pipe_buffers = 0
+        try:
+            return super().eval_batch(*args, **kwargs)
+        finally:
+            self.pipe_buffers, self.num_pipe_buffers = fdg_buffers, fdg_count
+
+    # -- running ticks ----------------------------------------------------------------------------
+
+    def _schedule(self, micro_batches: int, drain: bool) -> FDGTrainSchedule:
+        return FDGTrainSchedule(
+            micro_batches=micro_batches,
+            stages=self.num_stages,
+            stage_id=self.stage_id,
+            start_tick=self.segment_tick,
+            accumulate=self.fdg_config.accumulate,
+            drain=drain,
+        )
+
+    def _run(self, schedule: FDGTrainSchedule) -> Tensor:
+        self.module.train()
+        self._call_losses = []
+        steps_before = self.global_steps
+        start = time.perf_counter()
+        self._exec_schedule(schedule)
+        self._timed_wait(self._exchange.complete)
+        self.agg_train_loss = self._mean_call_loss()
+        self._report(steps_before, time.perf_counter() - start)
+        return self.agg_train_loss
+
+    def _mean_call_loss(self) -> Tensor:
+        if self._call_losses:
+            loss = torch.stack(self._call_losses).mean()
+        else:
+            loss = torch.tensor(math.nan, device=self.device)
+        if self.is_data_parallel:  # stage-local: the data-parallel peers of this stage only
+            dist.all_reduce(loss, group=self.grid.get_data_parallel_group())
+            loss /= self.dp_world_size
+        return loss
+
+    def _report(self, steps_before: int, elapsed: float) -> None:
+        if self.global_rank != 0:
+            return
+        loss = self.agg_train_loss.item()
+        if self.monitor.enabled:
+            events = [("Train/Samples/lr", self.get_lr()[0], self.global_samples)]
+            if not math.isnan(loss):
+                events.append(("Train/Samples/train_loss", loss, self.global_samples))
+            self.monitor.write_events(events)
+        every = self.steps_per_print()
+        if every and self.global_steps // every != steps_before // every:
+            ticks_run = max(self.global_steps - steps_before, 1)
+            samples = self.train_micro_batch_size_per_gpu() * self.dp_world_size * ticks_run
+            print(
+                f"steps: {self.global_steps} loss: {loss:0.4f} iter time (s): {elapsed:0.3f} "
+                f"samples/sec: {samples / max(elapsed, 1e-9):0.3f}",
+                flush=True,
+            )
+
+    def _timed_wait(self, wait: Any) -> Any:
+        start = time.perf_counter()
+        result = wait()
+        self.fdg_stats["wait_s"] += time.perf_counter() - start
+        return result
+
+    # -- instruction handlers -------------------------------------------------------------------
+
+    def _exec_fdg_load(self, buffer_id: int, micro_batch: int) -> None:
+        self._exec_load_micro_batch(buffer_id)
+
+    def _exec_wait_activation(self, buffer_id: int, micro_batch: int) -> None:
+        received = self._timed_wait(self._exchange.wait_activation)
+        for t in received:
+            t.requires_grad_(t.is_floating_point())
+        self.pipe_buffers["inputs"][buffer_id] = received[0] if len(received) == 1 else received
+
+    def _exec_wait_grad(self, buffer_id: int, micro_batch: int) -> None:
+        self._received[buffer_id] = self._timed_wait(self._exchange.wait_grad)
+
+    def _exec_fdg_forward(self, buffer_id: int, micro_batch: int) -> None:
+        start = time.perf_counter()
+        inputs = self.pipe_buffers["inputs"][buffer_id]
+        outputs = self._delayed.forward(buffer_id, lambda: self._stage_forward(inputs))
+        self.pipe_buffers["outputs"][buffer_id] = outputs
+        if self.is_last_stage():
+            if self.module.loss_fn is not None:
+                self._losses[buffer_id] = self.module.loss_fn(outputs, self.pipe_buffers["labels"][buffer_id])
+            else:  # the model returns its loss
+                self._losses[buffer_id] = outputs
+        else:
+            self._sent_meta[buffer_id] = meta_of(_floating(outputs))
+        self.fdg_stats["compute_s"] += time.perf_counter() - start
+
+    def _exec_fdg_backward(self, buffer_id: int, micro_batch: int) -> None:
+        start = time.perf_counter()
+        if self.is_last_stage():
+            loss = self._losses.pop(buffer_id)
+            # One micro-batch per tick: no division by gradient_accumulation_steps.
+            DeepSpeedEngine.backward(self, loss / self.fdg_config.accumulate, scale_wrt_gas=False)
+            carried = loss.detach().float()
+        else:
+            grads, carried = self._received.pop(buffer_id)
+            if self.fdg_config.grad_shrink != 1.0:
+                grads = tuple(g.mul_(self.fdg_config.grad_shrink) for g in grads)
+            inputs = self.pipe_buffers["inputs"][buffer_id]
+            stored = self.pipe_buffers["outputs"][buffer_id]
+            with self._delayed.backward(buffer_id, stored, lambda: self._stage_forward(inputs)) as outputs:
+                self._autograd_backward(_floating(outputs), grads)
+        self._call_losses.append(carried)
+        if not self.is_first_stage():
+            self._to_send[buffer_id] = (_input_grads(self.pipe_buffers["inputs"][buffer_id]), carried)
+        self.pipe_buffers["inputs"][buffer_id] = None
+        self.pipe_buffers["outputs"][buffer_id] = None
+        self.pipe_buffers["labels"][buffer_id] = None
+        self.fdg_stats["compute_s"] += time.perf_counter() - start
+
+    def _exec_local_optimizer_step(self) -> None:
+        start = time.perf_counter()
+        self._force_grad_boundary = True
+        try:
+            clip = self.gradient_clipping()
+            if clip > 0 and not (self.bfloat16_enabled() or self.zero_optimization()):
+                # Stage-local norm: DeepSpeed's clip_fp32_gradients all-reduces across stages.
+                torch.nn.utils.clip_grad_norm_(self.module.parameters(), clip)
+            self.optimizer.step()
+            if self.bfloat16_enabled() or self.zero_optimization():
+                self.optimizer.zero_grad()
+            else:
+                self.zero_grad()
+        finally:
+            self._force_grad_boundary = False
+        self.fdg_stats["steps"] += 1
+        self.fdg_stats["compute_s"] += time.perf_counter() - start
+
+    def _exec_exchange(
+        self,
+        send_activation: int | None,
+        send_grad: int | None,
+        recv_activation: int | None,
+        recv_grad: int | None,
+    ) -> None:
+        activation = None
+        if send_activation is not None:
+            activation = _as_tuple(self.pipe_buffers["outputs"][send_activation])
+            if self._delayed.recompute:  # only the input waits for the backward
+                self.pipe_buffers["outputs"][send_activation] = None
+        grads, loss = self._to_send.pop(send_grad) if send_grad is not None else (None, None)
+        self._exchange.post(
+            activation=activation,
+            grads=grads,
+            loss=loss,
+            recv_activation=recv_activation is not None,
+            recv_grad_meta=None if recv_grad is None else self._sent_meta[recv_grad],
+        )
+
+    def _exec_advance_tick(self, entered: bool) -> None:
+        self.segment_tick += 1
+        self.global_steps += 1
+        if entered:
+            self.global_samples += self.train_micro_batch_size_per_gpu() * self.dp_world_size
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.fdg_stats["ticks"] += 1
+
+    _INSTRUCTION_MAP = {
+        **PipelineEngine._INSTRUCTION_MAP,
+        FDGLoad: _exec_fdg_load,
+        WaitActivation: _exec_wait_activation,
+        WaitGrad: _exec_wait_grad,
+        FDGForward: _exec_fdg_forward,
+        FDGBackward: _exec_fdg_backward,
+        LocalOptimizerStep: _exec_local_optimizer_step,
+        Exchange: _exec_exchange,
+        AdvanceTick: _exec_advance_tick,
+    }
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _stage_forward(self, inputs: Any) -> Any:
+        # A clone, as in DeepSpeed: layers may write into their input; the buffer stays the leaf.
+        cloned = tuple(t.clone() for t in inputs) if isinstance(inputs, tuple) else inputs.clone()
+        return DeepSpeedEngine.forward(self, cloned)
+
+    def _autograd_backward(self, outputs: list[Tensor], grads: tuple[Tensor, ...]) -> None:
+        if len(outputs) != len(grads):
+            raise FDGRuntimeError(
+                f"stage {self.stage_id}: {len(outputs)} floating output tensors but {len(grads)} gradients"
+            )
+        bf16 = isinstance(self.optimizer, BF16_Optimizer)
+        if bf16:  # as DeepSpeed's pipeline backward: we do not go through optimizer.backward()
+            self.optimizer.clear_lp_grads()
+        self._running_engine_backward = True
+        try:
+            torch.autograd.backward(outputs, grads)
+        finally:
+            self._running_engine_backward = False
+        if bf16 and not self._config.bfloat16_config.immediate_grad_update:
+            self.optimizer.update_hp_grads(clear_lp_grads=False)
+
+    def _decouple_optimizer_from_other_stages(self) -> None:
+        """Make gradient norms, clipping and overflow checks stage-local (no cross-stage all-reduce).
+
+        DeepSpeed's wrappers reduce them over the model-parallel group, which for a pipeline spans
+        every stage: one collective across stages per step. Under FDG each stage steps on its own.
+        """
+        if isinstance(self.optimizer, BF16_Optimizer):
+            self.optimizer.mpu = None
+        if isinstance(self.optimizer, DeepSpeedZeroOptimizer):
+            self.optimizer.model_parallel_group = None
+            self.optimizer.model_parallel_rank = 0
+
+
+def _as_tuple(x: Any) -> tuple[Tensor, ...]:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def _floating(x: Any) -> list[Tensor]:
+    return [t for t in _as_tuple(x) if torch.is_tensor(t) and t.is_floating_point()]
+
+
+def _input_grads(inputs: Any) -> tuple[Tensor, ...]:
+    return tuple(
+        t.grad if t.grad is not None else torch.zeros_like(t) for t in _as_tuple(inputs) if t.is_floating_point()
+    )
+
+
+def _nbytes(x: Any) -> int:
+    if x is None:
+        return 0
+    return sum(t.numel() * t.element_size() for t in _as_tuple(x) if torch.is_tensor(t))

@@ -1,0 +1,89 @@
+"""A small pipeline model with every kind of layer DeepSpeed accepts, and its data, for the engine tests.
+
+Layers: ``LayerSpec``s, raw modules, plain functions, and a pair layer whose tuple activation
+(two floating tensors) crosses a stage boundary. Weights come from per-layer seeds, so the engine
+(which builds only its own stage) and the reference (which builds all) start equal.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from deepspeed.pipe import LayerSpec
+from torch import Tensor, nn
+
+IN, HIDDEN, CLASSES = 6, 8, 3
+
+
+class SeededLinear(nn.Linear):
+    def __init__(self, n_in: int, n_out: int, seed: int) -> None:
+        super().__init__(n_in, n_out)
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            self.weight.copy_(torch.randn(n_out, n_in, generator=g) / n_in**0.5)
+            self.bias.copy_(torch.randn(n_out, generator=g) * 0.1)
+
+
+class Pair(nn.Module):
+    """h -> (h, h^2): a tuple activation of two floating tensors."""
+
+    def forward(self, h: Tensor) -> tuple[Tensor, Tensor]:
+        return h, h * h
+
+
+class PairMix(nn.Module):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.a = SeededLinear(HIDDEN, HIDDEN, seed)
+        self.b = SeededLinear(HIDDEN, HIDDEN, seed + 100)
+
+    def forward(self, pair: tuple[Tensor, Tensor]) -> Tensor:
+        h, sq = pair
+        return self.a(h) + 0.5 * self.b(sq)
+
+
+def layers(spec: bool = True) -> list:
+    """The layer list; ``spec=False`` gives built modules (for the reference)."""
+
+    def make(cls, *args):
+        return LayerSpec(cls, *args) if spec else cls(*args)
+
+    return [
+        make(SeededLinear, IN, HIDDEN, 1),
+        torch.tanh,
+        make(SeededLinear, HIDDEN, HIDDEN, 2),
+        make(Pair),
+        make(PairMix, 3),
+        lambda h: torch.tanh(h),
+        SeededLinear(HIDDEN, HIDDEN, 4),  # a raw module
+        torch.tanh,
+        make(SeededLinear, HIDDEN, CLASSES, 5),
+    ]
+
+
+class Chain(nn.Module):
+    """Layers applied in sequence, as ``PipelineModule`` does (a tuple is passed as one argument)."""
+
+    def __init__(self, funcs: list) -> None:
+        super().__init__()
+        self.funcs = funcs
+        self.mods = nn.ModuleList([f for f in funcs if isinstance(f, nn.Module)])
+
+    def forward(self, x):
+        for f in self.funcs:
+            x = f(x)
+        return x
+
+
+def reference_stages(parts: list[int]) -> list[Chain]:
+    built = layers(spec=False)
+    return [Chain(built[a:b]) for a, b in zip(parts[:-1], parts[1:])]
+
+
+def micro_batches(n: int, size: int, seed: int = 0) -> list[tuple[Tensor, Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(size, IN, generator=g), torch.randint(0, CLASSES, (size,), generator=g)) for _ in range(n)]
+
+
+def loss_fn(logits: Tensor, labels: Tensor) -> Tensor:
+    return F.cross_entropy(logits, labels)
