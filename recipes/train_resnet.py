@@ -1,0 +1,275 @@
+"""Train and evaluate a ResNet with FDG, 1F1B or plain backprop; the DeepSpeed config picks the schedule.
+
+    # FDG, K=2 stages on 2 CPU processes, ResNet-20 on Fashion-MNIST (apt-get install dataset-fashion-mnist)
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 deepspeed --num_gpus 2 recipes/train_resnet.py \\
+        --deepspeed_config ds_configs/resnet_fdg_k2.json --epochs 3 --train-subset 6000
+
+    # the same with the 1F1B baseline, or single-stage backprop (one process = one stage)
+    ... deepspeed --num_gpus 2 recipes/train_resnet.py --deepspeed_config ds_configs/resnet_1f1b.json ...
+    ... deepspeed --num_gpus 1 recipes/train_resnet.py --deepspeed_config ds_configs/resnet_bp.json ...
+
+The number of stages K is the number of processes divided by --data-parallel size (one process per
+stage by default). On CPU ``--num_gpus N`` still starts N ranks (gloo). The DeepSpeed config holds the
+batch size, the optimizer (the paper's SGD: lr 0.1, momentum 0.9, weight decay 5e-4) and the
+pipeline schedule; this script owns the epoch loop. DeepSpeed has no step-decay scheduler block, so
+unless the config has a "scheduler" block the learning rate is divided by 10 at the paper's epochs
+(150, 225, 275 of 300, scaled to --epochs).
+
+FDG's gradient shrinking factor beta ("grad_shrink") in ds_configs: 0.2 at K=2 (the paper's best for
+ResNet-20 at K=2); 0.5 at K=3 and K=4 (the paper's K=2 value for ResNet-56/110; we have no paper
+number for ResNet-20 at K>2).
+"""
+
+import argparse
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from deepspeed.runtime.utils import set_random_seed
+from torch.utils.data import DataLoader, DistributedSampler, Subset
+from tqdm import tqdm
+
+import fdg_schedule  # noqa: F401  (installs the FDG pipeline engine before deepspeed.initialize)
+from fdg_schedule.zoo import resnet, vision_data
+
+# -----------------------------------------------------------------------------
+# defaults (a short CPU run; the paper trains 300 epochs on CIFAR)
+model_name = "resnet20"
+dataset = "fashion-mnist"
+epochs = 3
+train_subset = None  # use only this many training images (a fixed random subset)
+test_subset = None
+max_steps = None  # stop after this many train_batch calls in total
+partition = "paper"  # the FDG paper's split, or a partition_method: "parameters", "uniform", "parts:0,5,12"
+lr_decay = 0.1
+lr_decay_at = (0.5, 0.75, 0.9167)  # fractions of the run: the paper's epochs 150, 225, 275 of 300
+checkpoint_every = 0  # epochs; 0 = never
+seed = 0
+default_config = Path(__file__).resolve().parents[1] / "ds_configs" / "resnet_fdg_k2.json"
+# -----------------------------------------------------------------------------
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+parser.add_argument("--model", default=model_name, choices=list(resnet.MODELS))
+parser.add_argument("--dataset", default=dataset, choices=vision_data.DATASETS)
+parser.add_argument(
+    "--data-dir", default=None, help="folder with the data set files (see fdg_schedule/zoo/vision_data.py)"
+)
+parser.add_argument("--download", action="store_true", help="let torchvision download CIFAR (needs internet)")
+parser.add_argument("--epochs", type=int, default=epochs)
+parser.add_argument("--train-subset", type=int, default=train_subset)
+parser.add_argument("--test-subset", type=int, default=test_subset)
+parser.add_argument("--max-steps", type=int, default=max_steps)
+parser.add_argument("--pipeline-parallel-size", type=int, default=None, help="stages K (default: world size)")
+parser.add_argument("--partition", default=partition)
+parser.add_argument(
+    "--lr-decay-epochs", type=int, nargs="*", default=None, help="default: the paper's, scaled"
+)
+parser.add_argument(
+    "--num-workers", type=int, default=0, help="DataLoader workers (0 keeps the CPU for the model)"
+)
+parser.add_argument("--checkpoint-dir", default=None, help="default: checkpoints/<model>_<config name>")
+parser.add_argument("--checkpoint-every", type=int, default=checkpoint_every)
+parser.add_argument(
+    "--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir"
+)
+parser.add_argument("--seed", type=int, default=seed)
+parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+parser = deepspeed.add_config_arguments(parser)
+args = parser.parse_args()
+args.deepspeed_config = args.deepspeed_config or str(default_config)
+
+# Everything that can be wrong with the command is checked here, before any process waits on another.
+world_size = int(os.environ.get("WORLD_SIZE", "1"))
+stages = args.pipeline_parallel_size or world_size
+layer_count = resnet.num_layers(args.model)
+if stages > layer_count:
+    parser.error(
+        f"{stages} pipeline stages but {args.model} has only {layer_count} layers; use at most {layer_count}"
+    )
+if world_size % stages:
+    parser.error(f"world size {world_size} is not a multiple of --pipeline-parallel-size {stages}")
+if args.partition == "paper" and stages > 1 and stages not in resnet.PAPER_SPLITS.get(args.model, {}):
+    args.partition = "parameters"  # no preset for this model and K: DeepSpeed balances parameters instead
+with open(args.deepspeed_config) as f:
+    ds_config = json.load(f)
+try:
+    data = vision_data.load_vision_data(args.dataset, args.data_dir, download=args.download)
+except vision_data.DataMissingError as error:
+    raise SystemExit(f"train_resnet.py: error: {error}") from None
+if "wandb" in ds_config and ds_config["wandb"].get("enabled"):
+    # Offline unless the user has logged in to W&B (an API key in the environment or in ~/.netrc).
+    netrc = Path.home() / ".netrc"
+    logged_in = "WANDB_API_KEY" in os.environ or (netrc.exists() and "api.wandb.ai" in netrc.read_text())
+    os.environ.setdefault("WANDB_MODE", "online" if logged_in else "offline")
+    os.environ.setdefault("WANDB_DIR", "runs")
+    Path(os.environ["WANDB_DIR"]).mkdir(parents=True, exist_ok=True)
+for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+    os.environ.setdefault(key, value)  # so that `python recipes/train_resnet.py` runs as one process
+os.environ.setdefault("MASTER_PORT", "29511")
+
+deepspeed.init_distributed()
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+set_random_seed(args.seed)
+net = resnet.build_pipeline(
+    args.model,
+    stages,
+    num_classes=data.num_classes,
+    in_channels=data.in_channels,
+    partition=args.partition,
+    base_seed=args.seed,
+)
+engine, _, _, _ = deepspeed.initialize(
+    args=args, model=net, model_parameters=[p for p in net.parameters() if p.requires_grad]
+)
+rank = dist.get_rank()
+logging_rank = rank == 0  # DeepSpeed's monitors also write from global rank 0
+first, last = engine.is_first_stage(), engine.is_last_stage()
+dp_rank, dp_size = engine.grid.get_data_parallel_rank(), engine.grid.get_data_parallel_world_size()
+micro_batch, accumulation = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+input_dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float32  # inputs must match the weights
+schedule = engine._config.pipeline.get("schedule", "1f1b")
+
+# Data: the first stage reads images; the last stage reads the labels of the same items in the same order.
+train_set = vision_data.subset(data.train, args.train_subset, args.seed)
+test_set = vision_data.subset(data.test, args.test_subset, args.seed)
+samples_per_step = micro_batch * accumulation * dp_size
+steps_per_epoch = len(train_set) // samples_per_step
+if steps_per_epoch == 0:
+    raise SystemExit(
+        f"train_resnet.py: error: {len(train_set)} training images < one batch of {samples_per_step}"
+    )
+
+
+def stage_view(dataset):
+    return dataset if first else vision_data.LabelsOnly(dataset)
+
+
+train_iter = test_loader = None
+if first or last:
+    sampler = DistributedSampler(
+        train_set, num_replicas=dp_size, rank=dp_rank, shuffle=True, seed=args.seed, drop_last=True
+    )
+    train_loader = DataLoader(
+        stage_view(train_set), micro_batch, sampler=sampler, drop_last=True, num_workers=args.num_workers
+    )
+    train_iter = ((x.to(input_dtype), y) for x, y in vision_data.forever(train_loader))
+    shard = Subset(test_set, list(range(dp_rank, len(test_set), dp_size)))
+    test_loader = DataLoader(stage_view(shard), micro_batch, shuffle=False, num_workers=args.num_workers)
+eval_batches = math.ceil(math.ceil(len(test_set) / dp_size) / micro_batch)
+
+
+def evaluate():
+    """Test loss and accuracy with the current weights, summed over the last stage's data-parallel ranks."""
+    totals = torch.zeros(3, dtype=torch.float64)  # correct, count, summed loss
+    batches = vision_data.padded_batches(test_loader, micro_batch, eval_batches) if test_loader else None
+    for _ in range(eval_batches):
+        batch = next(batches) if batches else None
+        data_iter = iter([(batch[0].to(input_dtype), batch[1])]) if batch else iter([])
+        _, logits = engine.eval_batch(data_iter, return_logits=True, num_micro_batches=1, bcast_loss=False)
+        if last:
+            labels = batch[1]
+            counted = labels != -100
+            totals[0] += (logits.argmax(1) == labels)[counted].sum().item()
+            totals[1] += counted.sum().item()
+            totals[2] += F.cross_entropy(logits.float(), labels, reduction="sum").item()
+    dist.all_reduce(totals)  # other stages add zeros; rank 0 needs the numbers for the log and the monitor
+    return totals[0].item() / totals[1].item(), totals[2].item() / totals[1].item()
+
+
+def lr_at(epoch):
+    """The paper's step decay: divide by 10 at each decay epoch reached."""
+    decay_epochs = args.lr_decay_epochs
+    if decay_epochs is None:
+        decay_epochs = sorted({round(f * args.epochs) for f in lr_decay_at} - {0})
+    return base_lr * lr_decay ** sum(epoch >= e for e in decay_epochs)
+
+
+def drain():
+    if hasattr(engine, "drain"):  # FDG: finish the backwards still in flight
+        engine.drain()
+
+
+checkpoint_dir = args.checkpoint_dir or f"checkpoints/{args.model}_{Path(args.deepspeed_config).stem}"
+base_lr = engine.optimizer.param_groups[0]["lr"]
+start_epoch = 0
+if args.resume:
+    path, client_state = engine.load_checkpoint(checkpoint_dir)
+    if path is None:
+        raise SystemExit(f"train_resnet.py: error: --resume but no checkpoint in {checkpoint_dir}")
+    start_epoch = client_state["epoch"] + 1
+    base_lr = client_state["base_lr"]
+    if logging_rank:
+        print(f"resumed from {path} at epoch {start_epoch}")
+
+if logging_rank:
+    print(
+        f"{args.model} on {args.dataset}: {stages} stage(s) x {dp_size} data-parallel, schedule {schedule}, "
+        f"partition {net.parts}, {len(train_set)} train / {len(test_set)} test images, "
+        f"{steps_per_epoch} steps/epoch of {samples_per_step}"
+    )
+step = 0
+train_time = 0.0
+wall_start = time.time()
+test_acc = test_loss = float("nan")
+for epoch in range(start_epoch, args.epochs):
+    if "scheduler" not in ds_config:
+        for group in engine.optimizer.param_groups:
+            group["lr"] = lr_at(epoch)
+    epoch_start, losses = time.time(), []
+    bar = tqdm(
+        total=steps_per_epoch,
+        desc=f"epoch {epoch + 1}/{args.epochs}",
+        disable=None if logging_rank else True,
+        mininterval=1.0,
+        dynamic_ncols=True,
+    )
+    for _ in range(steps_per_epoch):
+        loss = engine.train_batch(data_iter=train_iter)
+        if loss is not None and not math.isnan(loss):  # FDG: NaN until the first loss travels back
+            losses.append(float(loss))
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
+        bar.update()
+        step += 1
+        if args.max_steps is not None and step >= args.max_steps:
+            break
+    bar.close()
+    train_time += time.time() - epoch_start
+    final_epoch = epoch == args.epochs - 1 or (args.max_steps is not None and step >= args.max_steps)
+    if final_epoch:
+        drain()
+    test_acc, test_loss = evaluate()
+    train_loss = sum(losses) / len(losses) if losses else float("nan")
+    if logging_rank:
+        print(
+            f"epoch {epoch + 1}/{args.epochs}: train_loss {train_loss:.4f} test_loss {test_loss:.4f} "
+            f"test_acc {test_acc:.2%} lr {engine.optimizer.param_groups[0]['lr']:.4g} "
+            f"({time.time() - epoch_start:.1f} s)",
+            flush=True,
+        )
+        if engine.monitor.enabled:
+            samples = engine.global_samples
+            engine.monitor.write_events(
+                [("Test/accuracy", test_acc, samples), ("Test/loss", test_loss, samples)]
+            )
+    if args.checkpoint_every and ((epoch + 1) % args.checkpoint_every == 0 or final_epoch):
+        drain()
+        engine.save_checkpoint(
+            checkpoint_dir, tag=f"epoch{epoch + 1}", client_state={"epoch": epoch, "base_lr": base_lr}
+        )
+    if final_epoch:
+        break
+
+trained_samples = step * samples_per_step
+if logging_rank:
+    print(
+        f"final: test_acc {test_acc:.2%} test_loss {test_loss:.4f} | "
+        f"{trained_samples / max(train_time, 1e-9):.1f} samples/s | wall {time.time() - wall_start:.1f} s | "
+        f"{args.model} {args.dataset} K={stages} {schedule}",
+        flush=True,
+    )
