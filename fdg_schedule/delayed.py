@@ -5,12 +5,13 @@
     "stashed"               graph + weight snapshot           input + RNG + weight snapshot
 
 Note [saved weights read live]: torch 2.x records a version counter with every tensor autograd
-saves, and an optimizer step between forward and backward bumps the weights' counters, so the
-delayed backward would raise "modified by an inplace operation" (for torch optimizers; DeepSpeed's
-wrappers write through ``.data`` and would silently mix versions). The forward therefore runs
-under saved-tensor hooks: a saved parameter (or view of one) is handed back as the same tensor,
-so the backward reads its storage as it is at backward time -- the current weights, whatever
-optimizer wrote them. Every other saved tensor keeps its version check.
+saves, and an optimizer step between forward and backward bumps the weights' counters (later
+forwards bump batch-norm running statistics'), so the delayed backward would raise "modified by an
+inplace operation" (for torch optimizers; DeepSpeed's wrappers write through ``.data`` and would
+silently mix versions). The forward therefore runs under saved-tensor hooks: a saved tensor that
+lives in a parameter's or buffer's storage is handed back as the same tensor, so the backward
+reads it as it is at backward time -- the current weights, whatever optimizer wrote them. Every
+other saved tensor (the activations) keeps its version check.
 
 Note [stashed weights]: ``weights="stashed"`` copies the stage's trainable weights at forward
 time and, for the backward, copies them into the parameters' own storage and back afterwards.
@@ -52,6 +53,7 @@ class DelayedBackward:
     def __init__(self, module: nn.Module, config: FDGConfig, delayed: bool) -> None:
         self.module = module
         self.params = [p for p in module.parameters() if p.requires_grad]
+        self.state_storages = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
         self.delayed = delayed
         self.stash = delayed and config.weights == "stashed"
         self.recompute = delayed and config.activations == "recomputed"
@@ -69,7 +71,7 @@ class DelayedBackward:
             with torch.no_grad():
                 outputs = run()
         else:
-            with _saved_tensors_read_live(held):
+            with _saved_tensors_read_live(held, self.state_storages):
                 outputs = run()
         self.held[buffer_id] = held
         return outputs
@@ -123,16 +125,12 @@ def _data(params: Sequence[Tensor]) -> list[Tensor]:
     return [p.data for p in params]
 
 
-def _is_weight(t: Tensor) -> bool:
-    return isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
-
-
 @contextlib.contextmanager
-def _saved_tensors_read_live(held: Held) -> Iterator[None]:
+def _saved_tensors_read_live(held: Held, state_storages: set[int]) -> Iterator[None]:
     """Note [saved weights read live]."""
 
     def pack(t: Tensor) -> tuple[Tensor, int | None]:
-        if _is_weight(t):
+        if t.untyped_storage().data_ptr() in state_storages:
             return t, None
         held.saved_bytes += t.numel() * t.element_size()
         return t, t._version

@@ -9,8 +9,9 @@ both implement the same math.
 
 Note [current weights]: with ``weights="current"`` and ``activations="stored"`` the backward uses
 the stored activations but reads every saved weight at its value at backward time. Autograd
-refuses that (the optimizer step bumps the weights' version counters), so the forward runs under
-saved-tensor hooks that hand the very same tensors back, which skips the version check.
+refuses that (the optimizer step bumps the weights' version counters, later forwards bump the
+batch-norm running statistics'), so stored forwards run under saved-tensor hooks that hand the
+very same tensors back, which skips the version check.
 """
 
 from __future__ import annotations
@@ -137,13 +138,15 @@ def _forward_outputs(stage: nn.Module, record: _InFlight, config: FDGConfig) -> 
 def _delayed_backward(
     stage: nn.Module, record: _InFlight, grads: tuple[Tensor, ...], config: FDGConfig
 ) -> tuple[Tensor, ...]:
-    outputs = record.outputs
-    if config.activations == "recomputed":
-        with _replayed_rng(record.rng_state), _buffers_kept(stage):
+    with contextlib.ExitStack() as recompute:
+        outputs = record.outputs
+        if config.activations == "recomputed":
+            recompute.enter_context(_replayed_rng(record.rng_state))
+            recompute.enter_context(_buffers_kept(stage))
             outputs = _run(stage, record.inputs, record.weights)
-    assert outputs is not None
-    floating = [t for t in _as_tuple(outputs) if t.is_floating_point()]
-    torch.autograd.backward(floating, grads)
+        assert outputs is not None
+        floating = [t for t in _as_tuple(outputs) if t.is_floating_point()]
+        torch.autograd.backward(floating, grads)
     if record.weights is not None:  # the gradient was taken at the stashed weights
         for name, p in stage.named_parameters():
             g = record.weights[name].grad

@@ -138,6 +138,10 @@ class FDGTrainSchedule(PipeSchedule):
     def steps(self) -> Iterator[list[PipeInstruction]]:
         for tick in range(self.start_tick, self.start_tick + self.micro_batches):
             yield self.tick_instructions(tick)
+        if self.limit is not None and self.stages == 1 and self.limit % self.accumulate:
+            # K = 1 has no drain ticks: its last backward ran before the drain, so the partial
+            # accumulation is stepped here (with the learning rate of the tick after it).
+            yield [ReduceGrads(), LocalOptimizerStep()]
 
     def tick_instructions(self, tick: int) -> list[PipeInstruction]:
         """Everything this stage does at segment tick ``tick``, in order."""

@@ -275,11 +275,12 @@ def hf_state_dict(layers: Iterable[tuple[int, nn.Module]]) -> dict[str, torch.Te
     out: dict[str, torch.Tensor] = {}
     for _, layer in layers:
         for key, tensor in layer.state_dict().items():
-            out[_hf_key(layer, key)] = tensor
+            out[hf_key(layer, key)] = tensor
     return out
 
 
-def _hf_key(layer: nn.Module, key: str) -> str:
+def hf_key(layer: nn.Module, key: str) -> str:
+    """The HF state-dict name of ``layer``'s state-dict entry ``key``."""
     if not isinstance(layer, PipeLayer):
         raise TypeError(f"{type(layer).__name__} is not a layer from pipeline_layers(); cannot map {key!r}")
     child, rest = key.split(".", 1)
@@ -294,14 +295,12 @@ def load_hf_state_dict(layers: Sequence[nn.Module], state_dict: dict[str, torch.
     for layer in layers:
         wanted: dict[str, torch.Tensor] = {}
         for key in layer.state_dict():
-            hf_key = _hf_key(layer, key)
-            if hf_key not in state_dict and hf_key == "lm_head.weight":
-                hf_key = _embedding_key(state_dict)
-            if hf_key not in state_dict:
-                raise KeyError(
-                    f"{hf_key} (for layer {type(layer).__name__}.{key}) missing from the state dict"
-                )
-            wanted[key] = state_dict[hf_key]
+            name = hf_key(layer, key)
+            if name not in state_dict and name == "lm_head.weight":
+                name = _embedding_key(state_dict)
+            if name not in state_dict:
+                raise KeyError(f"{name} (for layer {type(layer).__name__}.{key}) missing from the state dict")
+            wanted[key] = state_dict[name]
         layer.load_state_dict(wanted, strict=True)
 
 

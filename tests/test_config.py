@@ -1,0 +1,59 @@
+"""Validation of the ``pipeline`` / ``pipeline.fdg`` config block (pure, no process group)."""
+
+from __future__ import annotations
+
+import pytest
+
+from fdg_schedule.config import FDGConfig, FDGConfigError, parse
+
+
+def _ds(fdg: dict | None = None, **extra) -> dict:
+    pipeline: dict = {"schedule": "fdg"}
+    if fdg is not None:
+        pipeline["fdg"] = fdg
+    return {"train_micro_batch_size_per_gpu": 2, "pipeline": pipeline, **extra}
+
+
+def test_defaults_are_the_paper_without_shrinking() -> None:
+    assert parse(_ds()) == FDGConfig(grad_shrink=1.0, weights="current", activations="stored", accumulate=1)
+    full = {"grad_shrink": 0.5, "weights": "stashed", "activations": "recomputed", "accumulate": 4}
+    assert parse(_ds(full)) == FDGConfig(**full)
+
+
+@pytest.mark.parametrize("pipeline", [None, {}, {"schedule": "1f1b"}, {"schedule": "1F1B", "stages": 2}])
+def test_no_fdg_means_stock_deepspeed(pipeline) -> None:
+    cfg = {} if pipeline is None else {"pipeline": pipeline}
+    assert parse(cfg) is None
+
+
+@pytest.mark.parametrize(
+    "ds_config,message",
+    [
+        (_ds({"grad_shrink": 1.5}), "grad_shrink must be in (0, 1], got 1.5 (pipeline.fdg.grad_shrink"),
+        (_ds({"grad_shrink": 0}), "grad_shrink must be in (0, 1], got 0"),
+        (_ds({"grad_shrink": float("nan")}), "grad_shrink must be in (0, 1], got nan"),
+        (_ds({"grad_shrink": "0.5"}), "grad_shrink must be a number, got str '0.5'"),
+        (_ds({"grad_shrink": True}), "grad_shrink must be a number, got bool True"),
+        (_ds({"weights": "old"}), "weights must be one of ['current', 'stashed'], got 'old'"),
+        (_ds({"activations": "checkpointed"}), "activations must be one of ['stored', 'recomputed']"),
+        (_ds({"accumulate": 0}), "accumulate must be an integer >= 1, got 0"),
+        (_ds({"accumulate": 2.0}), "accumulate must be an integer, got float 2.0"),
+        (_ds({"beta": 0.5}), "unknown key(s) ['beta'] in pipeline.fdg of ds_config; known keys: ['grad_shrink',"),
+        (_ds([0.5]), "pipeline.fdg must be a JSON object, got list"),
+        ({"pipeline": {"schedule": "gpipe"}}, "pipeline.schedule must be one of ['1f1b', 'fdg'], got 'gpipe'"),
+        ({"pipeline": {"fdg": {"grad_shrink": 0.5}}}, 'pipeline.fdg is set but pipeline.schedule is not "fdg"'),
+        (_ds(fp16={"enabled": True}), "fp16.enabled=true is not supported"),
+        (_ds(amp={"enabled": True}), "amp.enabled=true is not supported"),
+        (_ds(zero_optimization={"stage": 2}), "zero_optimization.stage=2 is not supported"),
+        (_ds(zero_optimization={"stage": 3}), "set zero_optimization.stage to 1"),
+    ],
+)
+def test_bad_config_is_rejected_with_value_key_and_fix(ds_config: dict, message: str) -> None:
+    with pytest.raises(FDGConfigError) as err:
+        parse(ds_config)
+    assert message in str(err.value)
+
+
+def test_supported_precision_and_zero() -> None:
+    assert parse(_ds(bf16={"enabled": True}, zero_optimization={"stage": 1})) is not None
+    assert parse(_ds(fp16={"enabled": False})) is not None

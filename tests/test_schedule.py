@@ -1,0 +1,203 @@
+"""Pure tests of the FDG tick arithmetic and instruction schedule: golden tables and invariants."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from deepspeed.runtime.pipe.schedule import ReduceGrads
+
+from fdg_schedule import ticks
+from fdg_schedule.schedule import (
+    AdvanceTick,
+    Exchange,
+    FDGBackward,
+    FDGForward,
+    FDGLoad,
+    FDGTrainSchedule,
+    LocalOptimizerStep,
+    WaitActivation,
+    WaitGrad,
+    render,
+)
+
+
+def grid(stages: int, micro_batches: int, drain_after: int | None = None) -> list[str]:
+    """One row per stage, one column per tick: ``Bb`` backward then ``Fb`` forward, ``.`` idle."""
+    rows = []
+    for stage_id in range(stages):
+        cells = []
+        schedules = [FDGTrainSchedule(micro_batches, stages, stage_id)]
+        if drain_after is not None:
+            schedules = [
+                FDGTrainSchedule(drain_after, stages, stage_id),
+                FDGTrainSchedule(ticks.drain_ticks(stages), stages, stage_id, start_tick=drain_after, drain=True),
+            ]
+        for schedule in schedules:
+            for step in schedule.steps():
+                # Forward-then-backward on the last stage is one cell "FbBb"; elsewhere "BbFb".
+                cell = "".join(str(c) for c in step if isinstance(c, (FDGForward, FDGBackward)))
+                cells.append(cell or ".")
+        rows.append(" ".join(f"{c:6}" for c in cells).rstrip())
+    return rows
+
+
+# Legend: Fb = forward of micro-batch b, Bb = backward of micro-batch b, . = idle.
+GOLDEN = {
+    1: [
+        "F0B0   F1B1   F2B2   F3B3",
+    ],
+    2: [
+        "F0     F1     B0F2   B1F3   B2F4   B3F5",
+        ".      F0B0   F1B1   F2B2   F3B3   F4B4",
+    ],
+    3: [
+        "F0     F1     F2     F3     B0F4   B1F5   B2F6   B3F7",
+        ".      F0     F1     B0F2   B1F3   B2F4   B3F5   B4F6",
+        ".      .      F0B0   F1B1   F2B2   F3B3   F4B4   F5B5",
+    ],
+    4: [
+        "F0     F1     F2     F3     F4     F5     B0F6   B1F7   B2F8   B3F9",
+        ".      F0     F1     F2     F3     B0F4   B1F5   B2F6   B3F7   B4F8",
+        ".      .      F0     F1     B0F2   B1F3   B2F4   B3F5   B4F6   B5F7",
+        ".      .      .      F0B0   F1B1   F2B2   F3B3   F4B4   F5B5   F6B6",
+    ],
+}
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+def test_golden_fill_and_steady_state(stages: int) -> None:
+    columns = len(GOLDEN[stages][0].split())
+    assert grid(stages, columns) == GOLDEN[stages]
+
+
+def test_golden_drain_k3() -> None:
+    # 5 micro-batches enter, then the drain runs 2(K-1) = 4 ticks with no new micro-batch.
+    assert grid(3, 0, drain_after=5) == [
+        "F0     F1     F2     F3     B0F4   B1     B2     B3     B4",
+        ".      F0     F1     B0F2   B1F3   B2F4   B3     B4     .",
+        ".      .      F0B0   F1B1   F2B2   F3B3   F4B4   .      .",
+    ]
+
+
+def test_golden_instructions_k2() -> None:
+    # The whole instruction stream of both stages of K = 2 for four ticks.
+    assert render(FDGTrainSchedule(4, 2, 0)) == [
+        "L0 F0 X[sa] T+",
+        "L1 F1 X[sa,rg] T+",
+        "G0 B0 R S L2 F2 X[sa,rg] T+",
+        "G1 B1 R S L3 F3 X[sa,rg] T+",
+    ]
+    assert render(FDGTrainSchedule(4, 2, 1)) == [
+        "X[ra] T+",
+        "A0 L0 F0 B0 R S X[sg,ra] T+",
+        "A1 L1 F1 B1 R S X[sg,ra] T+",
+        "A2 L2 F2 B2 R S X[sg,ra] T+",
+    ]
+
+
+def test_accumulate_steps_every_n_backward_passes_and_at_drain() -> None:
+    steps = render(FDGTrainSchedule(6, 1, 0, accumulate=4)) + render(
+        FDGTrainSchedule(0, 1, 0, start_tick=6, accumulate=4, drain=True)
+    )
+    # K = 1: steps after the 4th backward; the drain has no tick but steps the remaining two.
+    assert [("S" in step.split()) for step in steps] == [False, False, False, True, False, False, True]
+    assert steps[-1] == "R S"
+    # K = 2, stage 0 drains after 6 micro-batches: steps after B3 and after the last (partial) B5.
+    sched = [*FDGTrainSchedule(6, 2, 0, accumulate=4).steps(), *FDGTrainSchedule(2, 2, 0, 6, 4, drain=True).steps()]
+    stepped_after = [
+        next(str(c) for c in step if isinstance(c, FDGBackward))
+        for step in sched
+        if any(isinstance(c, LocalOptimizerStep) for c in step)
+    ]
+    assert stepped_after == ["B3", "B5"]
+
+
+def _all_steps(stages: int, calls: list[int], accumulate: int) -> dict[int, list[list]]:
+    """Every stage's instruction lists over several calls (the last call a drain)."""
+    out: dict[int, list[list]] = {}
+    for stage_id in range(stages):
+        tick, steps = 0, []
+        for n in calls:
+            steps += list(FDGTrainSchedule(n, stages, stage_id, start_tick=tick, accumulate=accumulate).steps())
+            tick += n
+        steps += list(FDGTrainSchedule(ticks.drain_ticks(stages), stages, stage_id, tick, accumulate, True).steps())
+        out[stage_id] = steps
+    return out
+
+
+@pytest.mark.parametrize(
+    "stages,gas,accumulate",
+    [(k, g, a) for k, g, a in itertools.product([1, 2, 3, 4, 5, 8], [1, 2, 3, 7], [1, 3])],
+)
+def test_invariants(stages: int, gas: int, accumulate: int) -> None:
+    calls = [gas] * 4
+    plan = _all_steps(stages, calls, accumulate)
+    entered = sum(calls)
+    n_ticks = entered + ticks.drain_ticks(stages)
+    for stage_id, steps in plan.items():
+        flush = stages == 1 and entered % accumulate != 0  # K = 1's drain: one step, no tick
+        assert len(steps) == n_ticks + flush
+        if flush:
+            assert [type(c) for c in steps.pop()] == [ReduceGrads, LocalOptimizerStep]
+        delay = ticks.delay(stages, stage_id)
+        fwd_tick, bwd_tick, steps_taken = {}, {}, 0
+        for tick, step in enumerate(steps):
+            kinds = [type(c) for c in step]
+            assert kinds[-2:] == [Exchange, AdvanceTick], "every tick ends with one exchange then the tick"
+            assert kinds.count(Exchange) == 1
+            for c in step:
+                if isinstance(c, FDGForward):
+                    fwd_tick[c.micro_batch] = tick
+                if isinstance(c, FDGBackward):
+                    bwd_tick[c.micro_batch] = tick
+            if stage_id < stages - 1 and FDGBackward in kinds and FDGForward in kinds:
+                assert kinds.index(FDGBackward) < kinds.index(FDGForward), "backward before forward"
+            if LocalOptimizerStep in kinds:
+                assert kinds[kinds.index(LocalOptimizerStep) - 1] is ReduceGrads
+                steps_taken += 1
+            assert step[-1].entered == (tick < entered)
+        # Each micro-batch is forwarded at b + k and back-propagated exactly delay ticks later.
+        assert sorted(fwd_tick) == sorted(bwd_tick) == list(range(entered))
+        for b in range(entered):
+            assert fwd_tick[b] == b + stage_id
+            assert bwd_tick[b] == b + stage_id + delay == b + 2 * (stages - 1) - stage_id
+        assert steps_taken + flush == -(-entered // accumulate)  # every `accumulate` passes + the remainder
+        # Buffers: a buffer is never reused while its micro-batch is in flight.
+        nbuf = ticks.num_buffers(stages, stage_id)
+        for b in range(entered):
+            for other in range(b + 1, entered):
+                if other % nbuf == b % nbuf:
+                    assert fwd_tick[other] > bwd_tick[b]
+    _check_messages_pair_up(plan, stages)
+
+
+def _check_messages_pair_up(plan: dict[int, list[list]], stages: int) -> None:
+    """Every send has the matching receive posted by the neighbour at the same tick, and is waited for next tick."""
+    for stage_id in range(stages - 1):
+        for tick, (up, down) in enumerate(zip(plan[stage_id], plan[stage_id + 1])):
+            x_up = next(c for c in up if isinstance(c, Exchange))
+            x_down = next(c for c in down if isinstance(c, Exchange))
+            assert (x_up.send_activation is not None) == (x_down.recv_activation is not None), (stage_id, tick)
+            assert (x_down.send_grad is not None) == (x_up.recv_grad is not None), (stage_id, tick)
+            if x_down.recv_activation is not None:
+                nxt = plan[stage_id + 1][tick + 1]
+                assert any(isinstance(c, WaitActivation) for c in nxt)
+            if x_up.recv_grad is not None:
+                nxt = plan[stage_id][tick + 1]
+                assert any(isinstance(c, WaitGrad) for c in nxt)
+
+
+def test_first_and_last_stage_load_data_in_the_same_order() -> None:
+    for stages in (1, 2, 3, 4):
+        first = [c.micro_batch for s in FDGTrainSchedule(12, stages, 0).steps() for c in s if isinstance(c, FDGLoad)]
+        last = [
+            c.micro_batch for s in FDGTrainSchedule(12, stages, stages - 1).steps() for c in s if isinstance(c, FDGLoad)
+        ]
+        assert first == list(range(12))
+        assert last == list(range(12 - (stages - 1)))
+
+
+def test_buffers() -> None:
+    assert [ticks.num_buffers(4, k) for k in range(4)] == [7, 5, 3, 1]
+    assert [ticks.delay(3, k) for k in range(3)] == [4, 2, 0]
