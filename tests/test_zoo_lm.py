@@ -1,0 +1,267 @@
+"""Tests for fdg_schedule.zoo.hf_lm and text_data: pipelined HF LMs equal the HF models they wrap."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config
+
+from fdg_schedule.zoo import hf_lm, text_data
+
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB = 97
+
+
+def tiny_model(family: str, seed: int = 0) -> Any:
+    torch.manual_seed(seed)
+    return hf_lm.build_model(
+        hf_lm.build_config(family, "tiny", VOCAB, 32), attn_implementation="eager"
+    ).eval()
+
+
+def receive(x: Any) -> Any:
+    """What DeepSpeed's receive does to an activation: clone, detach, floating tensors need grad."""
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        r = t.detach().clone()
+        r.requires_grad = r.is_floating_point()
+        return r
+
+    return one(x) if isinstance(x, torch.Tensor) else tuple(one(t) for t in x)
+
+
+def run_stages(layers: list[Any], stages: int, inputs: Any) -> tuple[torch.Tensor, list[tuple[Any, Any]]]:
+    """Forward stage by stage in one process, cutting autograd at each stage boundary."""
+    bounds = hf_lm.stage_bounds(layers, stages)
+    boundaries, x = [], inputs
+    for stage in range(stages):
+        if stage > 0:
+            received = receive(x)
+            boundaries.append((x, received))
+            x = received
+        for layer in layers[bounds[stage] : bounds[stage + 1]]:
+            x = layer(x)
+    return x, boundaries
+
+
+def backward_stages(loss: torch.Tensor, boundaries: list[tuple[Any, Any]]) -> None:
+    """Backward of the last stage, then each earlier stage from the gradient its successor sent."""
+    loss.backward()
+    for sent, received in reversed(boundaries):
+        sent_t = [sent] if isinstance(sent, torch.Tensor) else list(sent)
+        received_t = [received] if isinstance(received, torch.Tensor) else list(received)
+        pairs = [(s, r.grad) for s, r in zip(sent_t, received_t, strict=True) if r.is_floating_point()]
+        torch.autograd.backward([s for s, _ in pairs], [g for _, g in pairs])
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+@pytest.mark.parametrize("family", hf_lm.FAMILIES)
+@pytest.mark.parametrize("padded", [False, True], ids=["ids", "ids+mask"])
+def test_pipelined_forward_and_gradients_equal_hf(family: str, stages: int, padded: bool) -> None:
+    model = tiny_model(family)
+    reference = copy.deepcopy(model)
+    layers = hf_lm.pipeline_layers(model)
+    torch.manual_seed(1)
+    ids = torch.randint(0, VOCAB, (3, 12))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0  # left padding in one row: the mask must cross every stage boundary
+    inputs = (ids, mask) if padded else ids
+
+    logits, boundaries = run_stages(layers, stages, inputs)
+    expected = reference(ids, attention_mask=mask if padded else None, labels=ids)
+    torch.testing.assert_close(logits, expected.logits)
+
+    loss = hf_lm.lm_loss(logits, ids)
+    torch.testing.assert_close(loss, expected.loss)
+    backward_stages(loss, boundaries)
+    expected.loss.backward()
+    grads = {name: p.grad for name, p in reference.named_parameters()}
+    for layer in layers:
+        for key, param in layer.named_parameters():
+            name = hf_lm.hf_key(layer, key)
+            torch.testing.assert_close(param.grad, grads[name], msg=f"gradient of {name}")
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+@pytest.mark.parametrize("family", hf_lm.FAMILIES)
+def test_stage_split_covers_every_parameter_once(family: str, stages: int) -> None:
+    model = tiny_model(family)
+    layers = hf_lm.pipeline_layers(model)
+    bounds = hf_lm.stage_bounds(layers, stages)
+    assert bounds[0] == 0 and bounds[-1] == len(layers) and len(bounds) == stages + 1
+    seen: dict[int, int] = {}
+    for stage in range(stages):
+        stage_layers = torch.nn.ModuleList(layers[bounds[stage] : bounds[stage + 1]])
+        assert any(isinstance(layer, hf_lm.BlockPipe) for layer in stage_layers), (
+            f"stage {stage} has no block"
+        )
+        for p in stage_layers.parameters():
+            assert id(p) not in seen, f"parameter on stages {seen[id(p)]} and {stage}"
+            seen[id(p)] = stage
+    assert set(seen) == {id(p) for p in model.parameters()}
+    assert sum(p.numel() for p in model.parameters()) == sum(
+        p.numel() for layer in layers for p in layer.parameters()
+    )
+    # and the HF names of the layers are exactly the model's state dict
+    assert set(hf_lm.hf_state_dict(enumerate(layers))) == set(model.state_dict())
+
+
+def test_tied_embeddings_are_untied_with_a_log_line(caplog: pytest.LogCaptureFixture) -> None:
+    config = GPT2Config(
+        vocab_size=VOCAB, n_positions=32, n_layer=2, n_embd=32, n_head=2, tie_word_embeddings=True
+    )
+    model = hf_lm.build_model(config)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    with caplog.at_level(logging.WARNING, logger=hf_lm.__name__):
+        layers = hf_lm.pipeline_layers(model)
+    assert "untied the LM head" in caplog.text
+    head: Any = layers[-1]
+    embed: Any = layers[0]
+    assert head.lm_head.weight is not embed.embed.weight
+    torch.testing.assert_close(head.lm_head.weight, embed.embed.weight)
+    assert model.config.tie_word_embeddings is False
+
+
+@pytest.mark.parametrize("family", hf_lm.FAMILIES)
+def test_load_hf_state_dict_then_export_reloads_with_same_logits(family: str, tmp_path: Path) -> None:
+    source = tiny_model(family, seed=5)
+    layers = hf_lm.pipeline_layers(tiny_model(family, seed=6))
+    hf_lm.load_hf_state_dict(layers, source.state_dict())
+    ids = torch.randint(0, VOCAB, (2, 10))
+    logits, _ = run_stages(layers, 2, ids)
+    torch.testing.assert_close(logits, source(ids).logits)
+
+    out = hf_lm.export_hf(hf_lm.hf_state_dict(enumerate(layers)), source.config, tmp_path / "hf")
+    reloaded = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    torch.testing.assert_close(reloaded(ids).logits, logits)
+    generated = reloaded.generate(ids[:1, :3], max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert generated.shape == (1, 8)
+
+
+def test_load_tied_checkpoint_fills_the_head_from_the_embedding() -> None:
+    source = tiny_model("llama", seed=2)
+    state = {k: v for k, v in source.state_dict().items() if k != "lm_head.weight"}
+    layers = hf_lm.pipeline_layers(tiny_model("llama", seed=3))
+    hf_lm.load_hf_state_dict(layers, state)
+    head: Any = layers[-1]
+    torch.testing.assert_close(head.lm_head.weight, source.model.embed_tokens.weight)
+
+
+def test_shakespeare_tokenizer_and_blocks(tmp_path: Path) -> None:
+    texts = text_data.read_texts("shakespeare")
+    assert len(texts) == 38 and sum(map(len, texts)) > 4_000_000
+    assert "ROMEO:" in "".join(texts) and "**" not in texts[0]
+    sample = texts[:2]
+    tokenizer = text_data.train_tokenizer(sample, 300, cache=tmp_path)
+    again = text_data.train_tokenizer(sample, 300, cache=tmp_path)  # from the cache
+    assert tokenizer.get_vocab() == again.get_vocab() and len(tokenizer) == 300
+    text = "ROMEO:\nBut soft, what light"
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+    stream = text_data.encode(sample, tokenizer, cache=tmp_path)
+    assert torch.equal(stream, text_data.encode(sample, tokenizer, cache=tmp_path))
+    train, val = text_data.split_blocks(stream, 64, 0.1)
+    assert len(train) + len(val) <= len(stream) // 64 and len(val) >= 1
+    inputs, labels = train[0]
+    assert inputs.shape == (64,) and torch.equal(inputs, labels)
+    assert torch.equal(val[len(val) - 1][0], stream[int(len(stream) * 0.9) :][(len(val) - 1) * 64 :][:64])
+
+
+def test_text_folder_source(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("alpha beta\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.md").write_text("gamma\n")
+    assert text_data.read_texts(str(tmp_path)) == ["alpha beta\n", "gamma\n"]
+    with pytest.raises(FileNotFoundError, match="neither"):
+        text_data.read_texts(str(tmp_path / "missing"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# distributed: the recipe itself, two gloo ranks, real Shakespeare text
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_recipe_fdg_k2_reduces_loss_on_shakespeare(tmp_path: Path) -> None:
+    """A few FDG ticks of the tiny GPT-2 on Shakespeare lower the loss; the export reloads."""
+    steps, deadline = 12, 240
+    env = {
+        **os.environ,
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "FDG_CACHE": str(tmp_path / "cache"),
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "WORLD_SIZE": "2",
+    }
+    command = [
+        sys.executable,
+        str(ROOT / "recipes" / "train_lm.py"),
+        "--deepspeed_config",
+        str(ROOT / "ds_configs" / "lm_fdg_k2.json"),
+        "--vocab_size=512",
+        "--block_size=64",
+        f"--max_steps={steps}",
+        "--eval_batches=2",
+        "--sample_tokens=8",
+        f"--out_dir={tmp_path / 'out'}",
+    ]
+    ranks = []
+    for rank in (0, 1):
+        log = open(tmp_path / f"rank{rank}.log", "w")  # noqa: SIM115 (closed below)
+        ranks.append(
+            (
+                subprocess.Popen(
+                    command,
+                    env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                    cwd=ROOT,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                ),
+                log,
+            )
+        )
+    failed = []
+    for rank, (proc, _log) in enumerate(ranks):
+        try:
+            code = proc.wait(timeout=deadline)
+        except subprocess.TimeoutExpired:
+            code = None
+        if code != 0:
+            failed.append((rank, code))
+    for proc, log in ranks:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+    if failed:
+        tails = {r: (tmp_path / f"rank{r}.log").read_text()[-3000:] for r, _ in failed}
+        pytest.fail(f"ranks (rank, exit code; None = killed after {deadline} s) {failed}:\n{tails}")
+
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    train = [r["train_loss"] for r in rows if "train_loss" in r and math.isfinite(r["train_loss"])]
+    val = [r["val_loss"] for r in rows if "val_loss" in r]
+    assert len(train) >= steps - 1 and val
+    assert sum(train[-3:]) / 3 < train[0] - 0.3, f"train loss did not fall: {train}"
+    assert val[-1] < math.log(512), f"validation loss {val[-1]} is no better than uniform"
+    reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out" / "hf"))
+    assert reloaded.config.tie_word_embeddings is False
