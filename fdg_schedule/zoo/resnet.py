@@ -319,10 +319,12 @@ class SplitPipelineModule(PipelineModule):
     """
 
     def _partition_layers(self, method: str = "uniform") -> None:
-        if not method.lower().startswith("parts:"):
+        if method.lower().startswith("parts:"):
+            self.parts = parse_parts(method, self.num_stages, len(self._layer_specs))
+        else:
             super()._partition_layers(method=method)
-            return
-        self.parts = parse_parts(method, self.num_stages, len(self._layer_specs))
+            # "parameters" yields numpy integers, which `seed_layers` (random.seed) rejects.
+            self.parts = [int(p) for p in self.parts]
         stage_id = self._topo.get_coord(self.global_rank).pipe
         self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
 

