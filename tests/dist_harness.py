@@ -36,7 +36,7 @@ def run_ranks(
         ctx.Process(
             target=_entry,
             args=(worker, rank, world_size, str(init_file), results, args, max(1.0, deadline_s - 5)),
-            daemon=True,
+            daemon=False,  # DeepSpeed data loaders start worker processes of their own
         )
         for rank in range(world_size)
     ]

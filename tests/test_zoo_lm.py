@@ -220,7 +220,7 @@ def test_recipe_fdg_k2_reduces_loss_on_shakespeare(tmp_path: Path) -> None:
         "--vocab_size=512",
         "--block_size=64",
         f"--max_steps={steps}",
-        "--eval_batches=2",
+        "--eval_sequences=64",
         "--sample_tokens=8",
         f"--out_dir={tmp_path / 'out'}",
     ]

@@ -62,12 +62,18 @@ def layers(spec: bool = True) -> list:
 
 
 class Chain(nn.Module):
-    """Layers applied in sequence, as ``PipelineModule`` does (a tuple is passed as one argument)."""
+    """Layers applied in sequence, as ``PipelineModule`` does (a tuple is passed as one argument).
 
-    def __init__(self, funcs: list) -> None:
+    Modules are registered under their global layer index, so ``state_dict()`` keys match the
+    pipeline stage's (``"6.weight"``).
+    """
+
+    def __init__(self, funcs: list, start: int) -> None:
         super().__init__()
         self.funcs = funcs
-        self.mods = nn.ModuleList([f for f in funcs if isinstance(f, nn.Module)])
+        for i, f in enumerate(funcs):
+            if isinstance(f, nn.Module):
+                self.add_module(str(start + i), f)
 
     def forward(self, x):
         for f in self.funcs:
@@ -77,7 +83,7 @@ class Chain(nn.Module):
 
 def reference_stages(parts: list[int]) -> list[Chain]:
     built = layers(spec=False)
-    return [Chain(built[a:b]) for a, b in zip(parts[:-1], parts[1:])]
+    return [Chain(built[a:b], a) for a, b in zip(parts[:-1], parts[1:])]
 
 
 def micro_batches(n: int, size: int, seed: int = 0) -> list[tuple[Tensor, Tensor]]:

@@ -1,0 +1,185 @@
+"""Rank-side code of the distributed engine tests: build real DeepSpeed pipeline engines and train.
+
+Kept free of ``fdg_schedule`` imports at module level so a worker can run stock DeepSpeed with the
+package never imported.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.pipe import PipelineModule
+
+import toy
+
+
+def ds_config(case: dict[str, Any]) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": case.get("micro", 4),
+        "gradient_accumulation_steps": case.get("gas", 3),
+        "gradient_clipping": case.get("clip", 0.0),
+        "steps_per_print": 10**9,
+        "zero_allow_untested_optimizer": True,
+    }
+    if case.get("schedule", "fdg") == "fdg":
+        fdg = {k: case[k] for k in ("grad_shrink", "weights", "activations", "accumulate") if k in case}
+        cfg["pipeline"] = {"schedule": "fdg", "fdg": fdg}
+    elif case.get("schedule") == "1f1b":
+        cfg["pipeline"] = {"schedule": "1f1b"}
+    if case.get("zero"):
+        cfg["zero_optimization"] = {"stage": case["zero"]}
+    if case.get("bf16"):
+        cfg["bf16"] = {"enabled": True}
+    if case.get("warmup"):
+        cfg["scheduler"] = {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": case["lr"], "warmup_num_steps": case["warmup"]},
+        }
+    return cfg
+
+
+def make_optimizer(case: dict[str, Any]):
+    lr = case.get("lr", 0.1)
+    if case.get("optimizer", "sgd") == "adam":
+        return lambda params: torch.optim.Adam(params, lr=lr * 0.1)
+    return lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+
+def shard(batch: tuple[torch.Tensor, torch.Tensor], dp_rank: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = batch
+    n = x.shape[0] // dp
+    return x[dp_rank * n : (dp_rank + 1) * n], y[dp_rank * n : (dp_rank + 1) * n]
+
+
+def build(case: dict[str, Any], world: int, import_fdg: bool = True):
+    if import_fdg:
+        import fdg_schedule  # noqa: F401  (selects the engine from the config)
+    stages = case["stages"]
+    model = PipelineModule(
+        layers=toy.layers(),
+        num_stages=stages,
+        loss_fn=toy.loss_fn,
+        partition_method="uniform",
+        activation_checkpoint_interval=case.get("checkpoint_interval", 0),
+    )
+    kwargs: dict[str, Any] = {}
+    dp = world // stages
+    data = [shard(b, model._grid.data_parallel_id, dp) for b in toy.micro_batches(case["n"], 4 * dp)]
+    if case.get("bf16"):  # DeepSpeed expects first-stage inputs in the training precision
+        data = [(x.to(torch.bfloat16), y) for x, y in data]
+    if case.get("training_data"):
+        kwargs["training_data"] = torch.utils.data.TensorDataset(
+            torch.cat([x for x, _ in toy.micro_batches(case["n"], 4 * dp)]),
+            torch.cat([y for _, y in toy.micro_batches(case["n"], 4 * dp)]),
+        )
+    if case.get("ds_optimizer"):
+        ds_cfg = ds_config(case)
+        ds_cfg["optimizer"] = {"type": "SGD", "params": {"lr": case.get("lr", 0.1), "momentum": 0.9}}
+        engine, *_ = deepspeed.initialize(model=model, config=ds_cfg, model_parameters=model.parameters(), **kwargs)
+    else:
+        engine, *_ = deepspeed.initialize(
+            model=model, config=ds_config(case), optimizer=make_optimizer(case), model_parameters=model.parameters(),
+            **kwargs,
+        )
+    return engine, model, data
+
+
+def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+
+
+def train(rank: int, world: int, cases: list[dict[str, Any]], import_fdg: bool = True) -> list[dict[str, Any]]:
+    """Train each case; record the stage's weights and returned loss after every call."""
+    out = []
+    for case in cases:
+        torch.manual_seed(1234)
+        engine, model, data = build(case, world, import_fdg)
+        it = iter(data)
+        states, losses = [], []
+        for call in range(case["calls"]):
+            if case.get("training_data"):
+                losses.append(engine.train_batch().item())
+            else:
+                losses.append(engine.train_batch(it).item())
+            states.append(_state(model))
+            if case.get("eval_between") and call == 1:
+                engine.eval_batch(iter(toy.micro_batches(case.get("gas", 3), 4 * (world // case["stages"]), seed=9)))
+        if case.get("drain"):
+            losses.append(engine.drain().item())
+            states.append(_state(model))
+        out.append(
+            {
+                "engine": type(engine).__name__,
+                "parts": model.parts,
+                "stage_id": engine.stage_id,
+                "dp_id": model._grid.data_parallel_id,
+                "states": states,
+                "losses": losses,
+                "global_steps": engine.global_steps,
+                "global_samples": engine.global_samples,
+                "lr": engine.get_lr()[0] if engine.lr_scheduler is not None else None,
+                "in_flight": getattr(engine, "in_flight", lambda: None)(),
+            }
+        )
+    return out
+
+
+# -- collective tracing -------------------------------------------------------------------------
+
+_COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+                "barrier", "reduce", "all_to_all_single", "gather", "scatter")  # fmt: skip
+
+
+def trace_collectives(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
+    """Train a few calls, then record every collective (and its group's ranks) in steady state."""
+    engine, model, data = build(case, world, import_fdg=case.get("schedule", "fdg") == "fdg")
+    it = iter(data)
+    for _ in range(2):  # fill
+        engine.train_batch(it)
+    seen: list[tuple[str, list[int]]] = []
+    originals = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
+
+    def wrap(name, fn):
+        def traced(*args, **kwargs):
+            group = kwargs.get("group")
+            ranks = list(range(world)) if group is None else dist.get_process_group_ranks(group)
+            seen.append((name, ranks))
+            return fn(*args, **kwargs)
+
+        return traced
+
+    for name, fn in originals.items():
+        setattr(dist, name, wrap(name, fn))
+    try:
+        for _ in range(2):
+            engine.train_batch(it)
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    dp_group = dist.get_process_group_ranks(model._grid.get_data_parallel_group())
+    return {"seen": seen, "dp_group": dp_group, "stage_id": engine.stage_id}
+
+
+def bad_config(rank: int, world: int, case: dict[str, Any], tied: bool = False) -> dict[str, Any]:
+    """Try to build an engine that must be refused; report the error and how long it took."""
+    import fdg_schedule
+
+    start = time.monotonic()
+    try:
+        if tied:
+            from deepspeed.pipe import TiedLayerSpec
+
+            layers = [TiedLayerSpec("emb", toy.SeededLinear, toy.IN, toy.IN, 1), toy.SeededLinear(toy.IN, toy.IN, 2),
+                      TiedLayerSpec("emb", toy.SeededLinear, toy.IN, toy.IN, 1), toy.SeededLinear(toy.IN, 3, 3)]  # fmt: skip
+            model = PipelineModule(layers=layers, num_stages=2, loss_fn=toy.loss_fn, partition_method="uniform")
+        else:
+            model = PipelineModule(layers=toy.layers(), num_stages=case["stages"], loss_fn=toy.loss_fn)
+        cfg = case["config"]
+        deepspeed.initialize(model=model, config=cfg, optimizer=make_optimizer({}), model_parameters=model.parameters())
+    except fdg_schedule.FDGConfigError as err:
+        return {"error": str(err), "seconds": time.monotonic() - start}
+    return {"error": None, "seconds": time.monotonic() - start}
