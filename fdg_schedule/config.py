@@ -74,15 +74,11 @@ class FDGConfig:
         """Build from the ``pipeline.fdg`` dict, rejecting unknown keys."""
         block = {} if block is None else block
         if not isinstance(block, Mapping):
-            raise FDGConfigError(
-                f"pipeline.fdg must be a JSON object, got {type(block).__name__} {block!r}"
-            )
+            raise FDGConfigError(f"pipeline.fdg must be a JSON object, got {type(block).__name__} {block!r}")
         known = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(block) - set(known))
         if unknown:
-            raise FDGConfigError(
-                f"unknown key(s) {unknown} in pipeline.fdg of ds_config; known keys: {known}"
-            )
+            raise FDGConfigError(f"unknown key(s) {unknown} in pipeline.fdg of ds_config; known keys: {known}")
         return cls(**block)
 
 
@@ -121,17 +117,15 @@ def check_deepspeed_config(ds_config: Mapping[str, Any]) -> None:
     fp16 = ds_config.get("fp16") or {}
     if fp16.get("enabled", False):
         raise FDGConfigError(
-            "fp16.enabled=true is not supported with pipeline.schedule=\"fdg\": the loss scale would "
-            "have to agree across stages every tick; use bf16 (\"bf16\": {\"enabled\": true}) or fp32"
+            'fp16.enabled=true is not supported with pipeline.schedule="fdg": the loss scale would '
+            'have to agree across stages every tick; use bf16 ("bf16": {"enabled": true}) or fp32'
         )
     if (ds_config.get("amp") or {}).get("enabled", False):
-        raise FDGConfigError(
-            "amp.enabled=true is not supported with pipeline.schedule=\"fdg\"; use bf16 or fp32"
-        )
+        raise FDGConfigError('amp.enabled=true is not supported with pipeline.schedule="fdg"; use bf16 or fp32')
     stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
     if stage not in (0, 1):
         raise FDGConfigError(
-            f"zero_optimization.stage={stage!r} is not supported with pipeline.schedule=\"fdg\" "
+            f'zero_optimization.stage={stage!r} is not supported with pipeline.schedule="fdg" '
             "(DeepSpeed pipelines allow ZeRO 0 or 1); set zero_optimization.stage to 1 to shard "
             "optimizer state"
         )
@@ -155,6 +149,4 @@ def _check_number(key: str, value: Any, kind: type) -> None:
 
 def _check_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise FDGConfigError(
-            f"{key} must be one of {list(choices)}, got {value!r} (pipeline.fdg.{key} in ds_config)"
-        )
+        raise FDGConfigError(f"{key} must be one of {list(choices)}, got {value!r} (pipeline.fdg.{key} in ds_config)")

@@ -51,6 +51,9 @@ class FDGPipelineEngine(PipelineEngine):
     ``fdg_schedule`` is imported (or through :func:`fdg_schedule.initialize`).
     """
 
+    pipe_buffers: dict[str, list[Any]]  # DeepSpeed's, typed for mypy
+    num_pipe_buffers: int
+
     def __init__(self, *args: Any, fdg_config: FDGConfig, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.fdg_config = fdg_config
@@ -99,9 +102,7 @@ class FDGPipelineEngine(PipelineEngine):
 
     def held_bytes(self) -> int:
         """Bytes held on this stage for delayed backward passes (activations, inputs, weight snapshots)."""
-        inputs = sum(
-            _nbytes(self.pipe_buffers["inputs"][b]) for b in self._delayed.held if b < self.num_pipe_buffers
-        )
+        inputs = sum(_nbytes(self.pipe_buffers["inputs"][b]) for b in self._delayed.held if b < self.num_pipe_buffers)
         return inputs + self._delayed.held_bytes()
 
     def eval_batch(self, *args: Any, **kwargs: Any) -> Any:

@@ -41,14 +41,22 @@ def build_pipeline_engine(*args: Any, **kwargs: Any) -> PipelineEngine:
 def _check_module(model: Any) -> None:
     if not isinstance(model, PipelineModule):
         return
+    if model._grid.get_slice_parallel_world_size() > 1:
+        raise FDGConfigError(
+            f"tensor (slice) model parallelism of size {model._grid.get_slice_parallel_world_size()} is not "
+            "supported with pipeline.schedule=\"fdg\"; use a PipeDataParallelTopology (pipeline x data "
+            "parallel only) or train with pipeline.schedule=\"1f1b\""
+        )
     specs = getattr(model, "_layer_specs", [])
     for key in {spec.key for spec in specs if isinstance(spec, TiedLayerSpec)}:
-        stages = sorted({model.stage_owner(i) for i, s in enumerate(specs) if isinstance(s, TiedLayerSpec) and s.key == key})
+        stages = sorted(
+            {model.stage_owner(i) for i, s in enumerate(specs) if isinstance(s, TiedLayerSpec) and s.key == key}
+        )
         if len(stages) > 1:
             raise FDGConfigError(
                 f"tied layer {key!r} spans pipeline stages {stages}: FDG cannot keep tied weights equal "
                 "without a cross-stage sync every tick; use separate (untied) layers, or keep every "
-                "TiedLayerSpec with this key on one stage, or train with pipeline.schedule=\"1f1b\""
+                'TiedLayerSpec with this key on one stage, or train with pipeline.schedule="1f1b"'
             )
 
 

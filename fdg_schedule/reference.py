@@ -208,9 +208,7 @@ def _unwrap(x: Any) -> Activation:
 
 
 def _leaves(inputs: tuple[Tensor, ...], requires_grad: bool) -> tuple[Tensor, ...]:
-    return tuple(
-        t.detach().requires_grad_(requires_grad and t.is_floating_point()) for t in inputs
-    )
+    return tuple(t.detach().requires_grad_(requires_grad and t.is_floating_point()) for t in inputs)
 
 
 def _detached(x: Activation) -> tuple[Tensor, ...]:
@@ -218,6 +216,4 @@ def _detached(x: Activation) -> tuple[Tensor, ...]:
 
 
 def _grads_of(x: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-    return tuple(
-        t.grad if t.grad is not None else torch.zeros_like(t) for t in x if t.is_floating_point()
-    )
+    return tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in x if t.is_floating_point())

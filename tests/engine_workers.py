@@ -12,9 +12,8 @@ from typing import Any
 import deepspeed
 import torch
 import torch.distributed as dist
-from deepspeed.pipe import PipelineModule
-
 import toy
+from deepspeed.pipe import PipelineModule
 
 
 def ds_config(case: dict[str, Any]) -> dict[str, Any]:
@@ -82,7 +81,10 @@ def build(case: dict[str, Any], world: int, import_fdg: bool = True):
         engine, *_ = deepspeed.initialize(model=model, config=ds_cfg, model_parameters=model.parameters(), **kwargs)
     else:
         engine, *_ = deepspeed.initialize(
-            model=model, config=ds_config(case), optimizer=make_optimizer(case), model_parameters=model.parameters(),
+            model=model,
+            config=ds_config(case),
+            optimizer=make_optimizer(case),
+            model_parameters=model.parameters(),
             **kwargs,
         )
     return engine, model, data
@@ -164,17 +166,17 @@ def trace_collectives(rank: int, world: int, case: dict[str, Any]) -> dict[str, 
     return {"seen": seen, "dp_group": dp_group, "stage_id": engine.stage_id}
 
 
-def bad_config(rank: int, world: int, case: dict[str, Any], tied: bool = False) -> dict[str, Any]:
+def bad_config(rank: int, world: int, case: dict[str, Any], tied_layers: bool = False) -> dict[str, Any]:
     """Try to build an engine that must be refused; report the error and how long it took."""
     import fdg_schedule
 
     start = time.monotonic()
     try:
-        if tied:
+        if tied_layers:
             from deepspeed.pipe import TiedLayerSpec
 
-            layers = [TiedLayerSpec("emb", toy.SeededLinear, toy.IN, toy.IN, 1), toy.SeededLinear(toy.IN, toy.IN, 2),
-                      TiedLayerSpec("emb", toy.SeededLinear, toy.IN, toy.IN, 1), toy.SeededLinear(toy.IN, 3, 3)]  # fmt: skip
+            tied = TiedLayerSpec("emb", toy.SeededLinear, toy.IN, toy.IN, 1)
+            layers = [tied, toy.SeededLinear(toy.IN, toy.IN, 2), tied, toy.SeededLinear(toy.IN, 3, 3)]
             model = PipelineModule(layers=layers, num_stages=2, loss_fn=toy.loss_fn, partition_method="uniform")
         else:
             model = PipelineModule(layers=toy.layers(), num_stages=case["stages"], loss_fn=toy.loss_fn)

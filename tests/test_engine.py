@@ -10,12 +10,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import engine_workers
 import pytest
 import torch
-
-import engine_workers
 import toy
 from dist_harness import run_ranks
+
 from fdg_schedule import FDGConfig, fdg_reference, ticks
 
 pytestmark = pytest.mark.distributed
@@ -90,7 +90,10 @@ def check_against_reference(results: list[list[dict[str, Any]]], cases: list[dic
             for call, (got, want) in enumerate(zip(r["states"], ref_states)):
                 for key, value in got.items():
                     torch.testing.assert_close(
-                        value, want[key], **TOL, msg=lambda m, key=key, call=call: f"{case} call {call} {key}: {m}"
+                        value,
+                        want[key],
+                        **TOL,
+                        msg=lambda m, key=key, call=call, case=case: f"{case} call {call} {key}: {m}",
                     )
             want_losses = expected_returned_losses(case, r["stage_id"], stages, ref_losses)
             torch.testing.assert_close(
@@ -105,8 +108,17 @@ def check_against_reference(results: list[list[dict[str, Any]]], cases: list[dic
 
 def _cases(stages: int, gas: int, calls: int, **extra: Any) -> list[dict[str, Any]]:
     return [
-        {"stages": stages, "n": 64, "gas": gas, "calls": calls, "grad_shrink": 0.5, "weights": w, "activations": a,
-         "optimizer": opt, **extra}  # fmt: skip
+        {
+            "stages": stages,
+            "n": 64,
+            "gas": gas,
+            "calls": calls,
+            "grad_shrink": 0.5,
+            "weights": w,
+            "activations": a,
+            "optimizer": opt,
+            **extra,
+        }  # fmt: skip
         for w, a in MODES
         for opt in ("sgd", "adam")
     ]
@@ -116,8 +128,18 @@ def test_two_stages_all_modes_sgd_and_adam(tmp_path) -> None:
     cases = _cases(2, gas=3, calls=4, drain=True)
     cases += [
         # accumulated decoupled learning, a warm-up LR schedule per tick, stage-local clipping
-        {"stages": 2, "n": 64, "gas": 3, "calls": 3, "accumulate": 2, "warmup": 5, "lr": 0.1, "clip": 0.5,
-         "drain": True, "grad_shrink": 0.8},  # fmt: skip
+        {
+            "stages": 2,
+            "n": 64,
+            "gas": 3,
+            "calls": 3,
+            "accumulate": 2,
+            "warmup": 5,
+            "lr": 0.1,
+            "clip": 0.5,
+            "drain": True,
+            "grad_shrink": 0.8,
+        },  # fmt: skip
         # the DeepSpeed-built optimizer and data through deepspeed.initialize(training_data=...)
         {"stages": 2, "n": 64, "gas": 2, "calls": 3, "ds_optimizer": True, "training_data": True, "weights": "stashed"},
         # ZeRO stage 1 wrapping the optimizer
@@ -139,8 +161,18 @@ def test_three_stages_all_modes_tick_by_tick(tmp_path) -> None:
 
 def test_data_parallel_2_x_pipeline_2(tmp_path) -> None:
     cases = [
-        {"stages": 2, "dp": 2, "n": 32, "gas": 3, "calls": 3, "drain": True, "grad_shrink": 0.5, "weights": w,
-         "activations": a, "optimizer": opt}  # fmt: skip
+        {
+            "stages": 2,
+            "dp": 2,
+            "n": 32,
+            "gas": 3,
+            "calls": 3,
+            "drain": True,
+            "grad_shrink": 0.5,
+            "weights": w,
+            "activations": a,
+            "optimizer": opt,
+        }  # fmt: skip
         for w, a, opt in (("current", "stored", "sgd"), ("stashed", "recomputed", "adam"))
     ]
     results = run_ranks(engine_workers.train, 4, tmp_path, cases, deadline_s=300)

