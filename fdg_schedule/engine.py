@@ -23,6 +23,7 @@ import torch.distributed as dist
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.pipe.engine import PipelineEngine
+from deepspeed.runtime.pipe.schedule import ReduceGrads
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from torch import Tensor
 
@@ -31,6 +32,7 @@ from fdg_schedule.comm import Meta, NeighbourExchange, meta_of
 from fdg_schedule.config import FDGConfig
 from fdg_schedule.delayed import DelayedBackward
 from fdg_schedule.errors import FDGRuntimeError
+from fdg_schedule.observe import Observer, observers_from_config
 from fdg_schedule.schedule import (
     AdvanceTick,
     Exchange,
@@ -43,6 +45,18 @@ from fdg_schedule.schedule import (
     WaitGrad,
 )
 
+# What each instruction's time counts as in ``fdg_stats`` ("<kind>_s") and in traces.
+_KINDS: dict[type, str] = {
+    FDGForward: "forward",
+    FDGBackward: "backward",
+    LocalOptimizerStep: "step",
+    ReduceGrads: "reduce",
+    WaitActivation: "wait",
+    WaitGrad: "wait",
+    FDGLoad: "load",
+    Exchange: "exchange",
+}
+
 
 class FDGPipelineEngine(PipelineEngine):
     """A ``PipelineEngine`` whose ``train_batch()`` runs FDG ticks instead of a 1F1B batch.
@@ -53,6 +67,7 @@ class FDGPipelineEngine(PipelineEngine):
 
     pipe_buffers: dict[str, list[Any]]  # DeepSpeed's, typed for mypy
     num_pipe_buffers: int
+    fwd_outputs: list[Any]
 
     def __init__(self, *args: Any, fdg_config: FDGConfig, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -73,7 +88,8 @@ class FDGPipelineEngine(PipelineEngine):
         self._to_send: dict[int, tuple[tuple[Tensor, ...], Tensor]] = {}  # buffer -> input grads, loss
         self._losses: dict[int, Tensor] = {}  # buffer -> loss (last stage)
         self._call_losses: list[Tensor] = []
-        self.fdg_stats = {"ticks": 0, "steps": 0, "compute_s": 0.0, "wait_s": 0.0}
+        self.fdg_stats: dict[str, float] = {"ticks": 0, "steps": 0, **{f"{k}_s": 0.0 for k in _KINDS.values()}}
+        self.observers: list[Observer] = observers_from_config(self)
 
     # -- public ---------------------------------------------------------------------------------
 
@@ -133,10 +149,33 @@ class FDGPipelineEngine(PipelineEngine):
         steps_before = self.global_steps
         start = time.perf_counter()
         self._exec_schedule(schedule)
-        self._timed_wait(self._exchange.complete)
+        wait_start = time.perf_counter()
+        self._exchange.complete()
+        self.fdg_stats["wait_s"] += time.perf_counter() - wait_start
         self.agg_train_loss = self._mean_call_loss()
-        self._report(steps_before, time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
+        self._report(steps_before, elapsed)
+        for observer in self.observers:
+            observer.on_call_end(self, elapsed)
         return self.agg_train_loss
+
+    def _exec_schedule(self, pipe_schedule: Any) -> None:
+        """DeepSpeed's dispatch loop, timing every instruction (stock instructions too, for eval)."""
+        self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
+        self.fwd_outputs = []
+        for step_cmds in pipe_schedule:
+            for cmd in step_cmds:
+                handler = self._INSTRUCTION_MAP.get(type(cmd))
+                if handler is None:
+                    raise FDGRuntimeError(f"{type(self).__name__} does not understand instruction {cmd!r}")
+                start = time.perf_counter()
+                handler(self, **cmd.kwargs)
+                end = time.perf_counter()
+                kind = _KINDS.get(type(cmd))
+                if kind is not None:
+                    self.fdg_stats[f"{kind}_s"] += end - start
+                for observer in self.observers:
+                    observer.on_instruction(self, cmd, start, end)
 
     def _mean_call_loss(self) -> Tensor:
         if self._call_losses:
@@ -167,28 +206,21 @@ class FDGPipelineEngine(PipelineEngine):
                 flush=True,
             )
 
-    def _timed_wait(self, wait: Any) -> Any:
-        start = time.perf_counter()
-        result = wait()
-        self.fdg_stats["wait_s"] += time.perf_counter() - start
-        return result
-
     # -- instruction handlers -------------------------------------------------------------------
 
     def _exec_fdg_load(self, buffer_id: int, micro_batch: int) -> None:
         self._exec_load_micro_batch(buffer_id)
 
     def _exec_wait_activation(self, buffer_id: int, micro_batch: int) -> None:
-        received = self._timed_wait(self._exchange.wait_activation)
+        received = self._exchange.wait_activation()
         for t in received:
             t.requires_grad_(t.is_floating_point())
         self.pipe_buffers["inputs"][buffer_id] = received[0] if len(received) == 1 else received
 
     def _exec_wait_grad(self, buffer_id: int, micro_batch: int) -> None:
-        self._received[buffer_id] = self._timed_wait(self._exchange.wait_grad)
+        self._received[buffer_id] = self._exchange.wait_grad()
 
     def _exec_fdg_forward(self, buffer_id: int, micro_batch: int) -> None:
-        start = time.perf_counter()
         inputs = self.pipe_buffers["inputs"][buffer_id]
         outputs = self._delayed.forward(buffer_id, lambda: self._stage_forward(inputs))
         self.pipe_buffers["outputs"][buffer_id] = outputs
@@ -199,10 +231,8 @@ class FDGPipelineEngine(PipelineEngine):
                 self._losses[buffer_id] = outputs
         else:
             self._sent_meta[buffer_id] = meta_of(_floating(outputs))
-        self.fdg_stats["compute_s"] += time.perf_counter() - start
 
     def _exec_fdg_backward(self, buffer_id: int, micro_batch: int) -> None:
-        start = time.perf_counter()
         if self.is_last_stage():
             loss = self._losses.pop(buffer_id)
             # One micro-batch per tick: no division by gradient_accumulation_steps.
@@ -222,10 +252,8 @@ class FDGPipelineEngine(PipelineEngine):
         self.pipe_buffers["inputs"][buffer_id] = None
         self.pipe_buffers["outputs"][buffer_id] = None
         self.pipe_buffers["labels"][buffer_id] = None
-        self.fdg_stats["compute_s"] += time.perf_counter() - start
 
     def _exec_local_optimizer_step(self) -> None:
-        start = time.perf_counter()
         self._force_grad_boundary = True
         try:
             clip = self.gradient_clipping()
@@ -240,7 +268,6 @@ class FDGPipelineEngine(PipelineEngine):
         finally:
             self._force_grad_boundary = False
         self.fdg_stats["steps"] += 1
-        self.fdg_stats["compute_s"] += time.perf_counter() - start
 
     def _exec_exchange(
         self,
