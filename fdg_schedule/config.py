@@ -8,7 +8,10 @@ The public keys::
         "grad_shrink": 0.5,           # beta in (0, 1]; default 1.0
         "weights": "current",         # "current" | "stashed"
         "activations": "stored",      # "stored" | "recomputed"
-        "accumulate": 1               # backward passes per optimizer step, >= 1
+        "accumulate": 1,              # backward passes per optimizer step, >= 1
+        "nonfinite": "error",         # "error" | "skip": a non-finite loss or gradient on a stage
+        "timeout": 60,                # seconds a stage waits for a neighbour before failing
+        "trace": null                 # {"start_tick": 0, "ticks": 64, "dir": "fdg_trace"}: a timeline
       }
     }
 
@@ -26,6 +29,8 @@ from typing import Any
 SCHEDULES = ("1f1b", "fdg")
 WEIGHTS = ("current", "stashed")
 ACTIVATIONS = ("stored", "recomputed")
+NONFINITE = ("error", "skip")
+TRACE_KEYS = {"start_tick": 0, "ticks": 64, "dir": "fdg_trace"}
 
 
 class FDGConfigError(ValueError):
@@ -53,6 +58,18 @@ class FDGConfig:
     """Backward passes per optimizer step on every stage (1 = the paper; >1 = accumulated
     decoupled learning, gradients averaged over the passes)."""
 
+    nonfinite: str = "error"
+    """A non-finite loss or gradient on a stage: ``"error"`` stops with an error naming the stage and
+    tick; ``"skip"`` drops that stage's optimizer step (counted in ``engine.fdg_stats["skipped"]``)."""
+
+    timeout: float = 60.0
+    """Seconds a stage waits for a neighbour's message before it fails with an error naming the
+    neighbour (a rank that died or stopped sending)."""
+
+    trace: Mapping[str, Any] | None = None
+    """Opt-in timeline of per-stage events: ``{"start_tick": 0, "ticks": 64, "dir": "fdg_trace"}``
+    (any key may be omitted); None records nothing."""
+
     def __post_init__(self) -> None:
         _check_number("grad_shrink", self.grad_shrink, float)
         if not 0.0 < self.grad_shrink <= 1.0 or math.isnan(self.grad_shrink):
@@ -68,6 +85,14 @@ class FDGConfig:
                 f"accumulate must be an integer >= 1, got {self.accumulate!r} "
                 "(pipeline.fdg.accumulate in ds_config); 1 steps after every backward pass"
             )
+        _check_choice("nonfinite", self.nonfinite, NONFINITE)
+        _check_number("timeout", self.timeout, float)
+        if not self.timeout > 0:
+            raise FDGConfigError(
+                f"timeout must be > 0 seconds, got {self.timeout!r} (pipeline.fdg.timeout in ds_config)"
+            )
+        if self.trace is not None:
+            object.__setattr__(self, "trace", _check_trace(self.trace))
 
     @classmethod
     def from_dict(cls, block: Mapping[str, Any] | None) -> FDGConfig:
@@ -136,6 +161,25 @@ def check_deepspeed_config(ds_config: Mapping[str, Any]) -> None:
                 f"data_types.gradient_accumulation_dtype={dtype!r} is not supported with FDG; "
                 "remove it (fp32 accumulation)"
             )
+
+
+def _check_trace(trace: Any) -> dict[str, Any]:
+    if not isinstance(trace, Mapping):
+        raise FDGConfigError(f"trace must be a JSON object or null, got {trace!r} (pipeline.fdg.trace in ds_config)")
+    unknown = sorted(set(trace) - set(TRACE_KEYS))
+    if unknown:
+        raise FDGConfigError(f"unknown key(s) {unknown} in pipeline.fdg.trace; known keys: {sorted(TRACE_KEYS)}")
+    merged = {**TRACE_KEYS, **trace}
+    for key in ("start_tick", "ticks"):
+        value = merged[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < (1 if key == "ticks" else 0):
+            raise FDGConfigError(
+                f"trace.{key} must be an integer >= {1 if key == 'ticks' else 0}, got {value!r} "
+                f"(pipeline.fdg.trace.{key} in ds_config)"
+            )
+    if not isinstance(merged["dir"], str):
+        raise FDGConfigError(f"trace.dir must be a path string, got {merged['dir']!r} (pipeline.fdg.trace.dir)")
+    return merged
 
 
 def _check_number(key: str, value: Any, kind: type) -> None:
