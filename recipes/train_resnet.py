@@ -67,17 +67,11 @@ parser.add_argument("--test-subset", type=int, default=test_subset)
 parser.add_argument("--max-steps", type=int, default=max_steps)
 parser.add_argument("--pipeline-parallel-size", type=int, default=None, help="stages K (default: world size)")
 parser.add_argument("--partition", default=partition)
-parser.add_argument(
-    "--lr-decay-epochs", type=int, nargs="*", default=None, help="default: the paper's, scaled"
-)
-parser.add_argument(
-    "--num-workers", type=int, default=0, help="DataLoader workers (0 keeps the CPU for the model)"
-)
+parser.add_argument("--lr-decay-epochs", type=int, nargs="*", default=None, help="default: the paper's, scaled")
+parser.add_argument("--num-workers", type=int, default=0, help="DataLoader workers (0 keeps the CPU for the model)")
 parser.add_argument("--checkpoint-dir", default=None, help="default: checkpoints/<model>_<config name>")
 parser.add_argument("--checkpoint-every", type=int, default=checkpoint_every)
-parser.add_argument(
-    "--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir"
-)
+parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
 parser.add_argument("--seed", type=int, default=seed)
 parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
 parser = deepspeed.add_config_arguments(parser)
@@ -89,9 +83,7 @@ world_size = int(os.environ.get("WORLD_SIZE", "1"))
 stages = args.pipeline_parallel_size or world_size
 layer_count = resnet.num_layers(args.model)
 if stages > layer_count:
-    parser.error(
-        f"{stages} pipeline stages but {args.model} has only {layer_count} layers; use at most {layer_count}"
-    )
+    parser.error(f"{stages} pipeline stages but {args.model} has only {layer_count} layers; use at most {layer_count}")
 if world_size % stages:
     parser.error(f"world size {world_size} is not a multiple of --pipeline-parallel-size {stages}")
 if args.partition == "paper" and stages > 1 and stages not in resnet.PAPER_SPLITS.get(args.model, {}):
@@ -141,9 +133,7 @@ test_set = vision_data.subset(data.test, args.test_subset, args.seed)
 samples_per_step = micro_batch * accumulation * dp_size
 steps_per_epoch = len(train_set) // samples_per_step
 if steps_per_epoch == 0:
-    raise SystemExit(
-        f"train_resnet.py: error: {len(train_set)} training images < one batch of {samples_per_step}"
-    )
+    raise SystemExit(f"train_resnet.py: error: {len(train_set)} training images < one batch of {samples_per_step}")
 
 
 def stage_view(dataset):
@@ -199,9 +189,15 @@ checkpoint_dir = args.checkpoint_dir or f"checkpoints/{args.model}_{Path(args.de
 base_lr = engine.optimizer.param_groups[0]["lr"]
 start_epoch = 0
 if args.resume:
-    path, client_state = engine.load_checkpoint(checkpoint_dir)
+    bf16 = engine.bfloat16_enabled()
+    path, client_state = engine.load_checkpoint(checkpoint_dir, load_optimizer_states=not bf16)
     if path is None:
         raise SystemExit(f"train_resnet.py: error: --resume but no checkpoint in {checkpoint_dir}")
+    if bf16:
+        # DeepSpeed 0.19.8 saves the bf16 optimizer's state as one dict but loads it as a list indexed
+        # by data-parallel rank (KeyError: 0, with 1F1B too); load it here, fp32 master weights included.
+        state = torch.load(path, map_location="cpu", weights_only=False)["optimizer"]
+        engine.optimizer.load_state_dict([state] * dp_size, load_from_fp32_weights=True)
     start_epoch = client_state["epoch"] + 1
     base_lr = client_state["base_lr"]
     if logging_rank:
@@ -254,9 +250,7 @@ for epoch in range(start_epoch, args.epochs):
         )
         if engine.monitor.enabled:
             samples = engine.global_samples
-            engine.monitor.write_events(
-                [("Test/accuracy", test_acc, samples), ("Test/loss", test_loss, samples)]
-            )
+            engine.monitor.write_events([("Test/accuracy", test_acc, samples), ("Test/loss", test_loss, samples)])
     if args.checkpoint_every and ((epoch + 1) % args.checkpoint_every == 0 or final_epoch):
         drain()
         engine.save_checkpoint(

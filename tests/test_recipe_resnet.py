@@ -79,9 +79,7 @@ def test_bad_command_exits_with_a_clear_error(tmp_path: Path, args: list[str], m
     assert re.search(message, result.stderr), result.stderr[-2000:]
 
 
-def test_missing_fashion_mnist_says_how_to_install_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_missing_fashion_mnist_says_how_to_install_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(vision_data, "DEBIAN_FASHION_MNIST", tmp_path / "nowhere")
     with pytest.raises(vision_data.DataMissingError, match="apt-get install -y dataset-fashion-mnist"):
         vision_data.load_vision_data("fashion-mnist", data_dir=tmp_path, cache=tmp_path / "cache")

@@ -295,18 +295,14 @@ def parse_parts(method: str, stages: int, layers: int) -> list[int]:
     try:
         parts = [int(p) for p in method.split(":", 1)[1].split(",")]
     except ValueError:
-        raise ValueError(
-            f"partition_method {method!r} must be 'parts:' then comma-separated integers"
-        ) from None
+        raise ValueError(f"partition_method {method!r} must be 'parts:' then comma-separated integers") from None
     if len(parts) != stages + 1 or parts[0] != 0 or parts[-1] != layers:
         raise ValueError(
             f"partition_method {method!r} must list {stages + 1} boundaries from 0 to {layers} "
             f"({stages} stages, {layers} layers)"
         )
     if any(b <= a for a, b in zip(parts, parts[1:], strict=False)):
-        raise ValueError(
-            f"partition_method {method!r}: every stage needs at least one layer (strictly increasing)"
-        )
+        raise ValueError(f"partition_method {method!r}: every stage needs at least one layer (strictly increasing)")
     return parts
 
 
