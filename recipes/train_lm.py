@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.pipe import PipelineModule
 from deepspeed.utils import RepeatingLoader
+from torch.utils.data import DataLoader, DistributedSampler
 from transformers import AutoModelForCausalLM
 
 import fdg_schedule  # noqa: F401  (must come before deepspeed.initialize: hooks the FDG engine in)
@@ -52,11 +53,11 @@ val_fraction = 0.1  # last 10% of the token stream
 epochs = 1
 max_steps = 0  # train_batch calls in all; 0 = epochs × steps per epoch
 eval_interval = 0  # also evaluate every N steps (0: only at epoch ends)
-eval_batches = 8  # train_batch_size-sized validation batches per evaluation
+eval_sequences = 0  # validation sequences per evaluation (0: the whole split), same for every config
 log_interval = 10
 partition = hf_lm.PARTITION_METHOD  # PipelineModule partition_method
 seed = 1234
-out_dir = "out/lm"
+out_dir = "runs/lm"  # git-ignored
 sample_tokens = 60
 prompts = ["ROMEO:", "First Citizen:\nBefore we proceed"]
 # ---------------------------------------------------------------------------------------------------
@@ -107,10 +108,13 @@ if args.pretrained:
 else:
     if args.model_config:
         config = hf_lm.load_config(args.model_config)
+        if config.vocab_size != len(tokenizer):
+            raise ValueError(
+                f"{args.model_config} has vocab_size {config.vocab_size} but the tokenizer has "
+                f"{len(tokenizer)} tokens; pass --vocab_size {config.vocab_size} or edit the config"
+            )
     else:
-        config = hf_lm.build_config(
-            args.family, args.size, len(tokenizer), args.block_size, tokenizer.eos_token_id
-        )
+        config = hf_lm.build_config(args.family, args.size, len(tokenizer), args.block_size, tokenizer.eos_token_id)
     model = hf_lm.build_model(config)
 config = model.config
 layers = hf_lm.pipeline_layers(model)  # unties tied embeddings, with a log line
@@ -128,18 +132,31 @@ pipe = PipelineModule(
     activation_checkpoint_interval=checkpoint_interval,  # under FDG: recompute with current weights
 )
 engine, _, _, _ = deepspeed.initialize(
-    args=args,
-    model=pipe,
-    model_parameters=[p for p in pipe.parameters() if p.requires_grad],
-    training_data=train_set,
+    args=args, model=pipe, model_parameters=[p for p in pipe.parameters() if p.requires_grad]
 )
+
+
+def shuffled_batches():
+    """Micro-batches forever, reshuffled each epoch. DeepSpeed's own pipeline loader never shuffles
+    (it would walk through the plays in order); first and last stage draw the same order (same seed)."""
+    dp_rank, epoch = engine.grid.get_data_parallel_rank(), 0
+    while True:
+        sampler = DistributedSampler(train_set, engine.dp_world_size, dp_rank, shuffle=True, seed=args.seed)
+        sampler.set_epoch(epoch)
+        yield from DataLoader(
+            train_set, batch_size=engine.train_micro_batch_size_per_gpu(), sampler=sampler, drop_last=True
+        )
+        epoch += 1
+
+
+engine.set_dataiterator(shuffled_batches())
 
 # --- train
 tokens_per_step = engine.train_batch_size() * args.block_size
 steps_per_epoch = len(train_set) // engine.train_batch_size()
 total_steps = args.max_steps or args.epochs * steps_per_epoch
-val_loader = engine.deepspeed_io(val_set)  # micro-batches, split over data-parallel ranks
-n_eval = max(1, min(args.eval_batches, len(val_set) // engine.train_batch_size()))
+val_loader = engine.deepspeed_io(val_set, route="eval")  # in order, split over data-parallel ranks
+n_eval = max(1, (args.eval_sequences or len(val_set)) // engine.train_batch_size())
 metrics = Path(args.out_dir) / "metrics.jsonl"
 if rank == 0:
     metrics.parent.mkdir(parents=True, exist_ok=True)
