@@ -116,6 +116,7 @@ net = resnet.build_pipeline(
     partition=args.partition,
     base_seed=args.seed,
 )
+set_random_seed(args.seed)  # building reseeded per layer; augmentation starts from the same state for every K
 engine, _, _, _ = deepspeed.initialize(
     args=args, model=net, model_parameters=[p for p in net.parameters() if p.requires_grad]
 )

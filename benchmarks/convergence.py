@@ -1,0 +1,161 @@
+"""FDG versus backprop: train one model with BP, 1F1B and FDG variants, same data, epochs and seeds; tabulate.
+
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 python benchmarks/convergence.py --epochs 3 --train-subset 2048
+
+Every run is `recipes/train_resnet.py` under the deepspeed launcher, with a config derived from
+ds_configs/resnet_{bp,1f1b,fdg_k2}.json (only the micro-batch size and the pipeline block change), so
+the numbers are those of the real engines. A run needs one rank per stage; runs with more stages than
+--max-ranks are listed as not run. Writes <out>.md (final test error, mean ± half-range over seeds),
+<out>.png (test error per epoch, mean over seeds) and <out>.json (every epoch of every run).
+"""
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "train_resnet.py"
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+parser.add_argument("--model", default="resnet20")
+parser.add_argument("--dataset", default="fashion-mnist")
+parser.add_argument("--epochs", type=int, default=3)
+parser.add_argument("--train-subset", type=int, default=2048)
+parser.add_argument("--test-subset", type=int, default=1000)
+parser.add_argument("--micro-batch", type=int, default=32, help="smaller than the paper's 128: more steps on CPU")
+parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+parser.add_argument("--stages", type=int, nargs="+", default=[2, 3], help="FDG stage counts")
+parser.add_argument("--betas", type=float, nargs="+", default=[1.0, 0.5, 0.2])
+parser.add_argument("--weights", nargs="+", default=["current", "stashed"])
+parser.add_argument("--max-ranks", type=int, default=2, help="runs needing more processes are skipped")
+parser.add_argument("--timeout", type=float, default=900, help="seconds per run")
+parser.add_argument("--out", default=str(ROOT / "docs" / "convergence"))
+args = parser.parse_args()
+
+
+def variants():
+    """(name, stages, config changes) of every run, BP and 1F1B first."""
+    yield "BP", 1, {}
+    yield "1F1B", 2, {}
+    for stages in args.stages:
+        for weights in args.weights:
+            for beta in args.betas:
+                fdg = {"grad_shrink": beta, "weights": weights, "activations": "stored", "accumulate": 1}
+                yield f"FDG K={stages} β={beta:g} {weights}", stages, {"pipeline": {"schedule": "fdg", "fdg": fdg}}
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(stages, changes, seed, workdir):
+    """One recipe run; returns test error per epoch (fractions) and samples/s."""
+    config = json.loads((ROOT / "ds_configs" / "resnet_bp.json").read_text())
+    config.update(changes, train_micro_batch_size_per_gpu=args.micro_batch)
+    path = workdir / f"config_{time.monotonic_ns()}.json"
+    path.write_text(json.dumps(config))
+    command = [
+        str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(stages), "--master_port", str(free_port()),
+        str(RECIPE), "--deepspeed_config", str(path), "--model", args.model, "--dataset", args.dataset,
+        "--epochs", str(args.epochs), "--train-subset", str(args.train_subset),
+        "--test-subset", str(args.test_subset), "--seed", str(seed),
+    ]  # fmt: skip
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        output, _ = proc.communicate(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+    errors = [1 - float(acc) / 100 for acc in re.findall(r"^epoch \d+/\d+: .* test_acc ([\d.]+)%", output, re.M)]
+    speed = re.search(r"^final: .* \| ([\d.]+) samples/s", output, re.M)
+    if proc.returncode != 0 or len(errors) != args.epochs or speed is None:
+        tail = "\n".join(output.splitlines()[-15:])
+        raise SystemExit(f"run failed (exit {proc.returncode}): {' '.join(command)}\n{tail}")
+    return errors, float(speed.group(1))
+
+
+def mean(xs):
+    return sum(xs) / len(xs)
+
+
+start = time.time()
+results = []
+with tempfile.TemporaryDirectory() as tmp:
+    for name, stages, changes in variants():
+        if stages > args.max_ranks:
+            results.append({"name": name, "stages": stages, "runs": [], "skipped": f"needs {stages} ranks"})
+            print(f"{name}: not run (needs {stages} ranks, --max-ranks {args.max_ranks})", flush=True)
+            continue
+        runs = []
+        for seed in args.seeds:
+            run_start = time.time()
+            errors, speed = run(stages, changes, seed, Path(tmp))
+            runs.append({"seed": seed, "test_error": errors, "samples_per_s": speed})
+            print(f"{name} seed {seed}: test error {errors[-1]:.2%} ({time.time() - run_start:.0f} s)", flush=True)
+        results.append({"name": name, "stages": stages, "runs": runs})
+wall = time.time() - start
+
+out = Path(args.out)
+out.parent.mkdir(parents=True, exist_ok=True)
+command = "python benchmarks/convergence.py " + " ".join(sys.argv[1:])
+out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "wall_s": wall, "results": results}, indent=1))
+
+lines = [
+    "# FDG versus backprop: convergence",
+    "",
+    f"{args.model} on {args.dataset}: {args.train_subset} training images (fixed random subset), "
+    f"{args.test_subset} test images, {args.epochs} epochs, micro-batch {args.micro_batch} (one optimizer step "
+    f"per micro-batch for every method), SGD lr 0.1 momentum 0.9 weight decay 5e-4, lr / 10 at the paper's "
+    f"epoch fractions. Seeds {args.seeds}; the same seeds give the same initial weights and data order to "
+    "every method. Test error after the last epoch, mean ± half the range over seeds.",
+    "",
+    f"Command: `DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 {command}` — wall time {wall / 60:.1f} min on 2 shared CPU cores.",
+    "",
+    "| method | stages | final test error | spread | samples/s |",
+    "| --- | --- | --- | --- | --- |",
+]
+for result in results:
+    if not result["runs"]:
+        lines.append(f"| {result['name']} | {result['stages']} | not run ({result['skipped']}) | | |")
+        continue
+    finals = [r["test_error"][-1] for r in result["runs"]]
+    spread = (max(finals) - min(finals)) / 2
+    speed = mean([r["samples_per_s"] for r in result["runs"]])
+    lines.append(f"| {result['name']} | {result['stages']} | {mean(finals):.2%} | ± {spread:.2%} | {speed:.0f} |")
+out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+import matplotlib  # noqa: E402  (only needed for the picture)
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+fig, ax = plt.subplots(figsize=(8, 5))
+for result in results:
+    if result["runs"]:
+        curves = [r["test_error"] for r in result["runs"]]
+        epochs_axis = range(1, len(curves[0]) + 1)
+        style = "-" if result["name"] in ("BP", "1F1B") else "--"
+        ax.plot(
+            epochs_axis, [100 * mean(col) for col in zip(*curves, strict=True)], style, marker="o", label=result["name"]
+        )
+ax.set_xlabel("epoch")
+ax.set_ylabel("test error (%), mean over seeds")
+ax.set_title(f"{args.model} on {args.dataset} ({args.train_subset} train images)")
+ax.legend(fontsize=7)
+ax.grid(alpha=0.3)
+fig.tight_layout()
+fig.savefig(out.with_suffix(".png"), dpi=120)
+print(f"wrote {out.with_suffix('.md')}, {out.with_suffix('.png')}, {out.with_suffix('.json')} ({wall / 60:.1f} min)")
