@@ -183,13 +183,15 @@ def trace_one_f_one_b(
     recorder = TraceRecorder(engine, "1f1b", dir, start_tick, ticks)
     original = engine._exec_schedule
     calls = [0]
+    in_window = [False]  # is the current train_batch() call recorded
 
     def exec_schedule(self: Any, pipe_schedule: Any) -> None:
         if not isinstance(pipe_schedule, ds.TrainSchedule):
             return original(pipe_schedule)  # evaluation
         first = calls[0] * pipe_schedule.micro_batches
         calls[0] += 1
-        if first + pipe_schedule.micro_batches <= recorder.start_tick or first >= recorder.end_tick:
+        in_window[0] = recorder.start_tick < first + pipe_schedule.micro_batches and first < recorder.end_tick
+        if not in_window[0]:
             return original(pipe_schedule)
         self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
         self.fwd_outputs = []
@@ -218,7 +220,8 @@ def trace_one_f_one_b(
         def aggregate_total_loss() -> Any:
             start = time.perf_counter()
             loss = aggregate()
-            recorder.add("wait", "loss", start, time.perf_counter(), call=calls[0] - 1)
+            if in_window[0]:
+                recorder.add("wait", "loss", start, time.perf_counter(), call=calls[0] - 1)
             return loss
 
         engine._aggregate_total_loss = aggregate_total_loss
@@ -322,10 +325,8 @@ def compare(fdg: str | Path, one_f_one_b: str | Path, out: str | Path) -> Path:
     for ax, trace in zip(axes, traces):
         gantt(trace, ax, title=_title(trace))
         ax.set_xlabel("")
-    axes[-1].set_xlabel("ms from the first recorded event")
-    right = max(ax.get_xlim()[1] for ax in axes)
-    for ax in axes:
-        ax.set_xlim(0, right)
+    axes[-1].set_xlabel("ms from each schedule's first recorded event")
+    axes[-1].set_xlim(0, max(_busy_ms(t["traceEvents"]) for t in traces))  # shared by both rows
     fig.subplots_adjust(bottom=0.22, hspace=0.45)
     _legend(fig)
     fig.savefig(out, dpi=120)
