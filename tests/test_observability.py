@@ -7,9 +7,11 @@ check what those runs left on disk.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,8 @@ from fdg_schedule.observe import MicroBatchNumbers
 from fdg_schedule.schedule import AdvanceTick
 
 GAS, CALLS, WINDOW = 3, 3, {"start_tick": 1, "ticks": 6}
+_COLLECTIVES = ("all_reduce", "broadcast", "broadcast_object_list", "all_gather", "all_gather_object",
+                "all_gather_into_tensor", "reduce_scatter_tensor", "barrier", "reduce", "gather")  # fmt: skip
 
 
 # -- rank side ------------------------------------------------------------------------------------
@@ -54,6 +58,32 @@ def _engine(cfg: dict[str, Any]) -> tuple[Any, list[Any]]:
     return engine, toy.micro_batches(GAS * CALLS, 4)
 
 
+@contextlib.contextmanager
+def _collectives_recorded() -> Iterator[list[tuple[str, tuple[int, ...]]]]:
+    """Record every torch.distributed collective called inside the block, with its group's ranks."""
+    import torch.distributed as dist
+
+    seen: list[tuple[str, tuple[int, ...]]] = []
+    originals = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
+
+    def wrap(name: str, fn: Any) -> Any:
+        def traced(*args: Any, **kwargs: Any) -> Any:
+            group = kwargs.get("group")
+            ranks = range(dist.get_world_size()) if group is None else dist.get_process_group_ranks(group)
+            seen.append((name, tuple(ranks)))
+            return fn(*args, **kwargs)
+
+        return traced
+
+    for name, fn in originals.items():
+        setattr(dist, name, wrap(name, fn))
+    try:
+        yield seen
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
 def observed_job(rank: int, world: int, tmp: str) -> dict[str, Any]:
     """FDG with W&B + trace + CSV (not logged in: offline by default), then a traced stock 1F1B job."""
     import fdg_schedule
@@ -75,11 +105,18 @@ def observed_job(rank: int, world: int, tmp: str) -> dict[str, Any]:
     engine, data = _engine(cfg)
     assert isinstance(engine, fdg_schedule.FDGPipelineEngine)
     it = iter(data)
-    for _ in range(CALLS):
-        engine.train_batch(it)
+    engine.train_batch(it)
+    with _collectives_recorded() as collectives:  # steady state, both observers on
+        for _ in range(CALLS - 1):
+            engine.train_batch(it)
     engine.drain()
     observe.close_observers(engine)
-    fdg = {"stage_id": engine.stage_id, "mode": os.environ.get("WANDB_MODE"), "hint": tracking._hint_printed}
+    fdg = {
+        "stage_id": engine.stage_id,
+        "mode": os.environ.get("WANDB_MODE"),
+        "hint": tracking._hint_printed,
+        "collectives": collectives,
+    }
 
     one_f_one_b, data = _engine(_config(tmp_path, "1f1b"))
     assert type(one_f_one_b).__name__ == "PipelineEngine"
@@ -164,6 +201,8 @@ def _wandb_runs(tmp: Path) -> dict[str, dict[str, Any]]:
 @pytest.mark.distributed
 def test_wandb_runs_per_stage_in_one_group(job: tuple[Path, list[dict[str, Any]]]) -> None:
     tmp, results = job
+    for rank, result in enumerate(results):  # only the stage's own data-parallel group (itself here)
+        assert {ranks for _, ranks in result["collectives"]} <= {(rank,)}, result["collectives"]
     assert [r["mode"] for r in results] == ["offline", "offline"]  # not logged in -> offline
     assert results[0]["hint"] and not results[1]["hint"]  # the sync hint on rank 0 only
     runs = _wandb_runs(tmp)
