@@ -261,7 +261,7 @@ def load(path: str | Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def gantt(trace: dict[str, Any], ax: Any, title: str = "", label_min_ms: float | None = None) -> None:
+def gantt(trace: dict[str, Any], ax: Any, title: str = "", span_ms: float | None = None) -> None:
     """Draw one row per rank (stage order), bars coloured by kind, labelled with micro-batch numbers."""
     ranks = trace["otherData"]["ranks"]
     spans = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
@@ -271,12 +271,14 @@ def gantt(trace: dict[str, Any], ax: Any, title: str = "", label_min_ms: float |
     t1 = max(e["ts"] + e["dur"] for e in spans)
     order = sorted(ranks.values(), key=lambda m: (m["stage_id"], m["dp_id"]))
     rows = {meta["rank"]: i for i, meta in enumerate(order)}
-    min_label = label_min_ms if label_min_ms is not None else (t1 - t0) / 1e3 / 60
+    # A label is drawn where it fits: about 5.5 px per character at fontsize 6.
+    fig = ax.get_figure()
+    px_per_ms = fig.get_figwidth() * fig.dpi * ax.get_position().width / (span_ms or (t1 - t0) / 1e3)
     for e in spans:
         row, left, width = rows[e["pid"]], (e["ts"] - t0) / 1e3, e["dur"] / 1e3
         ax.barh(row, width, left=left, height=0.8, color=COLOURS.get(e["cat"], "#444444"), linewidth=0)
-        if e["cat"] in ("forward", "backward") and width >= min_label:
-            ax.text(left + width / 2, row, e["name"], ha="center", va="center", fontsize=7, color="white")
+        if e["cat"] in ("forward", "backward") and width * px_per_ms >= 5.5 * len(e["name"]) + 2:
+            ax.text(left + width / 2, row, e["name"], ha="center", va="center", fontsize=6, color="white")
     ax.set_yticks(range(len(order)))
     dp = max(m["dp_world_size"] for m in order)
     ax.set_yticklabels([f"stage {m['stage_id']}" + (f" dp {m['dp_id']}" if dp > 1 else "") for m in order])
@@ -303,7 +305,7 @@ def render(trace_path: str | Path, out: str | Path) -> Path:
 
     trace = load(trace_path)
     rows = len(trace["otherData"]["ranks"])
-    fig, ax = plt.subplots(figsize=(12, 1.0 + 0.5 * rows))
+    fig, ax = plt.subplots(figsize=(14, 1.0 + 0.5 * rows))
     gantt(trace, ax, title=_title(trace))
     fig.subplots_adjust(bottom=0.35 if rows < 4 else 0.2)
     _legend(fig)
@@ -321,12 +323,13 @@ def compare(fdg: str | Path, one_f_one_b: str | Path, out: str | Path) -> Path:
 
     traces = [load(one_f_one_b), load(fdg)]
     heights = [len(t["otherData"]["ranks"]) for t in traces]
-    fig, axes = plt.subplots(2, 1, figsize=(12, 1.6 + 0.5 * sum(heights)), height_ratios=heights, sharex=True)
+    span_ms = max(_busy_ms(t["traceEvents"]) for t in traces)
+    fig, axes = plt.subplots(2, 1, figsize=(14, 1.6 + 0.5 * sum(heights)), height_ratios=heights, sharex=True)
     for ax, trace in zip(axes, traces):
-        gantt(trace, ax, title=_title(trace))
+        gantt(trace, ax, title=_title(trace), span_ms=span_ms)
         ax.set_xlabel("")
     axes[-1].set_xlabel("ms from each schedule's first recorded event")
-    axes[-1].set_xlim(0, max(_busy_ms(t["traceEvents"]) for t in traces))  # shared by both rows
+    axes[-1].set_xlim(0, span_ms)  # shared by both rows
     fig.subplots_adjust(bottom=0.22, hspace=0.45)
     _legend(fig)
     fig.savefig(out, dpi=120)
