@@ -13,6 +13,7 @@ header (and before every activation when the module has ``dynamic_shape=True``).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -134,6 +135,26 @@ class NeighbourExchange:
         for pending in (self._activation, self._grad):
             if pending is not None:
                 _wait_all(pending[0])
+
+    def received(self) -> dict[str, Any]:
+        """What arrived for the next tick and the shape headers, after :meth:`complete` (for checkpoints)."""
+        if self._sends or any(p is not None and p[0] for p in (self._activation, self._grad)):
+            raise FDGRuntimeError(f"{self.describe}: messages still in flight; complete() the exchange first")
+        return {
+            "activation": None if self._activation is None else self._activation[1],
+            "grad": None if self._grad is None else (self._grad[1], self._grad[2]),
+            "sent_meta": self.sent_meta,
+            "recv_meta": self.recv_meta,
+        }
+
+    def restore_received(self, state: dict[str, Any] | None) -> None:
+        """Undo :meth:`received` in a new process (or forget everything with None)."""
+        state = state or {"activation": None, "grad": None, "sent_meta": None, "recv_meta": None}
+        self._sends, self._send_refs = [], []
+        self.sent_meta, self.recv_meta = state["sent_meta"], state["recv_meta"]
+        self._activation = None if state["activation"] is None else ([], list(state["activation"]))
+        grad = state["grad"]
+        self._grad = None if grad is None else ([], list(grad[0]), grad[1])
 
     def _exchange_headers(self, activation: Sequence[Tensor] | None, recv_activation: bool) -> None:
         send = activation is not None and (self.sent_meta is None or self.dynamic_shape)

@@ -13,6 +13,13 @@ lives in a parameter's or buffer's storage is handed back as the same tensor, so
 reads it as it is at backward time -- the current weights, whatever optimizer wrote them. Every
 other saved tensor (the activations) keeps its version check.
 
+Note [rebuilding a stored graph]: autograd graphs cannot be saved. A checkpoint keeps, for each
+micro-batch in flight, its stage input, the RNG state its forward started from, the tensors autograd
+saved (in the order it saved them) and, under "stashed", the weight snapshot. On load the forward
+runs again under the same hooks, which hand autograd the checkpointed tensors instead of the ones
+it computes: the rebuilt graph has the original structure and the original saved values, so the
+delayed backward is bit for bit the one the uninterrupted run computes, in every mode.
+
 Note [stashed weights]: ``weights="stashed"`` copies the stage's trainable weights at forward
 time and, for the backward, copies them into the parameters' own storage and back afterwards.
 Autograd, activation checkpointing and the recomputed forward then all see the forward's weights
@@ -30,14 +37,16 @@ import torch
 from torch import Tensor, nn
 
 from fdg_schedule.config import FDGConfig
+from fdg_schedule.errors import FDGRuntimeError
 
 
 @dataclasses.dataclass
 class Held:
     """What is kept for one micro-batch in flight on one stage."""
 
-    weights: list[Tensor] | None = None
-    rng_state: tuple[Tensor, Tensor | None] | None = None
+    weights: list[Tensor] | None = None  # weights="stashed": the forward's weights
+    rng_state: tuple[Tensor, Tensor | None] | None = None  # RNG state the forward started from
+    saved: list[Tensor] | None = None  # activations="stored": what autograd saved, in order
     saved_bytes: int = 0
 
 
@@ -63,17 +72,34 @@ class DelayedBackward:
         """Run ``run()`` (the stage forward) for the micro-batch in ``buffer_id``, keeping what its backward needs."""
         if not self.delayed:  # the backward follows at once: plain autograd
             return run()
-        held = Held()
+        held = Held(rng_state=_rng_state())
         if self.stash:
             held.weights = [p.detach().clone() for p in self.params]
         if self.recompute:
-            held.rng_state = _rng_state()
             with torch.no_grad():
                 outputs = run()
         else:
+            held.saved = []
             with _saved_tensors_read_live(held, self.state_storages):
                 outputs = run()
         self.held[buffer_id] = held
+        return outputs
+
+    def rebuild(self, buffer_id: int, held: Held, run: Callable[[], Any]) -> Any:
+        """Rebuild a stored forward's graph from a checkpoint (Note [rebuilding a stored graph])."""
+        self.held[buffer_id] = held
+        if self.recompute:
+            return None
+        assert held.saved is not None and held.rng_state is not None
+        saved, held.saved = held.saved, []
+        replaced = _saved_tensors_read_live(held, self.state_storages, replace=iter(saved))
+        with _replayed_rng(held.rng_state), _buffers_kept(self.module), replaced:
+            outputs = run()
+        if len(held.saved) != len(saved):
+            raise FDGRuntimeError(
+                f"cannot rebuild the stored forward of buffer {buffer_id}: the checkpoint holds {len(saved)} "
+                f"saved tensors, the forward now saves {len(held.saved)}; the stage's code changed since the save"
+            )
         return outputs
 
     @contextlib.contextmanager
@@ -86,9 +112,10 @@ class DelayedBackward:
         """
         held = self.held.pop(buffer_id)
         with self._weights_of(held):
-            if held.rng_state is None:
+            if not self.recompute:
                 yield stored_outputs
                 return
+            assert held.rng_state is not None
             with _replayed_rng(held.rng_state), _buffers_kept(self.module):
                 outputs = run()
             yield outputs
@@ -126,12 +153,25 @@ def _data(params: Sequence[Tensor]) -> list[Tensor]:
 
 
 @contextlib.contextmanager
-def _saved_tensors_read_live(held: Held, state_storages: set[int]) -> Iterator[None]:
-    """Note [saved weights read live]."""
+def _saved_tensors_read_live(
+    held: Held, state_storages: set[int], replace: Iterator[Tensor] | None = None
+) -> Iterator[None]:
+    """Note [saved weights read live]; ``replace`` substitutes the saved activations, in order."""
 
     def pack(t: Tensor) -> tuple[Tensor, int | None]:
         if t.untyped_storage().data_ptr() in state_storages:
             return t, None
+        if replace is not None:
+            original = next(replace, None)
+            if original is None or original.shape != t.shape or original.dtype != t.dtype:
+                raise FDGRuntimeError(
+                    f"cannot rebuild a stored forward from the checkpoint: saved tensor {len(held.saved or [])} is "
+                    f"{None if original is None else (tuple(original.shape), original.dtype)}, the forward now saves "
+                    f"{(tuple(t.shape), t.dtype)}; the stage's code changed since the save"
+                )
+            t = original
+        assert held.saved is not None
+        held.saved.append(t)
         held.saved_bytes += t.numel() * t.element_size()
         return t, t._version
 

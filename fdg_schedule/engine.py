@@ -14,7 +14,10 @@ loss has reached the stage yet.
 
 from __future__ import annotations
 
+import collections
+import functools
 import math
+import os
 import time
 from typing import Any
 
@@ -25,12 +28,13 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.schedule import ReduceGrads
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+from deepspeed.utils import logger
 from torch import Tensor
 
-from fdg_schedule import ticks
+from fdg_schedule import checkpoint, ticks
 from fdg_schedule.comm import Meta, NeighbourExchange, meta_of
-from fdg_schedule.config import FDGConfig
-from fdg_schedule.delayed import DelayedBackward
+from fdg_schedule.config import FDGConfig, FDGConfigError
+from fdg_schedule.delayed import DelayedBackward, Held
 from fdg_schedule.errors import FDGRuntimeError
 from fdg_schedule.observe import Observer, observers_from_config
 from fdg_schedule.schedule import (
@@ -87,6 +91,8 @@ class FDGPipelineEngine(PipelineEngine):
         self._received: dict[int, tuple[tuple[Tensor, ...], Tensor]] = {}  # buffer -> grads, loss
         self._to_send: dict[int, tuple[tuple[Tensor, ...], Tensor]] = {}  # buffer -> input grads, loss
         self._losses: dict[int, Tensor] = {}  # buffer -> loss (last stage)
+        self.labels_in_flight: collections.deque[Any] = collections.deque()  # last stage, K > 1
+        self.micro_batches_read = 0  # from the data iterator on this rank (first and last stage)
         self._call_losses: list[Tensor] = []
         self.fdg_stats: dict[str, float] = {"ticks": 0, "steps": 0, **{f"{k}_s": 0.0 for k in _KINDS.values()}}
         self.observers: list[Observer] = observers_from_config(self)
@@ -130,6 +136,167 @@ class FDGPipelineEngine(PipelineEngine):
             return super().eval_batch(*args, **kwargs)
         finally:
             self.pipe_buffers, self.num_pipe_buffers = fdg_buffers, fdg_count
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def save_checkpoint(
+        self,
+        save_dir: str,
+        tag: Any = None,
+        client_state: dict[str, Any] | None = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+        drain: bool = False,
+    ) -> bool:
+        """DeepSpeed's ``save_checkpoint`` plus this rank's in-flight FDG state (see :mod:`fdg_schedule.checkpoint`).
+
+        Every rank must call it at the same tick (between ``train_batch()`` calls). ``drain=True``
+        first finishes every in-flight backward pass: a checkpoint any schedule can continue from.
+        """
+        if drain:
+            self.drain()
+        tag = str(tag if tag is not None else f"global_step{self.global_steps}")
+        path = checkpoint.state_path(save_dir, tag, self.stage_id, self.grid.data_parallel_id)
+        checkpoint.atomic_save(self._fdg_state(), path)
+        saved = super().save_checkpoint(
+            save_dir,
+            tag=tag,
+            client_state=client_state or {},
+            save_latest=False,
+            exclude_frozen_parameters=exclude_frozen_parameters,
+        )
+        if save_latest:  # only once every rank has written every file
+            dist.barrier()
+            if self.global_rank == 0:
+                checkpoint.write_latest(save_dir, tag)
+            dist.barrier()
+        return saved
+
+    def load_checkpoint(
+        self,
+        load_dir: str,
+        tag: Any = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        custom_load_fn: Any = None,
+    ) -> tuple[str | None, Any]:
+        """DeepSpeed's ``load_checkpoint``, then the in-flight FDG state of this rank.
+
+        The in-flight micro-batches are rebuilt exactly when the checkpoint was saved by an FDG job
+        with the same stages, data parallelism and modes; otherwise they are dropped with a log line
+        saying how many. A checkpoint of another number of stages loads its weights (re-partitioned
+        by layer) when optimizer and scheduler state are not requested.
+        """
+        resolved = checkpoint.resolve_tag(load_dir, tag)
+        saved_stages = None if resolved is None else checkpoint.saved_stages(load_dir, resolved)
+        other_stages = saved_stages is not None and saved_stages != self.num_stages
+        if other_stages and not load_module_only and (load_optimizer_states or load_lr_scheduler_states):
+            raise FDGConfigError(
+                f"checkpoint {os.path.join(load_dir, str(resolved))} has {saved_stages} pipeline stages, this job "
+                f"{self.num_stages}: optimizer and LR-scheduler state are per stage and cannot be re-partitioned; "
+                "call load_checkpoint(..., load_optimizer_states=False, load_lr_scheduler_states=False) to load "
+                "the weights (re-partitioned by layer)"
+            )
+        load_path, client_state = super().load_checkpoint(
+            load_dir,
+            tag=resolved,
+            load_module_strict=load_module_strict,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_only=load_module_only,
+            custom_load_fn=custom_load_fn,
+        )
+        if load_path is None or resolved is None:
+            return load_path, client_state
+        if other_stages:
+            logger.warning(f"stage {self.stage_id}: client_state dropped: it belongs to another pipeline layout")
+            client_state = {}
+        self._restore_fdg_state(load_dir, resolved)
+        return load_path, client_state
+
+    def _identity(self) -> dict[str, Any]:
+        return {
+            "stages": self.num_stages,
+            "data_parallel": self.dp_world_size,
+            "weights": self.fdg_config.weights,
+            "activations": self.fdg_config.activations,
+        }
+
+    def _fdg_state(self) -> dict[str, Any]:
+        in_flight = {
+            buffer_id: {
+                "inputs": _detached(self.pipe_buffers["inputs"][buffer_id]),
+                "rng_state": held.rng_state,
+                "weights": held.weights,
+                "saved": None if held.saved is None else [t.detach() for t in held.saved],
+                "sent_meta": self._sent_meta.get(buffer_id),
+            }
+            for buffer_id, held in self._delayed.held.items()
+        }
+        return {
+            "format": checkpoint.FORMAT,
+            **self._identity(),
+            "segment_tick": self.segment_tick,
+            "in_flight": in_flight,
+            "received": self._exchange.received(),
+            "labels_in_flight": list(self.labels_in_flight),
+            "micro_batches_read": self.micro_batches_read,
+            "rng": checkpoint.rng_state(),
+        }
+
+    def _restore_fdg_state(self, load_dir: str, tag: str) -> None:
+        self._reset_pipeline()
+        path = checkpoint.state_path(load_dir, tag, self.stage_id, self.grid.data_parallel_id)
+        first_path = checkpoint.state_path(load_dir, tag, 0, 0)
+        state = torch.load(path, weights_only=False) if os.path.exists(path) else None
+        if state is None:
+            reason: str | None = "it holds no FDG state for this stage (a 1F1B checkpoint or another layout)"
+        else:
+            reason = checkpoint.why_not_resumable(state, self._identity())
+        if reason is not None:
+            if self.global_rank == 0:
+                dropped = (
+                    len(torch.load(first_path, weights_only=False)["in_flight"]) if os.path.exists(first_path) else 0
+                )
+                logger.warning(
+                    f"fdg_schedule: dropped {dropped} in-flight micro-batches from checkpoint {tag} ({reason}); "
+                    "the pipeline fills again from the next train_batch()"
+                )
+            return
+        assert state is not None
+        self.segment_tick = state["segment_tick"]
+        self._reserve_pipe_buffers(ticks.num_buffers(self.num_stages, self.stage_id))
+        needs_grad = not self.is_first_stage() or self._reentrant_activation_checkpointing()
+        for buffer_id, record in sorted(state["in_flight"].items()):
+            inputs = _leaves(record["inputs"], needs_grad)
+            self.pipe_buffers["inputs"][buffer_id] = inputs
+            self._sent_meta[buffer_id] = record["sent_meta"]
+            held = Held(weights=record["weights"], rng_state=record["rng_state"], saved=record["saved"])
+            self.pipe_buffers["outputs"][buffer_id] = self._delayed.rebuild(
+                buffer_id, held, functools.partial(self._stage_forward, inputs)
+            )
+        self._exchange.restore_received(state["received"])
+        self.labels_in_flight.extend(state["labels_in_flight"])
+        self.micro_batches_read = state["micro_batches_read"]
+        if self.training_data is not None and (self.is_first_stage() or self.is_last_stage()):
+            # The engine's own loader: continue after the micro-batches read before the save.
+            self._build_data_iter(self.training_data)
+            for _ in range(self.micro_batches_read):
+                self._next_batch()
+        checkpoint.set_rng_state(state["rng"])
+
+    def _reset_pipeline(self) -> None:
+        """Forget all in-flight work (before loading a checkpoint)."""
+        self._delayed.clear()
+        for store in (self._received, self._to_send, self._losses, self._sent_meta):
+            store.clear()
+        self.labels_in_flight.clear()
+        self._exchange.restore_received(None)
+        self.segment_tick = 0
+        for buffers in self.pipe_buffers.values():
+            buffers[:] = [None] * len(buffers)
 
     # -- running ticks ----------------------------------------------------------------------------
 
@@ -209,7 +376,11 @@ class FDGPipelineEngine(PipelineEngine):
     # -- instruction handlers -------------------------------------------------------------------
 
     def _exec_fdg_load(self, buffer_id: int, micro_batch: int) -> None:
-        self._exec_load_micro_batch(buffer_id)
+        if self.is_first_stage():  # inputs (and labels too when K = 1), as DeepSpeed loads them
+            self._exec_load_micro_batch(buffer_id)
+        else:  # Note [labels read when the inputs are]
+            self.labels_in_flight.append(_to_device(self._next_batch()[1], self.device))
+        self.micro_batches_read += 1
 
     def _exec_wait_activation(self, buffer_id: int, micro_batch: int) -> None:
         received = self._exchange.wait_activation()
@@ -225,8 +396,11 @@ class FDGPipelineEngine(PipelineEngine):
         outputs = self._delayed.forward(buffer_id, lambda: self._stage_forward(inputs))
         self.pipe_buffers["outputs"][buffer_id] = outputs
         if self.is_last_stage():
+            labels = (
+                self.pipe_buffers["labels"][buffer_id] if self.is_first_stage() else self.labels_in_flight.popleft()
+            )
             if self.module.loss_fn is not None:
-                self._losses[buffer_id] = self.module.loss_fn(outputs, self.pipe_buffers["labels"][buffer_id])
+                self._losses[buffer_id] = self.module.loss_fn(outputs, labels)
             else:  # the model returns its loss
                 self._losses[buffer_id] = outputs
         else:
@@ -359,6 +533,26 @@ def _input_grads(inputs: Any) -> tuple[Tensor, ...]:
     return tuple(
         t.grad if t.grad is not None else torch.zeros_like(t) for t in _as_tuple(inputs) if t.is_floating_point()
     )
+
+
+def _detached(x: Any) -> Any:
+    if torch.is_tensor(x):
+        return x.detach()
+    return tuple(_detached(t) for t in x) if isinstance(x, (tuple, list)) else x
+
+
+def _leaves(x: Any, requires_grad: bool) -> Any:
+    if torch.is_tensor(x):
+        return x.detach().requires_grad_(requires_grad and x.is_floating_point())
+    return tuple(_leaves(t, requires_grad) for t in x)
+
+
+def _to_device(x: Any, device: torch.device) -> Any:
+    if torch.is_tensor(x):
+        return x.to(device)
+    if isinstance(x, (tuple, list)):
+        return tuple(_to_device(t, device) for t in x)
+    return x
 
 
 def _nbytes(x: Any) -> int:

@@ -19,6 +19,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.module import PipelineModule, TiedLayerSpec
 
 from fdg_schedule import config as fdg_config
+from fdg_schedule import observe
 from fdg_schedule.config import FDGConfigError
 from fdg_schedule.engine import FDGPipelineEngine
 
@@ -35,6 +36,7 @@ def build_pipeline_engine(*args: Any, **kwargs: Any) -> PipelineEngine:
     if fdg is None:
         return PipelineEngine(*args, **kwargs)
     _check_module(kwargs.get("model"))
+    observe.before_engine(ds_config)  # W&B offline unless logged in, one group for all stages
     return FDGPipelineEngine(*args, fdg_config=fdg, **kwargs)
 
 
@@ -44,8 +46,8 @@ def _check_module(model: Any) -> None:
     if model._grid.get_slice_parallel_world_size() > 1:
         raise FDGConfigError(
             f"tensor (slice) model parallelism of size {model._grid.get_slice_parallel_world_size()} is not "
-            "supported with pipeline.schedule=\"fdg\"; use a PipeDataParallelTopology (pipeline x data "
-            "parallel only) or train with pipeline.schedule=\"1f1b\""
+            'supported with pipeline.schedule="fdg"; use a PipeDataParallelTopology (pipeline x data '
+            'parallel only) or train with pipeline.schedule="1f1b"'
         )
     specs = getattr(model, "_layer_specs", [])
     for key in {spec.key for spec in specs if isinstance(spec, TiedLayerSpec)}:

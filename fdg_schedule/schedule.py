@@ -47,7 +47,8 @@ class FDGBackward(BufferOpInstruction):
 class FDGLoad(BufferOpInstruction):
     """Read the next micro-batch from the data iterator (inputs on the first stage, labels on the last).
 
-    Roughly: DeepSpeed's ``LoadMicroBatch``.
+    Roughly: DeepSpeed's ``LoadMicroBatch``. The last stage reads a micro-batch's labels at the tick
+    its inputs enter stage 0 and queues them until its forward, K-1 ticks later.
     """
 
     def __str__(self) -> str:
@@ -151,18 +152,22 @@ class FDGTrainSchedule(PipeSchedule):
         if not self.is_last_stage and bwd is not None:
             cmds += [WaitGrad(self._buffer(bwd), micro_batch=bwd)]
             cmds += self._backward_and_step(bwd)
+        # Every stage agrees on whether a micro-batch enters the pipeline at this tick.
+        entering = ticks.forward_micro_batch(tick, 0, self.limit)
+        if fwd is not None and not self.is_first_stage:
+            cmds.append(WaitActivation(self._buffer(fwd), micro_batch=fwd))
+        if entering is not None and self.is_last_stage and not self.is_first_stage:
+            # Note [labels read when the inputs are]: the last stage reads micro-batch t's labels at
+            # tick t, with stage 0's inputs, and keeps the K-1 in flight; both iterators stay aligned.
+            cmds.append(FDGLoad(0, micro_batch=entering))
         if fwd is not None:
-            if not self.is_first_stage:
-                cmds.append(WaitActivation(self._buffer(fwd), micro_batch=fwd))
-            if self.is_first_stage or self.is_last_stage:
+            if self.is_first_stage:
                 cmds.append(FDGLoad(self._buffer(fwd), micro_batch=fwd))
             cmds.append(FDGForward(self._buffer(fwd), micro_batch=fwd))
             if self.is_last_stage:  # delay 0: fwd == bwd
                 cmds += self._backward_and_step(fwd)
         cmds.append(self._exchange(tick, fwd, bwd))
-        # Every stage agrees on whether a micro-batch entered the pipeline at this tick.
-        entered = ticks.forward_micro_batch(tick, 0, self.limit) is not None
-        cmds.append(AdvanceTick(entered=entered))
+        cmds.append(AdvanceTick(entered=entering is not None))
         return cmds
 
     def _backward_and_step(self, micro_batch: int) -> list[PipeInstruction]:

@@ -185,3 +185,59 @@ def bad_config(rank: int, world: int, case: dict[str, Any], tied_layers: bool = 
     except fdg_schedule.FDGConfigError as err:
         return {"error": str(err), "seconds": time.monotonic() - start}
     return {"error": None, "seconds": time.monotonic() - start}
+
+
+# -- checkpoints ----------------------------------------------------------------------------------
+
+
+def resume(rank: int, world: int, cases: list[dict[str, Any]], root: str, phase: str) -> list[dict[str, Any]]:
+    """phase "straight": train, save at tick T without draining, keep training.
+    phase "resumed": a new process loads the checkpoint, restarts the data at micro-batch T, trains."""
+    out = []
+    for i, case in enumerate(cases):
+        torch.manual_seed(1234)
+        engine, model, data = build(case, world)
+        save_dir = f"{root}/case{i}"
+        before, after, gas = case["calls_before"], case["calls_after"], case.get("gas", 3)
+        if phase == "straight":
+            it = iter(data)
+            for _ in range(before):
+                engine.train_batch(it) if not case.get("training_data") else engine.train_batch()
+            engine.save_checkpoint(save_dir, drain=case.get("drain_save", False))
+        else:
+            torch.manual_seed(999)  # the resumed run must not depend on the process's own RNG
+            engine.load_checkpoint(save_dir)
+            ticks_done = before * gas
+            it = iter(data[ticks_done:])  # the user restarts the data at micro-batch T
+        losses = []
+        for _ in range(after):
+            losses.append(
+                engine.train_batch(it).item() if not case.get("training_data") else engine.train_batch().item()
+            )
+        losses.append(engine.drain().item())
+        out.append({"state": _state(model), "losses": losses, "global_steps": engine.global_steps,
+                    "stage_id": engine.stage_id})  # fmt: skip
+    return out
+
+
+def swap(rank: int, world: int, case: dict[str, Any], save_dir: str, phase: str) -> dict[str, Any]:
+    """Save with one schedule / stage count, load with another; report weights and errors."""
+    import fdg_schedule
+
+    torch.manual_seed(1234)
+    engine, model, data = build(case, world)
+    it = iter(data)
+    if phase == "save":
+        for _ in range(2):
+            engine.train_batch(it)
+        engine.save_checkpoint(save_dir)
+        return {"state": _state(model), "engine": type(engine).__name__}
+    error = None
+    try:
+        engine.load_checkpoint(save_dir)
+    except fdg_schedule.FDGConfigError as err:
+        error = str(err)
+        engine.load_checkpoint(save_dir, load_optimizer_states=False, load_lr_scheduler_states=False)
+    state = _state(model)
+    engine.train_batch(it)  # and it trains on
+    return {"state": state, "error": error, "engine": type(engine).__name__, "stage_id": engine.stage_id}
