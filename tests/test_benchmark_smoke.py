@@ -1,0 +1,77 @@
+"""Smoke test of benchmarks/throughput.py: a --quick run on a tiny model writes a complete, sane report.
+
+No timing is asserted (the machine is shared); only that every variant ran, every field is there,
+and the values are physically possible.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+VARIANTS = {
+    "bp",
+    "1f1b_m2",
+    "1f1b_m4",
+    "1f1b_m8",
+    "fdg_current_stored",
+    "fdg_current_recomputed",
+    "fdg_stashed_stored",
+    "fdg_stashed_recomputed",
+    "dp2",
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(150)
+def test_quick_run_writes_a_complete_report(tmp_path: Path) -> None:
+    command = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "throughput.py"),
+        "--quick",
+        "--models=transformer_tiny",  # no batch norm, the fastest model
+        "--repeats=1",
+        f"--out={tmp_path}",
+    ]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=140)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "command: DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 python benchmarks/throughput.py --quick" in done.stdout
+
+    report = json.loads((tmp_path / "throughput.json").read_text())
+    markdown = (tmp_path / "throughput.md").read_text()
+    for key in ("command", "date", "machine", "engine", "load_start", "load_end", "models"):
+        assert key in report, key
+    rows = report["models"]["transformer_tiny"]["variants"]
+    assert set(rows) == VARIANTS
+    for name, row in rows.items():
+        assert name in markdown
+        sps = row["samples_per_s"]
+        assert 0 < sps["min"] <= sps["median"] <= sps["max"] < math.inf, (name, sps)
+        assert 0 < row["efficiency"]["median"] <= 1.05, (name, row["efficiency"])  # timers inside the wall time
+        assert row["ratio_vs_bp"]["median"] > 0 and row["ratio_vs_1f1b_m4"]["median"] > 0
+        stages = 1 if name == "bp" else 2
+        assert len(row["stage_compute_s_per_micro_batch"]) == stages, name
+        assert all(c > 0 for c in row["stage_compute_s_per_micro_batch"]), name
+        assert len(row["memory"]) == stages, name
+        assert all(len(pair) == 2 for pair in row["load_avg_1min"])
+    assert rows["bp"]["ratio_vs_bp"]["median"] == pytest.approx(1.0)
+    assert rows["1f1b_m4"]["optimizer_steps_per_micro_batch"] == pytest.approx(0.25)
+
+    # Memory: FDG stage 0 holds 2 micro-batches (delay 2), the last stage none; 1F1B and BP save activations.
+    for name in VARIANTS:
+        first, *rest = rows[name]["memory"]
+        if name.startswith("fdg"):
+            assert first["in_flight_max"] == 2 and first["held_max"] > 0, (name, first)
+            assert rest[0]["held_max"] == 0 and rest[0]["in_flight_max"] == 0, (name, rest)
+        else:
+            assert first["saved_peak"] > 0, (name, first)
+    stored, recomputed = rows["fdg_current_stored"]["memory"][0], rows["fdg_current_recomputed"]["memory"][0]
+    assert recomputed["held_max"] < stored["held_max"]  # inputs only, not the activations
