@@ -521,7 +521,7 @@ def summarize(plan: dict[str, Any], ranks: list[dict[str, Any]], memory: dict[st
     per_repeat: dict[str, dict[int, float]] = {name: {} for name in specs}
     for name, spec in specs.items():
         rank0 = [w for w in ranks[0]["windows"] if w["variant"] == name]
-        samples_per_s, efficiency, compute, wait, cpu, loads = [], [], [], [], [], []
+        samples_per_s, efficiency, compute, wait, other, cpu, loads = [], [], [], [], [], [], []
         for i, w0 in enumerate(rank0):
             windows = [[x for x in r["windows"] if x["variant"] == name][i] for r in ranks]
             used = [w for w, r in zip(windows, ranks) if r["stage_id"][name] is not None]
@@ -533,6 +533,10 @@ def summarize(plan: dict[str, Any], ranks: list[dict[str, Any]], memory: dict[st
             efficiency.append(sum(stage_compute) / (len(used) * w0["wall_s"]))
             compute.append([c / w0["micro_batches"] for c in stage_compute])
             wait.append([w["stats"].get("wait_s", 0.0) / w0["micro_batches"] for w in used])
+            other.append(
+                [(w["local_wall_s"] - c - w["stats"].get("wait_s", 0.0)) / w0["micro_batches"]
+                 for w, c in zip(used, stage_compute)]
+            )  # fmt: skip
             cpu.append([w["cpu_s"] for w in windows])
             loads.append((w0["load_before"], w0["load_after"]))
         stages = len(compute[0])
@@ -543,6 +547,8 @@ def summarize(plan: dict[str, Any], ranks: list[dict[str, Any]], memory: dict[st
             "efficiency": _spread(efficiency),
             "stage_compute_s_per_micro_batch": [statistics.median(c[s] for c in compute) for s in range(stages)],
             "stage_wait_s_per_micro_batch": [statistics.median(c[s] for c in wait) for s in range(stages)],
+            # the rest of each rank's own wall time: dispatch, exchange posting, data, Python
+            "stage_other_s_per_micro_batch": [statistics.median(c[s] for c in other) for s in range(stages)],
             "cpu_s_per_rank_per_window": [statistics.median(c[r] for c in cpu) for r in range(len(ranks))],
             "load_avg_1min": loads,
             "optimizer_steps_per_micro_batch": 1.0 / spec["gas"] if spec["kind"] == "1f1b" else 1.0,
@@ -586,8 +592,8 @@ def markdown(report: dict[str, Any]) -> str:
             "micro-batches per variant)",
             "",
             "| variant | split | samples/s median [min–max] | ×BP | ×1F1B m=4 | efficiency | compute ms/µb "
-            "| wait ms/µb | peak RSS MB | ΔRSS MB | held (FDG) / saved (others) MB |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "| wait ms/µb | other ms/µb | peak RSS MB | ΔRSS MB | held (FDG) / saved (others) MB |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         lines += [_row(name, row) for name, row in result["variants"].items()]
         loads = [load for row in result["variants"].values() for pair in row["load_avg_1min"] for load in pair]
@@ -622,6 +628,7 @@ def _row(name: str, row: dict[str, Any]) -> str:
         f"{row['efficiency']['median']:.1%}",
         _slash(row["stage_compute_s_per_micro_batch"], 1e3),
         _slash(row["stage_wait_s_per_micro_batch"], 1e3),
+        _slash(row["stage_other_s_per_micro_batch"], 1e3),
         _slash([m["rss_peak"] for m in rss], 2**-20, 0),
         _slash([m["rss_peak"] - m["rss_build"] for m in rss], 2**-20, 0),
         _slash([m.get("held_max", m.get("saved_peak", 0)) for m in mem], 2**-20),
@@ -682,6 +689,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rss", default=None, help="K values for fresh-process memory runs, e.g. 2 or 2,3,4 ('' none)")
     parser.add_argument("--memory-micro-batches", type=int, default=8, help="micro-batches per memory count")
     parser.add_argument("--variants", default=None, help="comma-separated subset of variant names")
+    parser.add_argument("--parts", default="", help="fixed splits instead of measured ones, e.g. '2=0,6,18;2r=0,5,18'")
     parser.add_argument("--engine-note", default="", help="text recorded next to the engine version")
     parser.add_argument("--out", default=str(ROOT / "out" / "throughput"))
     parser.add_argument("--deadline", type=float, default=3600, help="seconds per process tree")
@@ -721,6 +729,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for k in {STAGES, *rss_stages}:
             splits[str(k)] = balanced_split(forward, backward, k)
             splits[f"{k}r"] = balanced_split(forward, backward, k, recompute=True)
+        for item in filter(None, args.parts.split(";")):
+            key, bounds = item.split("=")
+            splits[key] = [int(b) for b in bounds.split(",")]
         plan = dict(model=model, splits=splits, variants=specs, repeats=repeats, window=window, warmup=warmup,
                     memory_micro_batches=args.memory_micro_batches)  # fmt: skip
         costs_ms = [round((f + b) * 1e3, 2) for f, b in zip(forward, backward)]
