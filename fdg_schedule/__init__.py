@@ -15,11 +15,12 @@ import os
 
 from fdg_schedule.config import FDGConfig, FDGConfigError
 from fdg_schedule.engine import FDGPipelineEngine
-from fdg_schedule.errors import FDGRuntimeError
+from fdg_schedule.errors import DataExhausted, FDGRuntimeError
 from fdg_schedule.install import SelectPipelineEngine, build_pipeline_engine, initialize, install, uninstall
 from fdg_schedule.reference import fdg_reference
 
 __all__ = [
+    "DataExhausted",
     "FDGConfig",
     "FDGConfigError",
     "FDGPipelineEngine",

@@ -12,7 +12,8 @@ header (and before every activation when the module has ``dynamic_shape=True``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ _DTYPES = [
     torch.int8, torch.int16, torch.int32, torch.int64, torch.bool,
 ]  # fmt: skip
 TAG = 0x0FD6  # FDG traffic never matches DeepSpeed's own (tag 0) point-to-point messages
+NO_END = -1  # the control word of an activation while data keeps coming
 
 Meta = list[tuple[torch.Size, torch.dtype]]
 
@@ -42,7 +44,9 @@ class NeighbourExchange:
         prev_rank / next_rank: global ranks of the neighbouring stages (None at the ends).
         device: where received tensors are allocated.
         dynamic_shape: send the activation header every time instead of once.
-        describe: names this stage in error messages.
+        describe: names a stage in error messages, given its stage id and global rank.
+        stage_id: this stage.
+        timeout_s: how long any wait may block before the neighbour is declared failed.
     """
 
     def __init__(
@@ -51,13 +55,19 @@ class NeighbourExchange:
         next_rank: int | None,
         device: torch.device,
         dynamic_shape: bool,
-        describe: str,
+        describe: Callable[[int, int | None], str],
+        stage_id: int,
+        timeout_s: float,
     ) -> None:
         self.prev_rank, self.next_rank = prev_rank, next_rank
-        self.device, self.dynamic_shape, self.describe = device, dynamic_shape, describe
+        self.device, self.dynamic_shape = device, dynamic_shape
+        self.describe = describe(stage_id, dist.get_rank())
+        self._prev = describe(stage_id - 1, prev_rank)
+        self._next = describe(stage_id + 1, next_rank)
+        self.timeout = timedelta(seconds=timeout_s)
         self.sent_meta: Meta | None = None
         self.recv_meta: Meta | None = None
-        self._sends: list[dist.Work] = []
+        self._sends: list[tuple[dist.Work, str]] = []
         self._send_refs: list[Tensor] = []
         self._activation: tuple[list[dist.Work], list[Tensor]] | None = None
         self._grad: tuple[list[dist.Work], list[Tensor], Tensor] | None = None
@@ -69,49 +79,58 @@ class NeighbourExchange:
         loss: Tensor | None,
         recv_activation: bool,
         recv_grad_meta: Meta | None,
+        end: int = NO_END,
     ) -> None:
-        """Send this tick's activation / gradients+loss; receive next tick's (shapes in ``recv_grad_meta``)."""
+        """Send this tick's activation / gradients+loss; receive next tick's (shapes in ``recv_grad_meta``).
+
+        One ``batch_isend_irecv`` per neighbour. An activation travels with a control word: ``end``
+        is the number of micro-batches of the segment when the data ran out (Note [end of data]).
+        """
         self.wait_sends()
         if activation is not None:
-            activation = [_wire(t) for t in activation]
-        self._exchange_headers(activation, recv_activation)
-        ops: list[dist.P2POp] = []
-        if activation is not None:
-            ops += [dist.P2POp(dist.isend, t, self.next_rank, tag=TAG) for t in activation]
-            self._send_refs += activation
-        if grads is not None:
-            assert loss is not None
-            upstream = [*grads, loss.detach().float().reshape(1)]
-            ops += [dist.P2POp(dist.isend, t.contiguous(), self.prev_rank, tag=TAG) for t in upstream]
-            self._send_refs += upstream
-        n_sends = len(ops)
-        act_bufs: list[Tensor] = []
+            activation = [*(_wire(t) for t in activation), torch.tensor([end], dtype=torch.int64, device=self.device)]
+        self._exchange_headers(None if activation is None else activation[:-1], recv_activation)
+        to_prev = [] if grads is None else [*(g.contiguous() for g in grads), _loss_message(loss)]
+        to_next = [] if activation is None else activation
+        from_prev: list[Tensor] = []
         if recv_activation:
             assert self.recv_meta is not None
-            act_bufs = [torch.empty(s, dtype=_wire_dtype(d), device=self.device) for s, d in self.recv_meta]
-            ops += [dist.P2POp(dist.irecv, t, self.prev_rank, tag=TAG) for t in act_bufs]
-        grad_bufs: list[Tensor] = []
+            from_prev = [torch.empty(s, dtype=_wire_dtype(d), device=self.device) for s, d in self.recv_meta]
+            from_prev.append(torch.empty(1, dtype=torch.int64, device=self.device))
+        from_next: list[Tensor] = []
         if recv_grad_meta is not None:
-            grad_bufs = [torch.empty(s, dtype=d, device=self.device) for s, d in recv_grad_meta]
-            grad_bufs.append(torch.empty(1, dtype=torch.float32, device=self.device))
-            ops += [dist.P2POp(dist.irecv, t, self.next_rank, tag=TAG) for t in grad_bufs]
-        works = dist.batch_isend_irecv(ops) if ops else []
-        self._sends = list(works[:n_sends])
-        rest = works[n_sends:]
+            from_next = [torch.empty(s, dtype=d, device=self.device) for s, d in recv_grad_meta]
+            from_next.append(torch.empty(1, dtype=torch.float32, device=self.device))
+        prev_works = self._batch(self.prev_rank, self._prev, to_prev, from_prev)
+        next_works = self._batch(self.next_rank, self._next, to_next, from_next)
         if recv_activation:
-            self._activation = (list(rest[: len(act_bufs)]), act_bufs)
+            self._activation = (prev_works, from_prev)
         if recv_grad_meta is not None:
-            self._grad = (list(rest[len(act_bufs) :]), grad_bufs[:-1], grad_bufs[-1])
+            self._grad = (next_works, from_next[:-1], from_next[-1])
 
-    def wait_activation(self) -> tuple[Tensor, ...]:
-        """The activation posted for this tick (blocks until it has arrived)."""
+    def _batch(self, peer: int | None, name: str, sends: list[Tensor], recvs: list[Tensor]) -> list[dist.Work]:
+        """One batched exchange with one neighbour; returns the receives' works (sends are kept)."""
+        if not sends and not recvs:
+            return []
+        ops = [dist.P2POp(dist.isend, t, peer, tag=TAG) for t in sends]
+        ops += [dist.P2POp(dist.irecv, t, peer, tag=TAG) for t in recvs]
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except RuntimeError as err:
+            raise self._failed(f"reaching {name}", err) from err
+        self._sends += [(w, name) for w in works[: len(sends)]]
+        self._send_refs += sends  # isend does not copy: keep the tensors alive until it completes
+        return list(works[len(sends) :])
+
+    def wait_activation(self) -> tuple[tuple[Tensor, ...], int]:
+        """The activation posted for this tick and its control word (blocks until it has arrived)."""
         if self._activation is None:
             raise FDGRuntimeError(f"{self.describe}: no activation receive was posted for this tick")
         works, bufs = self._activation
         self._activation = None
-        _wait_all(works)
+        self._wait(works, f"the activation from {self._prev}")
         assert self.recv_meta is not None
-        return tuple(_unwire(t, d) for t, (_, d) in zip(bufs, self.recv_meta))
+        return tuple(_unwire(t, d) for t, (_, d) in zip(bufs, self.recv_meta)), int(bufs[-1].item())
 
     def wait_grad(self) -> tuple[tuple[Tensor, ...], Tensor]:
         """The gradients and carried loss posted for this tick (blocks until they have arrived)."""
@@ -119,22 +138,22 @@ class NeighbourExchange:
             raise FDGRuntimeError(f"{self.describe}: no gradient receive was posted for this tick")
         works, grads, loss = self._grad
         self._grad = None
-        _wait_all(works)
+        self._wait(works, f"the gradient from {self._next}")
         return tuple(grads), loss[0]
 
     def wait_sends(self) -> None:
-        _wait_all(self._sends)
+        while self._sends:
+            work, name = self._sends.pop(0)
+            self._wait([work], f"{name} to take what this stage sent")
         self._send_refs = []
-
-    def pending_receives(self) -> bool:
-        return self._activation is not None or self._grad is not None
 
     def complete(self) -> None:
         """Wait for everything posted: sends, and receives (kept for the next tick's waits)."""
         self.wait_sends()
-        for pending in (self._activation, self._grad):
-            if pending is not None:
-                _wait_all(pending[0])
+        if self._activation is not None:
+            self._wait(self._activation[0], f"the activation from {self._prev}")
+        if self._grad is not None:
+            self._wait(self._grad[0], f"the gradient from {self._next}")
 
     def received(self) -> dict[str, Any]:
         """What arrived for the next tick and the shape headers, after :meth:`complete` (for checkpoints)."""
@@ -171,7 +190,7 @@ class NeighbourExchange:
         header = torch.empty(_HEADER_INTS, dtype=torch.int64, device=self.device)
         if recv:
             ops.append(dist.P2POp(dist.irecv, header, self.prev_rank, tag=TAG))
-        _wait_all(dist.batch_isend_irecv(ops))
+        self._wait(dist.batch_isend_irecv(ops), f"the activation header from {self._prev}")
         if recv:
             self.recv_meta = _decode(header)
 
@@ -183,11 +202,24 @@ class NeighbourExchange:
                 "PipelineModule with dynamic_shape=True to send varying shapes (costs one header per tick)"
             )
 
+    def _wait(self, works: list[dist.Work], what: str) -> None:
+        """Wait for and forget each work (a gloo receive waited twice waits for a second message)."""
+        while works:
+            try:
+                works.pop(0).wait(timeout=self.timeout)
+            except RuntimeError as err:
+                raise self._failed(f"waiting for {what}", err) from err
 
-def _wait_all(works: list[dist.Work]) -> None:
-    """Wait for and forget each work: a gloo receive waited twice waits for a second message."""
-    while works:
-        works.pop(0).wait()
+    def _failed(self, doing: str, err: Exception) -> FDGRuntimeError:
+        return FDGRuntimeError(
+            f"{self.describe}: gave up {doing} (timeout {self.timeout.total_seconds():g} s): that rank failed, was "
+            f"killed or stopped sending -- see its log (the wait is pipeline.fdg.timeout) [{err}]"
+        )
+
+
+def _loss_message(loss: Tensor | None) -> Tensor:
+    assert loss is not None, "gradients travel with the loss they belong to"
+    return loss.detach().float().reshape(1)
 
 
 def _wire(t: Tensor) -> Tensor:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
 import math
 import os
 import time
@@ -26,16 +27,16 @@ import torch.distributed as dist
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.pipe.engine import PipelineEngine
-from deepspeed.runtime.pipe.schedule import ReduceGrads
+from deepspeed.runtime.pipe.schedule import PipeInstruction, ReduceGrads
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from deepspeed.utils import logger
 from torch import Tensor
 
 from fdg_schedule import checkpoint, ticks
-from fdg_schedule.comm import Meta, NeighbourExchange, meta_of
+from fdg_schedule.comm import NO_END, Meta, NeighbourExchange, meta_of
 from fdg_schedule.config import FDGConfig, FDGConfigError
 from fdg_schedule.delayed import DelayedBackward, Held
-from fdg_schedule.errors import FDGRuntimeError
+from fdg_schedule.errors import DataExhausted, FDGRuntimeError, _DataEnded
 from fdg_schedule.observe import Observer, observers_from_config
 from fdg_schedule.schedule import (
     AdvanceTick,
@@ -77,13 +78,14 @@ class FDGPipelineEngine(PipelineEngine):
         super().__init__(*args, **kwargs)
         self.fdg_config = fdg_config
         self._decouple_optimizer_from_other_stages()
-        describe = f"stage {self.stage_id} (global rank {self.global_rank})"
         self._exchange = NeighbourExchange(
             prev_rank=None if self.is_first_stage() else self.grid.stage_to_global(self.prev_stage),
             next_rank=None if self.is_last_stage() else self.grid.stage_to_global(self.next_stage),
             device=self.device,
             dynamic_shape=self.dynamic_shape,
-            describe=describe,
+            describe=lambda stage, rank: f"stage {stage} (global rank {rank})",
+            stage_id=self.stage_id,
+            timeout_s=fdg_config.timeout,
         )
         self._delayed = DelayedBackward(self.module, fdg_config, delayed=not self.is_last_stage())
         self.segment_tick = 0  # ticks since the pipeline last filled (micro-batch 0 of the segment)
@@ -93,8 +95,15 @@ class FDGPipelineEngine(PipelineEngine):
         self._losses: dict[int, Tensor] = {}  # buffer -> loss (last stage)
         self.labels_in_flight: collections.deque[Any] = collections.deque()  # last stage, K > 1
         self.micro_batches_read = 0  # from the data iterator on this rank (first and last stage)
+        self._send_end: int | None = None  # Note [end of data]: pass the end downstream this tick
+        self.segment_limit: int | None = None  # micro-batches in this segment, once the data has ended
         self._call_losses: list[Tensor] = []
-        self.fdg_stats: dict[str, float] = {"ticks": 0, "steps": 0, **{f"{k}_s": 0.0 for k in _KINDS.values()}}
+        self.fdg_stats: dict[str, float] = {
+            "ticks": 0,
+            "steps": 0,
+            "skipped": 0,
+            **{f"{k}_s": 0.0 for k in _KINDS.values()},
+        }
         self.observers: list[Observer] = observers_from_config(self)
 
     # -- public ---------------------------------------------------------------------------------
@@ -114,6 +123,8 @@ class FDGPipelineEngine(PipelineEngine):
         accumulated gradient has been stepped, and the next ``train_batch()`` fills it again.
         Use it at the end of training and before a schedule-independent checkpoint.
         """
+        if self.segment_limit is not None:  # the data already ended: finish that segment
+            return self._run(self._schedule(self._last_tick() + 1 - self.segment_tick, drain=False))
         loss = self._run(self._schedule(ticks.drain_ticks(self.num_stages), drain=True))
         self.segment_tick = 0
         return loss
@@ -300,14 +311,18 @@ class FDGPipelineEngine(PipelineEngine):
 
     # -- running ticks ----------------------------------------------------------------------------
 
-    def _schedule(self, micro_batches: int, drain: bool) -> FDGTrainSchedule:
+    def _schedule(self, micro_batches: int, drain: bool, start_tick: int | None = None) -> FDGTrainSchedule:
+        start = self.segment_tick if start_tick is None else start_tick
+        if self.segment_limit is not None and not drain:  # the data has ended: finish the segment
+            micro_batches = max(0, min(micro_batches, self._last_tick() + 1 - start))
         return FDGTrainSchedule(
             micro_batches=micro_batches,
             stages=self.num_stages,
             stage_id=self.stage_id,
-            start_tick=self.segment_tick,
+            start_tick=start,
             accumulate=self.fdg_config.accumulate,
             drain=drain,
+            limit=self.segment_limit,
         )
 
     def _run(self, schedule: FDGTrainSchedule) -> Tensor:
@@ -315,7 +330,7 @@ class FDGPipelineEngine(PipelineEngine):
         self._call_losses = []
         steps_before = self.global_steps
         start = time.perf_counter()
-        self._exec_schedule(schedule)
+        data_ended = self._exec_ticks(schedule)
         wait_start = time.perf_counter()
         self._exchange.complete()
         self.fdg_stats["wait_s"] += time.perf_counter() - wait_start
@@ -324,25 +339,77 @@ class FDGPipelineEngine(PipelineEngine):
         self._report(steps_before, elapsed)
         for observer in self.observers:
             observer.on_call_end(self, elapsed)
+        if data_ended:
+            raise DataExhausted(self.agg_train_loss)
         return self.agg_train_loss
 
+    def _exec_ticks(self, schedule: FDGTrainSchedule) -> bool:
+        """Run the schedule tick by tick; True when the data has ended and the pipeline is drained."""
+        self._reserve_pipe_buffers(schedule.num_pipe_buffers())
+        call_end = schedule.start_tick + schedule.micro_batches
+        for tick, cmds in zip(itertools.count(schedule.start_tick), schedule.steps()):
+            done: list[PipeInstruction] = []
+            try:
+                for cmd in cmds:
+                    self._exec_instruction(cmd)
+                    done.append(cmd)
+            except _DataEnded as ended:
+                self._learn_data_end(tick, ended.limit, done)
+                rest = self._schedule(call_end - tick - 1, drain=False, start_tick=tick + 1)
+                for later in rest.steps():
+                    for cmd in later:
+                        self._exec_instruction(cmd)
+                break
+        if self.segment_limit is None or self.segment_tick <= self._last_tick():
+            return False
+        self.segment_limit = None  # drained: the next call fills a new segment
+        self.segment_tick = 0
+        self.labels_in_flight.clear()  # read past the end when the label iterator is longer
+        return True
+
+    def _learn_data_end(self, tick: int, limit: int, done: list[PipeInstruction]) -> None:
+        """Note [end of data]: stage 0's iterator ran out at micro-batch ``limit`` of the segment.
+
+        Stage 0 learns it from its iterator at tick ``limit``; it then sends a dummy activation
+        carrying ``limit`` where micro-batch ``limit`` would have gone, and stage k learns it from
+        that dummy at tick ``limit + k``, before it would have forwarded micro-batch ``limit``.
+        From then on each stage runs the schedule of a segment of ``limit`` micro-batches, through
+        the tick at which stage 0 back-propagates the last one, and every stage raises
+        :class:`DataExhausted` in the call that contains that tick.
+        """
+        self.segment_limit = limit
+        self._send_end = None if self.is_last_stage() else limit
+        # Ticks since `limit` already counted a micro-batch as entering on this stage.
+        self.global_samples -= (tick - limit) * self.train_micro_batch_size_per_gpu() * self.dp_world_size
+        for cmd in self._schedule(0, drain=False, start_tick=tick).tick_instructions(tick):
+            if not any(type(cmd) is type(d) and cmd.kwargs == d.kwargs for d in done):
+                self._exec_instruction(cmd)
+
+    def _last_tick(self) -> int:
+        """The segment tick at which stage 0 back-propagates the segment's last micro-batch."""
+        assert self.segment_limit is not None
+        return self.segment_limit - 1 + ticks.drain_ticks(self.num_stages)
+
     def _exec_schedule(self, pipe_schedule: Any) -> None:
-        """DeepSpeed's dispatch loop, timing every instruction (stock instructions too, for eval)."""
+        """DeepSpeed's dispatch loop (eval_batch runs through it), with every instruction timed."""
         self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
         self.fwd_outputs = []
         for step_cmds in pipe_schedule:
             for cmd in step_cmds:
-                handler = self._INSTRUCTION_MAP.get(type(cmd))
-                if handler is None:
-                    raise FDGRuntimeError(f"{type(self).__name__} does not understand instruction {cmd!r}")
-                start = time.perf_counter()
-                handler(self, **cmd.kwargs)
-                end = time.perf_counter()
-                kind = _KINDS.get(type(cmd))
-                if kind is not None:
-                    self.fdg_stats[f"{kind}_s"] += end - start
-                for observer in self.observers:
-                    observer.on_instruction(self, cmd, start, end)
+                self._exec_instruction(cmd)
+
+    def _exec_instruction(self, cmd: PipeInstruction) -> None:
+        handler = self._INSTRUCTION_MAP.get(type(cmd))
+        if handler is None:
+            raise FDGRuntimeError(f"{type(self).__name__} does not understand instruction {cmd!r}")
+        start = time.perf_counter()
+        handler(self, **cmd.kwargs)
+        end = time.perf_counter()
+        kind = _KINDS.get(type(cmd))
+        if kind is not None:
+            self.fdg_stats[f"{kind}_s"] += end - start
+        for observer in self.observers:
+            observer.on_instruction(self, cmd, start, end)
 
     def _mean_call_loss(self) -> Tensor:
         if self._call_losses:
@@ -376,14 +443,21 @@ class FDGPipelineEngine(PipelineEngine):
     # -- instruction handlers -------------------------------------------------------------------
 
     def _exec_fdg_load(self, buffer_id: int, micro_batch: int) -> None:
-        if self.is_first_stage():  # inputs (and labels too when K = 1), as DeepSpeed loads them
-            self._exec_load_micro_batch(buffer_id)
-        else:  # Note [labels read when the inputs are]
-            self.labels_in_flight.append(_to_device(self._next_batch()[1], self.device))
+        try:
+            if self.is_first_stage():  # inputs (and labels too when K = 1), as DeepSpeed loads them
+                self._exec_load_micro_batch(buffer_id)
+            else:  # Note [labels read when the inputs are]
+                self.labels_in_flight.append(_to_device(self._next_batch()[1], self.device))
+        except StopIteration:
+            if self.is_first_stage():
+                raise _DataEnded(micro_batch) from None
+            return  # the last stage learns the end from upstream, with the micro-batch that is missing
         self.micro_batches_read += 1
 
     def _exec_wait_activation(self, buffer_id: int, micro_batch: int) -> None:
-        received = self._exchange.wait_activation()
+        received, end = self._exchange.wait_activation()
+        if end != NO_END:  # a dummy: the data ended (Note [end of data])
+            raise _DataEnded(end)
         for t in received:
             t.requires_grad_(t.is_floating_point())
         self.pipe_buffers["inputs"][buffer_id] = received[0] if len(received) == 1 else received
@@ -396,6 +470,11 @@ class FDGPipelineEngine(PipelineEngine):
         outputs = self._delayed.forward(buffer_id, lambda: self._stage_forward(inputs))
         self.pipe_buffers["outputs"][buffer_id] = outputs
         if self.is_last_stage():
+            if not self.is_first_stage() and not self.labels_in_flight:
+                raise FDGRuntimeError(
+                    f"stage {self.stage_id} (global rank {self.global_rank}): the labels ran out before the inputs, "
+                    f"at micro-batch {micro_batch} of the segment; first and last stage must read data of equal length"
+                )
             labels = (
                 self.pipe_buffers["labels"][buffer_id] if self.is_first_stage() else self.labels_in_flight.popleft()
             )
@@ -409,6 +488,8 @@ class FDGPipelineEngine(PipelineEngine):
     def _exec_fdg_backward(self, buffer_id: int, micro_batch: int) -> None:
         if self.is_last_stage():
             loss = self._losses.pop(buffer_id)
+            if not bool(torch.isfinite(loss.detach()).all()):
+                self._non_finite("loss", micro_batch)
             # One micro-batch per tick: no division by gradient_accumulation_steps.
             DeepSpeedEngine.backward(self, loss / self.fdg_config.accumulate, scale_wrt_gas=False)
             carried = loss.detach().float()
@@ -428,20 +509,45 @@ class FDGPipelineEngine(PipelineEngine):
         self.pipe_buffers["labels"][buffer_id] = None
 
     def _exec_local_optimizer_step(self) -> None:
+        wrapped = self.bfloat16_enabled() or self.zero_optimization()
         self._force_grad_boundary = True
         try:
-            clip = self.gradient_clipping()
-            if clip > 0 and not (self.bfloat16_enabled() or self.zero_optimization()):
+            finite = True
+            if not wrapped:  # the bf16 and ZeRO wrappers check (and skip) non-finite steps themselves
+                grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+                clip = self.gradient_clipping()
                 # Stage-local norm: DeepSpeed's clip_fp32_gradients all-reduces across stages.
-                torch.nn.utils.clip_grad_norm_(self.module.parameters(), clip)
-            self.optimizer.step()
-            if self.bfloat16_enabled() or self.zero_optimization():
+                norm = (
+                    torch.nn.utils.clip_grad_norm_(self.module.parameters(), clip)
+                    if clip > 0
+                    else torch.nn.utils.get_total_norm(grads)
+                )
+                finite = bool(torch.isfinite(norm))
+            if finite:
+                self.optimizer.step()
+                finite = not getattr(self.optimizer, "overflow", False)
+            if wrapped:
                 self.optimizer.zero_grad()
             else:
                 self.zero_grad()
         finally:
             self._force_grad_boundary = False
-        self.fdg_stats["steps"] += 1
+        if finite:
+            self.fdg_stats["steps"] += 1
+        else:
+            self._non_finite("gradient")
+
+    def _non_finite(self, what: str, micro_batch: int | None = None) -> None:
+        """pipeline.fdg.nonfinite: stop with an error naming the stage and tick, or count a skipped step."""
+        if self.fdg_config.nonfinite == "skip":
+            self.fdg_stats["skipped"] += what == "gradient"
+            return
+        where = "" if micro_batch is None else f" of micro-batch {micro_batch} (of this pipeline segment)"
+        raise FDGRuntimeError(
+            f"stage {self.stage_id} (global rank {self.global_rank}): non-finite {what}{where} at tick "
+            f'{self.global_steps}; lower the learning rate or set pipeline.fdg.nonfinite="skip" to skip '
+            "such optimizer steps"
+        )
 
     def _exec_exchange(
         self,
@@ -455,6 +561,15 @@ class FDGPipelineEngine(PipelineEngine):
             activation = _as_tuple(self.pipe_buffers["outputs"][send_activation])
             if self._delayed.recompute:  # only the input waits for the backward
                 self.pipe_buffers["outputs"][send_activation] = None
+        end = NO_END
+        if self._send_end is not None:  # Note [end of data]: where the missing micro-batch would go
+            end, self._send_end = self._send_end, None
+            if self._exchange.sent_meta is None:
+                raise FDGRuntimeError(
+                    f"stage {self.stage_id} (global rank {self.global_rank}): the data ran out before the first "
+                    "micro-batch; the next stage cannot be told -- give train_batch() a non-empty iterator"
+                )
+            activation = tuple(torch.zeros(s, dtype=d, device=self.device) for s, d in self._exchange.sent_meta)
         grads, loss = self._to_send.pop(send_grad) if send_grad is not None else (None, None)
         self._exchange.post(
             activation=activation,
@@ -462,6 +577,7 @@ class FDGPipelineEngine(PipelineEngine):
             loss=loss,
             recv_activation=recv_activation is not None,
             recv_grad_meta=None if recv_grad is None else self._sent_meta[recv_grad],
+            end=end,
         )
 
     def _exec_advance_tick(self, entered: bool) -> None:

@@ -116,6 +116,7 @@ class FDGTrainSchedule(PipeSchedule):
         start_tick: segment tick at which this call starts (ticks since the pipeline last filled).
         accumulate: backward passes per optimizer step.
         drain: run a drain instead: no micro-batch enters, in-flight ones finish.
+        limit: the segment has only this many micro-batches (the data ran out): none enters after.
     """
 
     def __init__(
@@ -126,12 +127,13 @@ class FDGTrainSchedule(PipeSchedule):
         start_tick: int = 0,
         accumulate: int = 1,
         drain: bool = False,
+        limit: int | None = None,
     ) -> None:
         super().__init__(micro_batches=micro_batches, stages=stages, stage_id=stage_id)
         self.start_tick = start_tick
         self.accumulate = accumulate
         # During a drain only the micro-batches that already entered stage 0 are processed.
-        self.limit: int | None = start_tick if drain else None
+        self.limit: int | None = start_tick if drain else limit
 
     def num_pipe_buffers(self) -> int:
         return ticks.num_buffers(self.stages, self.stage_id)

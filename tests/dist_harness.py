@@ -26,9 +26,18 @@ class RankFailed(AssertionError):
 
 
 def run_ranks(
-    worker: Callable[..., Any], world_size: int, tmp_path: Path, *args: Any, deadline_s: float = 240
+    worker: Callable[..., Any],
+    world_size: int,
+    tmp_path: Path,
+    *args: Any,
+    deadline_s: float = 240,
+    expect_exit: dict[int, int] | None = None,
 ) -> list[Any]:
-    """``worker(rank, world_size, *args)`` on every rank; returns the results in rank order."""
+    """``worker(rank, world_size, *args)`` on every rank; returns the results in rank order.
+
+    Ranks in ``expect_exit`` must die with that exit code instead of returning (their result is None).
+    """
+    expect_exit = expect_exit or {}
     ctx = mp.get_context("spawn")
     results: Any = ctx.Queue()
     init_file = tmp_path / f"rendezvous-{time.monotonic_ns()}"
@@ -46,16 +55,27 @@ def run_ranks(
     end = time.monotonic() + deadline_s
     try:
         while len(done) < world_size:
+            for r, code in expect_exit.items():
+                if r not in done and procs[r].exitcode is not None:
+                    if procs[r].exitcode != code:
+                        raise RankFailed(f"rank {r} exited with {procs[r].exitcode}, expected {code}")
+                    done[r] = None
             try:
                 status, rank, payload = results.get(timeout=max(0.1, min(1.0, end - time.monotonic())))
             except queue.Empty:
                 if time.monotonic() > end:
                     missing = sorted(set(range(world_size)) - set(done))
                     raise RankFailed(f"ranks {missing} did not finish within {deadline_s:.0f} s") from None
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in done]
+                dead = [
+                    r
+                    for r, p in enumerate(procs)
+                    if p.exitcode not in (None, 0) and r not in done and r not in expect_exit
+                ]
                 if dead:
                     raise RankFailed(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
                 continue
+            if rank in expect_exit:
+                raise RankFailed(f"rank {rank} was expected to die with exit code {expect_exit[rank]}: {status}")
             if status == "error":
                 raise RankFailed(f"rank {rank} raised:\n{payload}")
             done[rank] = torch.load(io.BytesIO(payload), weights_only=False)

@@ -241,3 +241,70 @@ def swap(rank: int, world: int, case: dict[str, Any], save_dir: str, phase: str)
     state = _state(model)
     engine.train_batch(it)  # and it trains on
     return {"state": state, "error": error, "engine": type(engine).__name__, "stage_id": engine.stage_id}
+
+
+# -- failures -------------------------------------------------------------------------------------
+
+
+class Saboteur(torch.nn.Module):
+    """Identity until its ``trigger``-th forward, then dies, raises, hangs or returns inf."""
+
+    def __init__(self, trigger: int, how: str) -> None:
+        super().__init__()
+        self.trigger, self.how, self.calls = trigger, how, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.trigger:
+            if self.how == "die":
+                import os
+
+                os._exit(3)
+            if self.how == "raise":
+                raise ValueError("boom in a layer of stage 1")
+            if self.how == "hang":
+                time.sleep(30)
+        if self.how == "inf" and self.calls >= self.trigger:
+            return x * float("inf")
+        return x
+
+
+def failure(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
+    """K=2; stage 1 misbehaves at its ``trigger``-th forward. Report how this rank ended."""
+    import fdg_schedule
+
+    layers = toy.layers()
+    layers.insert(8, Saboteur(case["trigger"], case["how"]))  # on the last stage, before the output layer
+    model = PipelineModule(layers=layers, num_stages=2, loss_fn=toy.loss_fn, partition_method="uniform")
+    cfg = ds_config({"gas": 2, "grad_shrink": 0.5})
+    cfg["pipeline"]["fdg"].update(timeout=case.get("timeout", 60), nonfinite=case.get("nonfinite", "error"))
+    engine, *_ = deepspeed.initialize(model=model, config=cfg, optimizer=make_optimizer({}),
+                                      model_parameters=model.parameters())  # fmt: skip
+    it = iter(toy.micro_batches(40, 4))
+    start = time.monotonic()
+    try:
+        for _ in range(case.get("calls", 6)):
+            engine.train_batch(it)
+    except (fdg_schedule.FDGRuntimeError, ValueError) as err:
+        return {"error": str(err), "seconds": time.monotonic() - start, "stage_id": engine.stage_id}
+    finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    return {"error": None, "skipped": engine.fdg_stats["skipped"], "steps": engine.fdg_stats["steps"],
+            "finite": finite, "stage_id": engine.stage_id}  # fmt: skip
+
+
+def data_end(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
+    """Train until the data iterator runs out; every rank must end with DataExhausted, drained."""
+    from fdg_schedule import DataExhausted
+
+    engine, model, data = build(case, world)
+    it = iter(data[: case["limit"]])
+    calls = 0
+    try:
+        while True:
+            engine.train_batch(it)
+            calls += 1
+    except DataExhausted as ended:
+        last_loss = float(ended.loss)
+    return {"state": _state(model), "calls": calls, "global_steps": engine.global_steps,
+            "global_samples": engine.global_samples, "in_flight": engine.in_flight(), "last_loss": last_loss,
+            "stage_id": engine.stage_id, "parts": model.parts}  # fmt: skip

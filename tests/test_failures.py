@@ -1,0 +1,74 @@
+"""Failures never hang: a rank that dies, raises or stops sending, and non-finite values (real ranks)."""
+
+from __future__ import annotations
+
+import engine_workers
+import pytest
+import torch
+import toy
+from dist_harness import run_ranks
+
+from fdg_schedule import FDGConfig, fdg_reference, ticks
+
+pytestmark = pytest.mark.distributed
+
+
+def test_a_rank_killed_mid_run_makes_the_other_exit_with_an_error(tmp_path) -> None:
+    case = {"trigger": 5, "how": "die", "timeout": 20}
+    stage0, _ = run_ranks(engine_workers.failure, 2, tmp_path, case, deadline_s=120, expect_exit={1: 3})
+    assert "stage 0 (global rank 0): gave up waiting for the gradient from stage 1 (global rank 1)" in stage0["error"]
+    assert stage0["seconds"] < 20 + 10
+
+
+def test_a_rank_that_stops_sending_is_reported_within_the_timeout(tmp_path) -> None:
+    case = {"trigger": 5, "how": "hang", "timeout": 4}
+    stage0, stage1 = run_ranks(engine_workers.failure, 2, tmp_path, case, deadline_s=120)
+    assert "stage 0 (global rank 0): gave up waiting for stage 1 (global rank 1)" in stage0["error"]
+    assert "(timeout 4 s)" in stage0["error"]
+    assert 4 <= stage0["seconds"] < 4 + 10
+    assert "stage 1 (global rank 1): gave up" in stage1["error"]  # and stage 1 does not hang either
+
+
+def test_a_rank_that_raises_brings_the_other_down(tmp_path) -> None:
+    case = {"trigger": 5, "how": "raise", "timeout": 10}
+    stage0, stage1 = run_ranks(engine_workers.failure, 2, tmp_path, case, deadline_s=120)
+    assert "boom in a layer of stage 1" in stage1["error"]
+    assert "stage 1 (global rank 1)" in stage0["error"] and stage0["seconds"] < 10 + 10
+
+
+def test_non_finite_loss_stops_with_the_stage_and_tick(tmp_path) -> None:
+    case = {"trigger": 5, "how": "inf", "timeout": 10}
+    stage0, stage1 = run_ranks(engine_workers.failure, 2, tmp_path, case, deadline_s=120)
+    assert "stage 1 (global rank 1): non-finite loss of micro-batch 4" in stage1["error"]
+    assert "at tick 5" in stage1["error"] and 'pipeline.fdg.nonfinite="skip"' in stage1["error"]
+    assert stage0["error"] is not None  # its neighbour stopped: it does not hang
+
+
+def test_non_finite_steps_are_skipped_and_counted(tmp_path) -> None:
+    case = {"trigger": 5, "how": "inf", "nonfinite": "skip", "calls": 6}
+    stage0, stage1 = run_ranks(engine_workers.failure, 2, tmp_path, case, deadline_s=120)
+    for r in (stage0, stage1):
+        assert r["error"] is None and r["finite"]
+        assert r["skipped"] > 0
+    assert stage1["steps"] == 4  # micro-batches 0..3 stepped, 4.. non-finite
+
+
+@pytest.mark.parametrize("stages,limit", [(2, 10), (3, 7)])
+def test_data_running_out_drains_and_ends_every_rank(tmp_path, stages: int, limit: int) -> None:
+    """The iterator ends mid-call: every rank drains, raises DataExhausted, and the weights are
+    the reference's after ``limit`` micro-batches and a drain."""
+    case = {"stages": stages, "n": 16, "gas": 3, "limit": limit, "grad_shrink": 0.5, "weights": "stashed"}
+    results = run_ranks(engine_workers.data_end, stages, tmp_path, case, deadline_s=180)
+    for r in results:
+        # every rank raises in the call holding the tick stage 0 back-propagates the last micro-batch
+        assert r["in_flight"] == 0 and r["calls"] == (limit - 1 + ticks.drain_ticks(stages)) // 3
+        assert r["global_steps"] == limit + ticks.drain_ticks(stages)  # the same on every stage
+        assert r["global_samples"] == limit * 4
+    stages_ref = toy.reference_stages(results[0]["parts"])
+    opts = [torch.optim.SGD(s.parameters(), lr=0.1, momentum=0.9) for s in stages_ref]
+    data = toy.micro_batches(case["n"], 4)[:limit]
+    fdg_reference(stages_ref, opts, data, toy.loss_fn, FDGConfig(grad_shrink=0.5, weights="stashed"), drain=True)
+    engine_state = {k: v for r in results for k, v in r["state"].items()}
+    for s in stages_ref:
+        for key, value in s.state_dict().items():
+            torch.testing.assert_close(engine_state[key], value, rtol=1e-6, atol=1e-6)
