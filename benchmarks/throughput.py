@@ -38,6 +38,7 @@ import os
 import platform
 import queue
 import resource
+import signal
 import statistics
 import sys
 import tempfile
@@ -694,6 +695,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", default=str(ROOT / "out" / "throughput"))
     parser.add_argument("--deadline", type=float, default=3600, help="seconds per process tree")
     args = parser.parse_args(argv)
+    # A SIGTERM becomes SystemExit, so run_ranks' cleanup kills the ranks instead of orphaning them.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     quick = args.quick
     models = (args.models or ("resnet8_tiny,transformer_tiny" if quick else "resnet32,transformer")).split(",")
     repeats = args.repeats if args.repeats is not None else (2 if quick else 5)
