@@ -95,7 +95,9 @@ def run_reference(name: str, stages: int, grad_shrink: float, micro_batches: int
         )
         for m in stage_modules
     ]
-    order = list(DistributedSampler(train_set, num_replicas=1, rank=0, shuffle=True, seed=1234))  # the recipe's
+    order: list[int] = list(
+        DistributedSampler(train_set, num_replicas=1, rank=0, shuffle=True, seed=1234)
+    )  # the recipe's
     if micro_batches * 8 > len(order):
         raise ValueError(f"{micro_batches} micro-batches of 8 exceed one epoch ({len(order)} blocks)")
     batches = []

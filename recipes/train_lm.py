@@ -130,6 +130,7 @@ pipe = PipelineModule(
     num_stages=stages,
     partition_method=args.partition,
     activation_checkpoint_interval=checkpoint_interval,  # under FDG: recompute with current weights
+    checkpointable_layers=["BlockPipe"],  # not the embedding: its integer input needs no grad
 )
 engine, _, _, _ = deepspeed.initialize(
     args=args, model=pipe, model_parameters=[p for p in pipe.parameters() if p.requires_grad]
@@ -141,7 +142,9 @@ def shuffled_batches():
     (it would walk through the plays in order); first and last stage draw the same order (same seed)."""
     dp_rank, epoch = engine.grid.get_data_parallel_rank(), 0
     while True:
-        sampler = DistributedSampler(train_set, engine.dp_world_size, dp_rank, shuffle=True, seed=args.seed)
+        sampler: DistributedSampler[int] = DistributedSampler(
+            train_set, engine.dp_world_size, dp_rank, shuffle=True, seed=args.seed
+        )
         sampler.set_epoch(epoch)
         yield from DataLoader(
             train_set, batch_size=engine.train_micro_batch_size_per_gpu(), sampler=sampler, drop_last=True

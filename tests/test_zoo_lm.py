@@ -26,9 +26,7 @@ VOCAB = 97
 
 def tiny_model(family: str, seed: int = 0) -> Any:
     torch.manual_seed(seed)
-    return hf_lm.build_model(
-        hf_lm.build_config(family, "tiny", VOCAB, 32), attn_implementation="eager"
-    ).eval()
+    return hf_lm.build_model(hf_lm.build_config(family, "tiny", VOCAB, 32), attn_implementation="eager").eval()
 
 
 def receive(x: Any) -> Any:
@@ -104,24 +102,18 @@ def test_stage_split_covers_every_parameter_once(family: str, stages: int) -> No
     seen: dict[int, int] = {}
     for stage in range(stages):
         stage_layers = torch.nn.ModuleList(layers[bounds[stage] : bounds[stage + 1]])
-        assert any(isinstance(layer, hf_lm.BlockPipe) for layer in stage_layers), (
-            f"stage {stage} has no block"
-        )
+        assert any(isinstance(layer, hf_lm.BlockPipe) for layer in stage_layers), f"stage {stage} has no block"
         for p in stage_layers.parameters():
             assert id(p) not in seen, f"parameter on stages {seen[id(p)]} and {stage}"
             seen[id(p)] = stage
     assert set(seen) == {id(p) for p in model.parameters()}
-    assert sum(p.numel() for p in model.parameters()) == sum(
-        p.numel() for layer in layers for p in layer.parameters()
-    )
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for layer in layers for p in layer.parameters())
     # and the HF names of the layers are exactly the model's state dict
     assert set(hf_lm.hf_state_dict(enumerate(layers))) == set(model.state_dict())
 
 
 def test_tied_embeddings_are_untied_with_a_log_line(caplog: pytest.LogCaptureFixture) -> None:
-    config = GPT2Config(
-        vocab_size=VOCAB, n_positions=32, n_layer=2, n_embd=32, n_head=2, tie_word_embeddings=True
-    )
+    config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_layer=2, n_embd=32, n_head=2, tie_word_embeddings=True)
     model = hf_lm.build_model(config)
     assert model.lm_head.weight is model.transformer.wte.weight
     with caplog.at_level(logging.WARNING, logger=hf_lm.__name__):

