@@ -109,11 +109,20 @@ class FDGPipelineEngine(PipelineEngine):
     # -- public ---------------------------------------------------------------------------------
 
     def train_batch(self, data_iter: Any = None) -> Tensor:
-        """Run ``gradient_accumulation_steps`` FDG ticks; see the module docstring for the return value."""
+        """Run ``gradient_accumulation_steps`` FDG ticks; see the module docstring for the return value.
+
+        Raises :class:`~fdg_schedule.DataExhausted` (a ``StopIteration``) on every rank, after
+        draining, in the call during which the data iterator ran out.
+        """
         if not torch.is_grad_enabled():
             raise RuntimeError("train_batch() requires gradients enabled. Use eval_batch() instead.")
         if data_iter is not None:
             self.set_dataiterator(data_iter)
+        if self.data_iterator is None and (self.is_first_stage() or self.is_last_stage()):
+            raise FDGRuntimeError(
+                f"stage {self.stage_id} (global rank {self.global_rank}) reads data but has none: pass "
+                "train_batch(data_iter=...) or deepspeed.initialize(training_data=...)"
+            )
         return self._run(self._schedule(self.micro_batches, drain=False))
 
     def drain(self) -> Tensor:
@@ -446,6 +455,7 @@ class FDGPipelineEngine(PipelineEngine):
         try:
             if self.is_first_stage():  # inputs (and labels too when K = 1), as DeepSpeed loads them
                 self._exec_load_micro_batch(buffer_id)
+                self._check_inputs(self.pipe_buffers["inputs"][buffer_id], micro_batch)
             else:  # Note [labels read when the inputs are]
                 self.labels_in_flight.append(_to_device(self._next_batch()[1], self.device))
         except StopIteration:
@@ -479,7 +489,13 @@ class FDGPipelineEngine(PipelineEngine):
                 self.pipe_buffers["labels"][buffer_id] if self.is_first_stage() else self.labels_in_flight.popleft()
             )
             if self.module.loss_fn is not None:
-                self._losses[buffer_id] = self.module.loss_fn(outputs, labels)
+                try:
+                    self._losses[buffer_id] = self.module.loss_fn(outputs, labels)
+                except (RuntimeError, TypeError, ValueError) as err:
+                    raise FDGRuntimeError(
+                        f"stage {self.stage_id} (global rank {self.global_rank}): loss_fn failed on micro-batch "
+                        f"{micro_batch} with outputs {_describe(outputs)} and labels {_describe(labels)}: {err}"
+                    ) from err
             else:  # the model returns its loss
                 self._losses[buffer_id] = outputs
         else:
@@ -536,6 +552,17 @@ class FDGPipelineEngine(PipelineEngine):
             self.fdg_stats["steps"] += 1
         else:
             self._non_finite("gradient")
+
+    def _check_inputs(self, inputs: Any, micro_batch: int) -> None:
+        if not self.bfloat16_enabled():
+            return
+        wrong = [t.dtype for t in _as_tuple(inputs) if torch.is_tensor(t) and t.is_floating_point()]
+        wrong = [d for d in wrong if d != torch.bfloat16]
+        if wrong:
+            raise FDGRuntimeError(
+                f"stage 0 (global rank {self.global_rank}): micro-batch {micro_batch} has floating inputs of "
+                f"dtype {wrong[0]} but bf16.enabled is true; convert the inputs to torch.bfloat16 in the data pipeline"
+            )
 
     def _non_finite(self, what: str, micro_batch: int | None = None) -> None:
         """pipeline.fdg.nonfinite: stop with an error naming the stage and tick, or count a skipped step."""
@@ -669,6 +696,14 @@ def _to_device(x: Any, device: torch.device) -> Any:
     if isinstance(x, (tuple, list)):
         return tuple(_to_device(t, device) for t in x)
     return x
+
+
+def _describe(x: Any) -> str:
+    if torch.is_tensor(x):
+        return f"{x.dtype} {tuple(x.shape)}"
+    if isinstance(x, (tuple, list)):
+        return "(" + ", ".join(_describe(t) for t in x) + ")"
+    return type(x).__name__
 
 
 def _nbytes(x: Any) -> int:

@@ -49,6 +49,14 @@ def _check_module(model: Any) -> None:
             'supported with pipeline.schedule="fdg"; use a PipeDataParallelTopology (pipeline x data '
             'parallel only) or train with pipeline.schedule="1f1b"'
         )
+    parts = list(model.parts)
+    empty = [stage for stage, (a, b) in enumerate(zip(parts[:-1], parts[1:])) if a == b]
+    if empty:
+        raise FDGConfigError(
+            f"pipeline stages {empty} would hold no layers (partition {parts}): {len(parts) - 1} stages but "
+            f"{parts[-1]} layers; use at most {parts[-1]} stages (the number of ranks / data-parallel size) or "
+            "split the model into more layers"
+        )
     specs = getattr(model, "_layer_specs", [])
     for key in {spec.key for spec in specs if isinstance(spec, TiedLayerSpec)}:
         stages = sorted(

@@ -308,3 +308,35 @@ def data_end(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
     return {"state": _state(model), "calls": calls, "global_steps": engine.global_steps,
             "global_samples": engine.global_samples, "in_flight": engine.in_flight(), "last_loss": last_loss,
             "stage_id": engine.stage_id, "parts": model.parts}  # fmt: skip
+
+
+def bad_input(rank: int, world: int, kind: str) -> dict[str, Any]:
+    """Run a K=2 job with one bad input; report the error each rank ended with."""
+    import fdg_schedule
+
+    start = time.monotonic()
+    case = {"stages": 2, "n": 8, "gas": 2, "bf16": kind == "bf16_inputs"}
+    try:
+        cfg = ds_config(case)
+        cfg["pipeline"]["fdg"]["timeout"] = 5
+        layers = toy.layers()
+        if kind == "more_stages_than_layers":
+            layers = [toy.SeededLinear(toy.IN, toy.CLASSES, 1)]
+        if kind == "batch_size_mismatch":
+            cfg["train_batch_size"] = 16
+        model = PipelineModule(layers=layers, num_stages=2, loss_fn=toy.loss_fn, partition_method="uniform")
+        engine, *_ = deepspeed.initialize(model=model, config=cfg, optimizer=make_optimizer({}),
+                                          model_parameters=model.parameters())  # fmt: skip
+        data = toy.micro_batches(8, 4)
+        if kind == "labels_dtype":
+            data = [(x, y.float()) for x, y in data]
+        if kind == "bf16_inputs":
+            data = [(x.float(), y) for x, y in data]
+        if kind == "shape_change":
+            data[3] = (data[3][0][:3], data[3][1][:3])
+        it = iter(data)
+        for _ in range(3):
+            engine.train_batch() if kind == "no_data" else engine.train_batch(it)
+    except (fdg_schedule.FDGConfigError, fdg_schedule.FDGRuntimeError, AssertionError) as err:
+        return {"error": f"{type(err).__name__}: {err}", "seconds": time.monotonic() - start}
+    return {"error": None, "seconds": time.monotonic() - start}

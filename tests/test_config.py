@@ -46,6 +46,12 @@ def test_no_fdg_means_stock_deepspeed(pipeline) -> None:
         (_ds(amp={"enabled": True}), "amp.enabled=true is not supported"),
         (_ds(zero_optimization={"stage": 2}), "zero_optimization.stage=2 is not supported"),
         (_ds(zero_optimization={"stage": 3}), "set zero_optimization.stage to 1"),
+        (_ds({"nonfinite": "ignore"}), "nonfinite must be one of ['error', 'skip'], got 'ignore'"),
+        (_ds({"timeout": 0}), "timeout must be > 0 seconds, got 0 (pipeline.fdg.timeout"),
+        (_ds({"timeout": "60"}), "timeout must be a number, got str '60'"),
+        (_ds({"trace": {"tick": 3}}), "unknown key(s) ['tick'] in pipeline.fdg.trace; known keys:"),
+        (_ds({"trace": {"ticks": 0}}), "trace.ticks must be an integer >= 1, got 0"),
+        (_ds({"trace": "yes"}), "trace must be a JSON object or null, got 'yes'"),
     ],
 )
 def test_bad_config_is_rejected_with_value_key_and_fix(ds_config: dict, message: str) -> None:

@@ -1,0 +1,36 @@
+"""Bad configurations and inputs a user could plausibly hit get a clear error naming the value and the fix.
+
+Config-level mistakes are covered in test_config.py (pure) and test_engine.py (every rank refuses at
+deepspeed.initialize); this file covers inputs met while the job runs. The rank that meets the bad
+input raises at once; its neighbours exit within ``pipeline.fdg.timeout`` (5 s here), never hang.
+"""
+
+from __future__ import annotations
+
+import engine_workers
+import pytest
+from dist_harness import run_ranks
+
+pytestmark = pytest.mark.distributed
+
+CASES = {
+    # every rank refuses inside deepspeed.initialize, before any rank waits on another
+    "more_stages_than_layers": ("both", "pipeline stages [1] would hold no layers (partition [0, 1, 1])"),
+    "batch_size_mismatch": ("both", "train_batch_size is not equal to micro_batch_per_gpu * gradient_acc_step"),
+    "no_data": ("both", "reads data but has none: pass train_batch(data_iter=...)"),
+    # met at run time by one stage
+    "labels_dtype": (1, "loss_fn failed on micro-batch 0 with outputs torch.float32 (4, 3) and labels torch.float32"),
+    "bf16_inputs": (0, "micro-batch 0 has floating inputs of dtype torch.float32 but bf16.enabled is true"),
+    "shape_change": (0, "activation shapes changed from [(torch.Size([4, 8]), torch.float32)] to [(torch.Size([3, 8])"),
+}
+
+
+@pytest.mark.parametrize("kind", list(CASES))
+def test_bad_input_gets_a_clear_error_and_nobody_hangs(tmp_path, kind: str) -> None:
+    who, message = CASES[kind]
+    results = run_ranks(engine_workers.bad_input, 2, tmp_path, kind, deadline_s=150)
+    raisers = [0, 1] if who == "both" else [who]
+    for rank in raisers:
+        assert results[rank]["error"] is not None and message in results[rank]["error"], results[rank]
+    for rank in set(range(2)) - set(raisers):  # the neighbour gives up within the timeout
+        assert "gave up" in results[rank]["error"] and results[rank]["seconds"] < 5 + 30
