@@ -340,3 +340,21 @@ def bad_input(rank: int, world: int, kind: str) -> dict[str, Any]:
     except (fdg_schedule.FDGConfigError, fdg_schedule.FDGRuntimeError, AssertionError) as err:
         return {"error": f"{type(err).__name__}: {err}", "seconds": time.monotonic() - start}
     return {"error": None, "seconds": time.monotonic() - start}
+
+
+def soak(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
+    """Many ticks on a repeating data set: record what is held for delayed backward and the RSS."""
+    import resource
+
+    from deepspeed.utils import RepeatingLoader
+
+    engine, model, data = build(case, world)
+    it = iter(RepeatingLoader(data))
+    held, in_flight, rss = [], [], []
+    for _ in range(case["ticks"] // case["gas"]):
+        engine.train_batch(it)
+        held.append(engine.held_bytes())
+        in_flight.append(engine.in_flight())
+        rss.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)  # KiB, peak so far
+    return {"held": held, "in_flight": in_flight, "rss_kib": rss, "stage_id": engine.stage_id,
+            "ticks": engine.global_steps}  # fmt: skip
