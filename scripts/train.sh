@@ -6,5 +6,5 @@ cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
 VENV="${FDG_VENV:-.venv}"
 export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 WANDB_MODE="${WANDB_MODE:-offline}"
-exec "$VENV/bin/deepspeed" --num_gpus 2 recipes/train_resnet.py \
-  --deepspeed_config ds_configs/resnet_fdg_k2.json --epochs 2 --train-subset 12000 "$@"
+exec "$VENV/bin/deepspeed" --num_gpus 2 --master_port "${MASTER_PORT:-29500}" recipes/train_resnet.py \
+  --deepspeed_config ds_configs/resnet_fdg_k2.json --epochs 3 --train-subset 6000 "$@"
