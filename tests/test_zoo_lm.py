@@ -180,7 +180,7 @@ def test_text_folder_source(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
-# distributed: the recipe itself, two gloo ranks, real Shakespeare text
+# distributed: two gloo ranks in subprocesses, killed at a deadline so a hang fails with the logs
 
 
 def _free_port() -> int:
@@ -189,11 +189,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.distributed
-@pytest.mark.timeout(300)
-def test_recipe_fdg_k2_reduces_loss_on_shakespeare(tmp_path: Path) -> None:
-    """A few FDG ticks of the tiny GPT-2 on Shakespeare lower the loss; the export reloads."""
-    steps, deadline = 12, 240
+def run_two_ranks(command: list[str], tmp_path: Path, deadline: float) -> list[str]:
+    """Run ``command`` as ranks 0 and 1 (env:// rendezvous); return their logs or fail the test."""
     env = {
         **os.environ,
         "DS_ACCELERATOR": "cpu",
@@ -204,6 +201,43 @@ def test_recipe_fdg_k2_reduces_loss_on_shakespeare(tmp_path: Path) -> None:
         "MASTER_PORT": str(_free_port()),
         "WORLD_SIZE": "2",
     }
+    logs = [tmp_path / f"rank{rank}.log" for rank in (0, 1)]
+    procs = []
+    for rank, log in enumerate(logs):
+        with open(log, "w") as out:
+            procs.append(
+                subprocess.Popen(
+                    command,
+                    env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                    cwd=ROOT,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+    failed = []
+    for rank, proc in enumerate(procs):
+        try:
+            code = proc.wait(timeout=deadline)
+        except subprocess.TimeoutExpired:
+            code = None
+        if code != 0:
+            failed.append((rank, code))
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    if failed:
+        tails = {r: logs[r].read_text()[-3000:] for r, _ in failed}
+        pytest.fail(f"ranks (rank, exit code; None = killed after {deadline} s) {failed}:\n{tails}")
+    return [log.read_text() for log in logs]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_recipe_fdg_k2_reduces_loss_on_shakespeare(tmp_path: Path) -> None:
+    """A few FDG ticks of the tiny GPT-2 on Shakespeare lower the loss; the export reloads."""
+    steps = 12
     command = [
         sys.executable,
         str(ROOT / "recipes" / "train_lm.py"),
@@ -216,39 +250,7 @@ def test_recipe_fdg_k2_reduces_loss_on_shakespeare(tmp_path: Path) -> None:
         "--sample_tokens=8",
         f"--out_dir={tmp_path / 'out'}",
     ]
-    ranks = []
-    for rank in (0, 1):
-        log = open(tmp_path / f"rank{rank}.log", "w")  # noqa: SIM115 (closed below)
-        ranks.append(
-            (
-                subprocess.Popen(
-                    command,
-                    env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                    cwd=ROOT,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                ),
-                log,
-            )
-        )
-    failed = []
-    for rank, (proc, _log) in enumerate(ranks):
-        try:
-            code = proc.wait(timeout=deadline)
-        except subprocess.TimeoutExpired:
-            code = None
-        if code != 0:
-            failed.append((rank, code))
-    for proc, log in ranks:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
-    if failed:
-        tails = {r: (tmp_path / f"rank{r}.log").read_text()[-3000:] for r, _ in failed}
-        pytest.fail(f"ranks (rank, exit code; None = killed after {deadline} s) {failed}:\n{tails}")
-
+    run_two_ranks(command, tmp_path, deadline=240)
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     train = [r["train_loss"] for r in rows if "train_loss" in r and math.isfinite(r["train_loss"])]
     val = [r["val_loss"] for r in rows if "val_loss" in r]
@@ -257,3 +259,55 @@ def test_recipe_fdg_k2_reduces_loss_on_shakespeare(tmp_path: Path) -> None:
     assert val[-1] < math.log(512), f"validation loss {val[-1]} is no better than uniform"
     reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out" / "hf"))
     assert reloaded.config.tie_word_embeddings is False
+
+
+PADDED_WORKER = """
+import sys, torch, deepspeed
+import fdg_schedule  # noqa: F401
+from deepspeed.pipe import PipelineModule
+from fdg_schedule.zoo import hf_lm
+
+class Padded(torch.utils.data.Dataset):  # left-padded rows: (input_ids, attention_mask), labels
+    def __len__(self):
+        return 32
+    def __getitem__(self, i):
+        ids = torch.randint(1, 97, (16,), generator=torch.Generator().manual_seed(i))
+        mask = torch.ones(16, dtype=torch.long)
+        mask[: i % 5] = 0
+        return (ids, mask), ids.masked_fill(mask == 0, -100)
+
+deepspeed.init_distributed(dist_backend="gloo")
+torch.manual_seed(0)
+model = hf_lm.build_model(hf_lm.build_config("llama", "tiny", 97, 32))
+reference = hf_lm.build_model(model.config).eval()
+reference.load_state_dict(model.state_dict())
+pipe = PipelineModule(layers=hf_lm.pipeline_layers(model), loss_fn=hf_lm.lm_loss, num_stages=2,
+                      partition_method=hf_lm.PARTITION_METHOD)
+config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4, "steps_per_print": 10**9,
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "gradient_clipping": 1.0,
+          "pipeline": {"stages": 2, "schedule": sys.argv[1]}}
+engine, *_ = deepspeed.initialize(model=pipe, model_parameters=pipe.parameters(), config=config)
+loader = torch.utils.data.DataLoader(Padded(), batch_size=4)
+pipelined = float(engine.eval_batch(iter(loader)))
+with torch.no_grad():
+    expected = sum(float(hf_lm.lm_loss(reference(ids, attention_mask=mask).logits, labels))
+                   for (ids, mask), labels in list(loader)[:4]) / 4
+engine.set_dataiterator(iter(deepspeed.utils.RepeatingLoader(loader)))
+trained = [float(engine.train_batch()) for _ in range(2)]
+print("RESULT", pipelined, expected, trained, flush=True)
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("schedule", ["1f1b", "fdg"])
+def test_padding_mask_crosses_deepspeed_stages(schedule: str, tmp_path: Path) -> None:
+    """(hidden_states, attention_mask) activations through real engines: eval loss equals HF's."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(PADDED_WORKER)
+    logs = run_two_ranks([sys.executable, str(worker), schedule], tmp_path, deadline=150)
+    for log in logs:
+        line = next(line for line in log.splitlines() if line.startswith("RESULT"))
+        pipelined, expected, *_ = line.split(" ", 3)[1:]
+        assert abs(float(pipelined) - float(expected)) < 1e-4, line
+        assert "nan" not in line, line
