@@ -250,3 +250,20 @@ def test_tied_layers_across_stages_are_refused_on_every_rank(tmp_path) -> None:
     results = run_ranks(engine_workers.bad_config, 2, tmp_path, case, True, deadline_s=120)
     for r in results:
         assert r["error"] is not None and "tied layer 'emb' spans pipeline stages [0, 1]" in r["error"]
+
+
+def test_bf16_and_zero1_follow_the_fp32_reference_closely(tmp_path) -> None:
+    """bf16 (DeepSpeed's BF16_Optimizer, fp32 master weights) and bf16 + ZeRO-1: the same FDG math,
+    rounded: weights stay within bf16 precision of the fp32 reference."""
+    cases = [
+        {"stages": 2, "n": 64, "gas": 3, "calls": 3, "grad_shrink": 0.5, "bf16": True, "weights": w, "activations": a,
+         **extra}  # fmt: skip
+        for (w, a), extra in ((("current", "stored"), {}), (("stashed", "recomputed"), {"zero": 1}))
+    ]
+    results = run_ranks(engine_workers.train, 2, tmp_path, cases, deadline_s=300)
+    for i, case in enumerate(cases):
+        ref_states, _ = reference(case, results[0][i]["parts"])
+        for r in results:
+            assert r[i]["engine"] == "FDGPipelineEngine"
+            for key, value in r[i]["states"][-1].items():
+                torch.testing.assert_close(value, ref_states[-1][key], rtol=0.05, atol=0.02, msg=f"{case} {key}")
