@@ -522,7 +522,7 @@ def summarize(plan: dict[str, Any], ranks: list[dict[str, Any]], memory: dict[st
     per_repeat: dict[str, dict[int, float]] = {name: {} for name in specs}
     for name, spec in specs.items():
         rank0 = [w for w in ranks[0]["windows"] if w["variant"] == name]
-        samples_per_s, efficiency, compute, wait, other, cpu, loads = [], [], [], [], [], [], []
+        samples_per_s, efficiency, compute, wait, other, cpu, share, loads = [], [], [], [], [], [], [], []
         for i, w0 in enumerate(rank0):
             windows = [[x for x in r["windows"] if x["variant"] == name][i] for r in ranks]
             used = [w for w, r in zip(windows, ranks) if r["stage_id"][name] is not None]
@@ -539,6 +539,7 @@ def summarize(plan: dict[str, Any], ranks: list[dict[str, Any]], memory: dict[st
                  for w, c in zip(used, stage_compute)]
             )  # fmt: skip
             cpu.append([w["cpu_s"] for w in windows])
+            share.append([w["cpu_s"] / w["local_wall_s"] for w in used])
             loads.append((w0["load_before"], w0["load_after"]))
         stages = len(compute[0])
         rows[name] = {
@@ -551,6 +552,8 @@ def summarize(plan: dict[str, Any], ranks: list[dict[str, Any]], memory: dict[st
             # the rest of each rank's own wall time: dispatch, exchange posting, data, Python
             "stage_other_s_per_micro_batch": [statistics.median(c[s] for c in other) for s in range(stages)],
             "cpu_s_per_rank_per_window": [statistics.median(c[r] for c in cpu) for r in range(len(ranks))],
+            # CPU seconds a rank got per second of its wall time: < 1 while waiting or descheduled
+            "cpu_share_per_stage": [statistics.median(c[s] for c in share) for s in range(stages)],
             "load_avg_1min": loads,
             "optimizer_steps_per_micro_batch": 1.0 / spec["gas"] if spec["kind"] == "1f1b" else 1.0,
         }
@@ -593,8 +596,8 @@ def markdown(report: dict[str, Any]) -> str:
             "micro-batches per variant)",
             "",
             "| variant | split | samples/s median [min–max] | ×BP | ×1F1B m=4 | efficiency | compute ms/µb "
-            "| wait ms/µb | other ms/µb | peak RSS MB | ΔRSS MB | held (FDG) / saved (others) MB |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| wait ms/µb | other ms/µb | CPU share | peak RSS MB | ΔRSS MB | held (FDG) / saved (others) MB |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         lines += [_row(name, row) for name, row in result["variants"].items()]
         loads = [load for row in result["variants"].values() for pair in row["load_avg_1min"] for load in pair]
@@ -630,6 +633,7 @@ def _row(name: str, row: dict[str, Any]) -> str:
         _slash(row["stage_compute_s_per_micro_batch"], 1e3),
         _slash(row["stage_wait_s_per_micro_batch"], 1e3),
         _slash(row["stage_other_s_per_micro_batch"], 1e3),
+        _slash(row["cpu_share_per_stage"], 1.0, 2),
         _slash([m["rss_peak"] for m in rss], 2**-20, 0),
         _slash([m["rss_peak"] - m["rss_build"] for m in rss], 2**-20, 0),
         _slash([m.get("held_max", m.get("saved_peak", 0)) for m in mem], 2**-20),
@@ -690,7 +694,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rss", default=None, help="K values for fresh-process memory runs, e.g. 2 or 2,3,4 ('' none)")
     parser.add_argument("--memory-micro-batches", type=int, default=8, help="micro-batches per memory count")
     parser.add_argument("--variants", default=None, help="comma-separated subset of variant names")
-    parser.add_argument("--parts", default="", help="fixed splits instead of measured ones, e.g. '2=0,6,18;2r=0,5,18'")
+    parser.add_argument(
+        "--parts", default="", help="fixed splits, e.g. 'resnet32:2=0,6,18;resnet32:2r=0,5,18' (2r: FDG recomputed)"
+    )
     parser.add_argument("--engine-note", default="", help="text recorded next to the engine version")
     parser.add_argument("--out", default=str(ROOT / "out" / "throughput"))
     parser.add_argument("--deadline", type=float, default=3600, help="seconds per process tree")
@@ -732,9 +738,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for k in {STAGES, *rss_stages}:
             splits[str(k)] = balanced_split(forward, backward, k)
             splits[f"{k}r"] = balanced_split(forward, backward, k, recompute=True)
-        for item in filter(None, args.parts.split(";")):
+        for item in filter(None, args.parts.split(";")):  # "[model:]key=bounds"
             key, bounds = item.split("=")
-            splits[key] = [int(b) for b in bounds.split(",")]
+            only, _, key = key.rpartition(":")
+            if only in ("", model):
+                splits[key] = [int(b) for b in bounds.split(",")]
         plan = dict(model=model, splits=splits, variants=specs, repeats=repeats, window=window, warmup=warmup,
                     memory_micro_batches=args.memory_micro_batches)  # fmt: skip
         costs_ms = [round((f + b) * 1e3, 2) for f, b in zip(forward, backward)]
