@@ -15,7 +15,6 @@ loss has reached the stage yet.
 from __future__ import annotations
 
 import collections
-import functools
 import itertools
 import math
 import os
@@ -35,7 +34,7 @@ from torch import Tensor
 from fdg_schedule import checkpoint, ticks
 from fdg_schedule.comm import NO_END, Meta, NeighbourExchange, meta_of
 from fdg_schedule.config import FDGConfig, FDGConfigError
-from fdg_schedule.delayed import DelayedBackward, Held
+from fdg_schedule.delayed import DelayedBackward
 from fdg_schedule.errors import DataExhausted, FDGRuntimeError, _DataEnded
 from fdg_schedule.observe import Observer, observers_from_config
 from fdg_schedule.schedule import (
@@ -177,7 +176,7 @@ class FDGPipelineEngine(PipelineEngine):
             self.drain()
         tag = str(tag if tag is not None else f"global_step{self.global_steps}")
         path = checkpoint.state_path(save_dir, tag, self.stage_id, self.grid.data_parallel_id)
-        checkpoint.atomic_save(self._fdg_state(), path)
+        checkpoint.atomic_save(checkpoint.capture(self), path)
         saved = super().save_checkpoint(
             save_dir,
             tag=tag,
@@ -233,79 +232,8 @@ class FDGPipelineEngine(PipelineEngine):
         if other_stages:
             logger.warning(f"stage {self.stage_id}: client_state dropped: it belongs to another pipeline layout")
             client_state = {}
-        self._restore_fdg_state(load_dir, resolved)
+        checkpoint.restore(self, load_dir, resolved)
         return load_path, client_state
-
-    def _identity(self) -> dict[str, Any]:
-        return {
-            "stages": self.num_stages,
-            "data_parallel": self.dp_world_size,
-            "weights": self.fdg_config.weights,
-            "activations": self.fdg_config.activations,
-        }
-
-    def _fdg_state(self) -> dict[str, Any]:
-        in_flight = {
-            buffer_id: {
-                "inputs": _detached(self.pipe_buffers["inputs"][buffer_id]),
-                "rng_state": held.rng_state,
-                "weights": held.weights,
-                "saved": None if held.saved is None else [t.detach() for t in held.saved],
-                "sent_meta": self._sent_meta.get(buffer_id),
-            }
-            for buffer_id, held in self._delayed.held.items()
-        }
-        return {
-            "format": checkpoint.FORMAT,
-            **self._identity(),
-            "segment_tick": self.segment_tick,
-            "in_flight": in_flight,
-            "received": self._exchange.received(),
-            "labels_in_flight": list(self.labels_in_flight),
-            "micro_batches_read": self.micro_batches_read,
-            "rng": checkpoint.rng_state(),
-        }
-
-    def _restore_fdg_state(self, load_dir: str, tag: str) -> None:
-        self._reset_pipeline()
-        path = checkpoint.state_path(load_dir, tag, self.stage_id, self.grid.data_parallel_id)
-        first_path = checkpoint.state_path(load_dir, tag, 0, 0)
-        state = torch.load(path, weights_only=False) if os.path.exists(path) else None
-        if state is None:
-            reason: str | None = "it holds no FDG state for this stage (a 1F1B checkpoint or another layout)"
-        else:
-            reason = checkpoint.why_not_resumable(state, self._identity())
-        if reason is not None:
-            if self.global_rank == 0:
-                dropped = (
-                    len(torch.load(first_path, weights_only=False)["in_flight"]) if os.path.exists(first_path) else 0
-                )
-                logger.warning(
-                    f"fdg_schedule: dropped {dropped} in-flight micro-batches from checkpoint {tag} ({reason}); "
-                    "the pipeline fills again from the next train_batch()"
-                )
-            return
-        assert state is not None
-        self.segment_tick = state["segment_tick"]
-        self._reserve_pipe_buffers(ticks.num_buffers(self.num_stages, self.stage_id))
-        needs_grad = not self.is_first_stage() or self._reentrant_activation_checkpointing()
-        for buffer_id, record in sorted(state["in_flight"].items()):
-            inputs = _leaves(record["inputs"], needs_grad)
-            self.pipe_buffers["inputs"][buffer_id] = inputs
-            self._sent_meta[buffer_id] = record["sent_meta"]
-            held = Held(weights=record["weights"], rng_state=record["rng_state"], saved=record["saved"])
-            self.pipe_buffers["outputs"][buffer_id] = self._delayed.rebuild(
-                buffer_id, held, functools.partial(self._stage_forward, inputs)
-            )
-        self._exchange.restore_received(state["received"])
-        self.labels_in_flight.extend(state["labels_in_flight"])
-        self.micro_batches_read = state["micro_batches_read"]
-        if self.training_data is not None and (self.is_first_stage() or self.is_last_stage()):
-            # The engine's own loader: continue after the micro-batches read before the save.
-            self._build_data_iter(self.training_data)
-            for _ in range(self.micro_batches_read):
-                self._next_batch()
-        checkpoint.set_rng_state(state["rng"])
 
     def _reset_pipeline(self) -> None:
         """Forget all in-flight work (before loading a checkpoint)."""
@@ -676,18 +604,6 @@ def _input_grads(inputs: Any) -> tuple[Tensor, ...]:
     return tuple(
         t.grad if t.grad is not None else torch.zeros_like(t) for t in _as_tuple(inputs) if t.is_floating_point()
     )
-
-
-def _detached(x: Any) -> Any:
-    if torch.is_tensor(x):
-        return x.detach()
-    return tuple(_detached(t) for t in x) if isinstance(x, (tuple, list)) else x
-
-
-def _leaves(x: Any, requires_grad: bool) -> Any:
-    if torch.is_tensor(x):
-        return x.detach().requires_grad_(requires_grad and x.is_floating_point())
-    return tuple(_leaves(t, requires_grad) for t in x)
 
 
 def _to_device(x: Any, device: torch.device) -> Any:
