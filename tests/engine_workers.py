@@ -358,3 +358,21 @@ def soak(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
         rss.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)  # KiB, peak so far
     return {"held": held, "in_flight": in_flight, "rss_kib": rss, "stage_id": engine.stage_id,
             "ticks": engine.global_steps}  # fmt: skip
+
+
+def interrupted_save(rank: int, world: int, save_dir: str) -> dict[str, Any]:
+    """Save once, then die on rank 1 in the middle of the second save; rank 0 must not move `latest`."""
+    import os
+
+    engine, model, data = build({"stages": 2, "n": 16, "gas": 2}, world)
+    it = iter(data)
+    engine.train_batch(it)
+    engine.save_checkpoint(save_dir, tag="first")
+    engine.train_batch(it)
+    if rank == 1:
+        model.save_state_dict = lambda *args, **kwargs: os._exit(5)  # killed while writing its layer files
+    try:
+        engine.save_checkpoint(save_dir, tag="second")
+    except Exception as err:  # noqa: BLE001 - the neighbour vanished mid-save
+        return {"error": f"{type(err).__name__}: {err}"}
+    return {"error": None}

@@ -97,3 +97,12 @@ def test_fdg_checkpoint_loads_into_another_number_of_stages(tmp_path) -> None:
         assert "load_optimizer_states=False" in lo["error"]
         for key, value in lo["state"].items():  # weights re-partitioned by layer
             assert torch.equal(value, full[key]), key
+
+
+def test_an_interrupted_save_leaves_latest_on_the_last_complete_checkpoint(tmp_path) -> None:
+    save_dir = tmp_path / "ckpt"
+    stage0, _ = run_ranks(engine_workers.interrupted_save, 2, tmp_path, str(save_dir), deadline_s=200,
+                          expect_exit={1: 5})  # fmt: skip
+    assert stage0["error"] is not None  # rank 0 learns its peer died instead of finishing the save
+    assert (save_dir / "latest").read_text() == "first"
+    assert (save_dir / "second").exists()  # the partial checkpoint is there, but nothing points at it

@@ -256,8 +256,17 @@ def test_bf16_and_zero1_follow_the_fp32_reference_closely(tmp_path) -> None:
     """bf16 (DeepSpeed's BF16_Optimizer, fp32 master weights) and bf16 + ZeRO-1: the same FDG math,
     rounded: weights stay within bf16 precision of the fp32 reference."""
     cases = [
-        {"stages": 2, "n": 64, "gas": 3, "calls": 3, "grad_shrink": 0.5, "bf16": True, "weights": w, "activations": a,
-         **extra}  # fmt: skip
+        {
+            "stages": 2,
+            "n": 64,
+            "gas": 3,
+            "calls": 3,
+            "grad_shrink": 0.5,
+            "bf16": True,
+            "weights": w,
+            "activations": a,
+            **extra,
+        }  # fmt: skip
         for (w, a), extra in ((("current", "stored"), {}), (("stashed", "recomputed"), {"zero": 1}))
     ]
     results = run_ranks(engine_workers.train, 2, tmp_path, cases, deadline_s=300)
