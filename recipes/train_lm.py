@@ -35,6 +35,7 @@ import torch.distributed as dist
 from deepspeed.pipe import PipelineModule
 from deepspeed.utils import RepeatingLoader
 from torch.utils.data import DataLoader, DistributedSampler
+from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
 import fdg_schedule  # noqa: F401  (must come before deepspeed.initialize: hooks the FDG engine in)
@@ -83,8 +84,8 @@ torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
 
 def say(*items: object) -> None:
-    if rank == 0:
-        print(*items, flush=True)
+    if rank == 0:  # through tqdm, so log lines and the progress bar do not garble each other
+        tqdm.write(" ".join(str(item) for item in items))
 
 
 # --- data and model. Rank 0 fills the caches (tokenizer, tokens, converted GGUF) first, then the rest.
@@ -180,8 +181,14 @@ def evaluate() -> float:
 
 say(f"training {total_steps} steps × {tokens_per_step} tokens ({steps_per_epoch} steps per epoch)")
 train_start = time.time()
+# A bar on the logging rank when it writes to a terminal (tokens/s, ETA); plain log lines otherwise.
+bar = tqdm(total=total_steps * tokens_per_step, unit="tok", unit_scale=True, disable=None if rank == 0 else True,
+           mininterval=1.0, dynamic_ncols=True)  # fmt: skip
 for step in range(1, total_steps + 1):
     loss = float(engine.train_batch())
+    bar.update(tokens_per_step)
+    if not math.isnan(loss):  # FDG: NaN until the first loss travels back to this stage
+        bar.set_postfix(step=step, epoch=f"{step / steps_per_epoch:.2f}", loss=f"{loss:.3f}", refresh=False)
     elapsed = time.time() - train_start
     record(step=step, tokens=step * tokens_per_step, train_loss=loss, time=elapsed)
     if step % args.log_interval == 0 or step == 1:
@@ -194,6 +201,7 @@ for step in range(1, total_steps + 1):
         record(step=step, tokens=step * tokens_per_step, val_loss=val, time=time.time() - train_start)
         epoch = step / steps_per_epoch
         say(f"step {step:5d} | epoch {epoch:.2f} | val loss {val:.4f} | ppl {math.exp(val):.2f}")
+bar.close()
 train_time = time.time() - train_start
 say(f"trained {total_steps * tokens_per_step} tokens in {train_time:.1f} s")
 

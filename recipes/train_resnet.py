@@ -219,9 +219,10 @@ for epoch in range(start_epoch, args.epochs):
         for group in engine.optimizer.param_groups:
             group["lr"] = lr_at(epoch)
     epoch_start, losses = time.time(), []
-    bar = tqdm(
-        total=steps_per_epoch,
+    bar = tqdm(  # samples/s and ETA on the logging rank at a terminal; per-epoch lines otherwise
+        total=steps_per_epoch * engine.train_batch_size(),
         desc=f"epoch {epoch + 1}/{args.epochs}",
+        unit="sample",
         disable=None if logging_rank else True,
         mininterval=1.0,
         dynamic_ncols=True,
@@ -230,8 +231,8 @@ for epoch in range(start_epoch, args.epochs):
         loss = engine.train_batch(data_iter=train_iter)
         if loss is not None and not math.isnan(loss):  # FDG: NaN until the first loss travels back
             losses.append(float(loss))
-            bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
-        bar.update()
+            bar.set_postfix(step=step, loss=f"{losses[-1]:.3f}", refresh=False)
+        bar.update(engine.train_batch_size())
         step += 1
         if args.max_steps is not None and step >= args.max_steps:
             break
