@@ -1,9 +1,9 @@
 """Throughput and memory of FDG against plain backprop and DeepSpeed's 1F1B, side by side, on this machine.
 
     export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 PYTHONPATH=$PWD
-    python benchmarks/throughput.py                  # ResNet-32 and a small transformer (~8 min)
-    python benchmarks/throughput.py --quick          # tiny models, a smoke run (< 2 min)
-    python benchmarks/throughput.py --models resnet32 --memory-stages 2,3,4 --repeats 0   # memory vs K only
+    python benchmarks/throughput.py                  # ResNet-32 and a small transformer (10-20 min)
+    python benchmarks/throughput.py --quick          # tiny models, no RSS runs: a smoke run (< 1 min idle)
+    python benchmarks/throughput.py --repeats 0 --rss 2,3,4   # memory by K only (fresh processes)
 
 Throughput: one process tree of K = 2 gloo ranks (one thread each) builds every variant of a model
 once, warms each up, then runs them interleaved for ``--repeats`` rounds (the order rotates every
@@ -20,9 +20,10 @@ rank, after a barrier); per-stage compute comes from FDG's own ``fdg_stats`` and
 engines, from timers wrapped around their instruction handlers on the instance. FDG is measured in
 steady state: its pipeline fills during warm-up and never flushes.
 
-Memory: every variant also runs alone in a fresh process tree (so peak RSS belongs to it) and reports
-per stage the RSS after building, the peak RSS while training, and the bytes held for delayed backward
-(``engine.held_bytes()``, FDG) or saved by autograd (BP, 1F1B).
+Memory: after the timed rounds every variant trains a few more micro-batches while the bytes it holds
+for backward are counted (``engine.held_bytes()`` for FDG, live autograd-saved activations for BP,
+1F1B and DP). With ``--rss K,...`` every variant also runs alone in a fresh process tree per K (so
+peak RSS belongs to it): RSS after building and peak RSS while training, per stage.
 
 Output: ``<out>/throughput.json`` and ``<out>/throughput.md`` (tables) and the command that made them.
 """
