@@ -117,8 +117,7 @@ class DelayedBackward:
                 return
             assert held.rng_state is not None
             with _replayed_rng(held.rng_state), _buffers_kept(self.module):
-                outputs = run()
-            yield outputs
+                yield run()  # the backward runs in here, before the buffers are put back
 
     @contextlib.contextmanager
     def _weights_of(self, held: Held) -> Iterator[None]:
@@ -213,4 +212,4 @@ def _buffers_kept(module: nn.Module) -> Iterator[None]:
     finally:
         with torch.no_grad():
             for b, s in zip(module.buffers(), saved):
-                b.copy_(s)
+                b.data.copy_(s)  # not a write autograd sees: batch norm saved these for its backward

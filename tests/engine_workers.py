@@ -59,7 +59,7 @@ def build(case: dict[str, Any], world: int, import_fdg: bool = True):
         import fdg_schedule  # noqa: F401  (selects the engine from the config)
     stages = case["stages"]
     model = PipelineModule(
-        layers=toy.layers(),
+        layers=toy.layers(batch_norm=case.get("batch_norm", False)),
         num_stages=stages,
         loss_fn=toy.loss_fn,
         partition_method="uniform",
@@ -91,7 +91,9 @@ def build(case: dict[str, Any], world: int, import_fdg: bool = True):
 
 
 def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+    return {
+        k: (v.detach().float() if v.is_floating_point() else v.detach()).clone() for k, v in model.state_dict().items()
+    }
 
 
 def train(rank: int, world: int, cases: list[dict[str, Any]], import_fdg: bool = True) -> list[dict[str, Any]]:

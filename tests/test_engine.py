@@ -26,7 +26,7 @@ TOL = {"rtol": 1e-6, "atol": 1e-6}
 
 def reference(case: dict[str, Any], parts: list[int]) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
     """Per-call stage states (concatenated over stages) and per-micro-batch losses of the reference."""
-    stages = toy.reference_stages(parts)
+    stages = toy.reference_stages(parts, batch_norm=case.get("batch_norm", False))
     dp = case.get("dp", 1)
     lr = case.get("lr", 0.1)
     if case.get("optimizer", "sgd") == "adam":
@@ -146,6 +146,11 @@ def test_two_stages_all_modes_sgd_and_adam(tmp_path) -> None:
         {"stages": 2, "n": 64, "gas": 3, "calls": 3, "zero": 1, "grad_shrink": 0.5},
         # eval_batch() between calls leaves the in-flight work untouched
         {"stages": 2, "n": 64, "gas": 3, "calls": 4, "eval_between": True, "activations": "recomputed"},
+        # batch norm: running statistics updated once per micro-batch, also when the forward is rerun
+        *(
+            {"stages": 2, "n": 64, "gas": 3, "calls": 3, "batch_norm": True, "weights": w, "activations": "recomputed"}
+            for w in ("current", "stashed")
+        ),  # fmt: skip
         # DeepSpeed's activation checkpointing recomputes with the weights in the parameters: stashed ones here
         {"stages": 2, "n": 64, "gas": 3, "calls": 3, "checkpoint_interval": 1, "weights": "stashed"},
     ]

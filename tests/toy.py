@@ -42,13 +42,17 @@ class PairMix(nn.Module):
         return self.a(h) + 0.5 * self.b(sq)
 
 
-def layers(spec: bool = True) -> list:
-    """The layer list; ``spec=False`` gives built modules (for the reference)."""
+def layers(spec: bool = True, batch_norm: bool = False) -> list:
+    """The layer list; ``spec=False`` gives built modules (for the reference).
+
+    ``batch_norm`` adds a BatchNorm1d on each stage side of the K=2 split (running statistics are
+    buffers a recomputed forward must not update twice).
+    """
 
     def make(cls, *args):
         return LayerSpec(cls, *args) if spec else cls(*args)
 
-    return [
+    out = [
         make(SeededLinear, IN, HIDDEN, 1),
         torch.tanh,
         make(SeededLinear, HIDDEN, HIDDEN, 2),
@@ -59,6 +63,10 @@ def layers(spec: bool = True) -> list:
         torch.tanh,
         make(SeededLinear, HIDDEN, CLASSES, 5),
     ]
+    if batch_norm:
+        out.insert(1, make(nn.BatchNorm1d, HIDDEN))
+        out.insert(8, make(nn.BatchNorm1d, HIDDEN))
+    return out
 
 
 class Chain(nn.Module):
@@ -81,8 +89,8 @@ class Chain(nn.Module):
         return x
 
 
-def reference_stages(parts: list[int]) -> list[Chain]:
-    built = layers(spec=False)
+def reference_stages(parts: list[int], batch_norm: bool = False) -> list[Chain]:
+    built = layers(spec=False, batch_norm=batch_norm)
     return [Chain(built[a:b], a) for a, b in zip(parts[:-1], parts[1:])]
 
 
