@@ -38,13 +38,15 @@ parser.add_argument("--weights", nargs="+", default=["current", "stashed"])
 parser.add_argument("--max-ranks", type=int, default=2, help="runs needing more processes are skipped")
 parser.add_argument("--timeout", type=float, default=900, help="seconds per run")
 parser.add_argument("--out", default=str(ROOT / "docs" / "convergence"))
+parser.add_argument("--fdg-only", action="store_true", help="skip the BP and 1F1B baselines (e.g. a K=3 add-on)")
 args = parser.parse_args()
 
 
 def variants():
     """(name, stages, config changes) of every run, BP and 1F1B first."""
-    yield "BP", 1, {}
-    yield "1F1B", 2, {}
+    if not args.fdg_only:
+        yield "BP", 1, {}
+        yield "1F1B", 2, {}
     for stages in args.stages:
         for weights in args.weights:
             for beta in args.betas:
