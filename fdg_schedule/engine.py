@@ -110,8 +110,9 @@ class FDGPipelineEngine(PipelineEngine):
     def train_batch(self, data_iter: Any = None) -> Tensor:
         """Run ``gradient_accumulation_steps`` FDG ticks; see the module docstring for the return value.
 
-        Raises :class:`~fdg_schedule.DataExhausted` (a ``StopIteration``) on every rank, after
-        draining, in the call during which the data iterator ran out.
+        When the data iterator runs out, every rank drains and raises
+        :class:`~fdg_schedule.DataExhausted` (a ``StopIteration``) in the same call: the one holding
+        the tick at which stage 0 back-propagates the last micro-batch.
         """
         if not torch.is_grad_enabled():
             raise RuntimeError("train_batch() requires gradients enabled. Use eval_batch() instead.")
@@ -129,8 +130,11 @@ class FDGPipelineEngine(PipelineEngine):
 
         Runs ``2(K-1)`` ticks (the same on every stage); afterwards the pipeline is empty, every
         accumulated gradient has been stepped, and the next ``train_batch()`` fills it again.
-        Use it at the end of training and before a schedule-independent checkpoint.
+        Use it at the end of training and before a schedule-independent checkpoint. On an empty
+        pipeline (nothing entered since the last drain) it does nothing and returns NaN.
         """
+        if self.segment_tick == 0:  # every stage agrees: nothing is in flight
+            return torch.tensor(math.nan, device=self.device)
         if self.segment_limit is not None:  # the data already ended: finish that segment
             return self._run(self._schedule(self._last_tick() + 1 - self.segment_tick, drain=False))
         loss = self._run(self._schedule(ticks.drain_ticks(self.num_stages), drain=True))
