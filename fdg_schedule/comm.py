@@ -1,10 +1,12 @@
 """One batched, non-blocking exchange per tick between a stage and its two pipeline neighbours.
 
 Activations go down (stage k -> k+1); input gradients and the loss they belong to go up
-(k+1 -> k). Everything a tick sends is posted at its end in one ``batch_isend_irecv`` together
-with the receives for the next tick, so the transfer overlaps with whatever runs until the next
-tick waits for it. Under gloo this is deadlock-free without parity ordering (each direction of
-each link carries one ordered stream of messages).
+(k+1 -> k). Everything a tick sends to a neighbour is posted at its end in one
+``batch_isend_irecv`` per neighbour, together with the receives for the next tick, so the transfer
+overlaps with whatever runs until the next tick waits for it (a stage waits for the gradient only
+before its backward, for the activation only before its forward). Under gloo this is
+deadlock-free without parity ordering (each direction of each link carries one ordered stream of
+messages). Every wait is bounded by the configured timeout and names the neighbour it gave up on.
 
 Shapes and dtypes of activations travel once, before the first activation, in a small int64
 header (and before every activation when the module has ``dynamic_shape=True``).
@@ -87,9 +89,9 @@ class NeighbourExchange:
         is the number of micro-batches of the segment when the data ran out (Note [end of data]).
         """
         self.wait_sends()
+        self._exchange_headers(activation, recv_activation)  # shapes and dtypes as the stage made them
         if activation is not None:
             activation = [*(_wire(t) for t in activation), torch.tensor([end], dtype=torch.int64, device=self.device)]
-        self._exchange_headers(None if activation is None else activation[:-1], recv_activation)
         to_prev = [] if grads is None else [*(g.contiguous() for g in grads), _loss_message(loss)]
         to_next = [] if activation is None else activation
         from_prev: list[Tensor] = []
