@@ -26,7 +26,9 @@ def test_a_rank_killed_mid_run_makes_the_other_exit_with_an_error(tmp_path) -> N
 def test_a_rank_that_stops_sending_is_reported_within_the_timeout(tmp_path) -> None:
     case = {"trigger": 5, "how": "hang", "timeout": 4}
     stage0, stage1 = run_ranks(engine_workers.failure, 2, tmp_path, case, deadline_s=120)
-    assert stage0["error"].startswith("stage 0 (global rank 0): gave up") and "stage 1 (global rank 1)" in stage0["error"]
+    assert (
+        stage0["error"].startswith("stage 0 (global rank 0): gave up") and "stage 1 (global rank 1)" in stage0["error"]
+    )
     assert "(timeout 4 s)" in stage0["error"]
     assert 4 <= stage0["seconds"] < 4 + 10
     assert "stage 1 (global rank 1): gave up" in stage1["error"]  # and stage 1 does not hang either
