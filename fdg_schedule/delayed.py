@@ -47,7 +47,6 @@ class Held:
     weights: list[Tensor] | None = None  # weights="stashed": the forward's weights
     rng_state: tuple[Tensor, Tensor | None] | None = None  # RNG state the forward started from
     saved: list[Tensor] | None = None  # activations="stored": what autograd saved, in order
-    saved_bytes: int = 0
 
 
 class DelayedBackward:
@@ -138,7 +137,7 @@ class DelayedBackward:
         """Bytes held for delayed backward passes: saved activations and weight snapshots."""
         total = 0
         for held in self.held.values():
-            total += held.saved_bytes
+            total += sum(t.numel() * t.element_size() for t in held.saved or ())
             total += sum(w.numel() * w.element_size() for w in held.weights or ())
         return total
 
@@ -171,7 +170,6 @@ def _saved_tensors_read_live(
             t = original
         assert held.saved is not None
         held.saved.append(t)
-        held.saved_bytes += t.numel() * t.element_size()
         return t, t._version
 
     def unpack(packed: tuple[Tensor, int | None]) -> Tensor:
