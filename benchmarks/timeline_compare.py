@@ -71,3 +71,6 @@ else:
     assert recorder is not None
     recorder.write()
 print(f"rank {engine.global_rank}: wrote {out}, last loss {loss.item():.4f}")
+# gloo's worker threads must not outlive the interpreter: exiting without this can abort (SIGABRT)
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()

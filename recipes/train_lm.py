@@ -224,3 +224,5 @@ if rank == 0:
         )
         print("-" * 60 + "\n" + tokenizer.decode(out[0], skip_special_tokens=True), flush=True)
 dist.barrier()
+# gloo's worker threads must not outlive the interpreter: exiting without this can abort (SIGABRT)
+dist.destroy_process_group()

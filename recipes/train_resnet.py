@@ -269,3 +269,6 @@ if logging_rank:
         f"{args.model} {args.dataset} K={stages} {schedule}",
         flush=True,
     )
+# gloo's worker threads must not outlive the interpreter: exiting without this can abort (SIGABRT)
+dist.barrier()
+dist.destroy_process_group()
