@@ -40,6 +40,11 @@ parser.add_argument("--timeout", type=float, default=900, help="seconds per run"
 parser.add_argument("--out", default=str(ROOT / "docs" / "convergence"))
 parser.add_argument("--fdg-only", action="store_true", help="skip the BP and 1F1B baselines (e.g. a K=3 add-on)")
 parser.add_argument(
+    "--reuse",
+    action="store_true",
+    help="keep the runs already in <out>.json made with the same settings; run only the missing (variant, seed) pairs",
+)
+parser.add_argument(
     "--variant",
     action="append",
     metavar="SPEC",
@@ -120,9 +125,35 @@ def mean(xs):
     return sum(xs) / len(xs)
 
 
+SETTINGS = ("model", "dataset", "epochs", "train_subset", "test_subset", "micro_batch")  # what makes runs comparable
+
+
+def stored_runs(path):
+    """{(variant, seed): run} from an earlier <out>.json with the same settings, and its wall time."""
+    if not (args.reuse and path.exists()):
+        return {}, 0.0
+    stored = json.loads(path.read_text())
+    differ = [key for key in SETTINGS if stored["args"].get(key) != getattr(args, key)]
+    if differ:
+        raise SystemExit(f"--reuse: {path} was made with other {', '.join(differ)}; drop --reuse or change --out")
+    runs = {(result["name"], run["seed"]): run for result in stored["results"] for run in result["runs"]}
+    return runs, stored["wall_s"]
+
+
+out = Path(args.out)
+out.parent.mkdir(parents=True, exist_ok=True)
 planned = list(variants())  # a bad --variant fails here, before any run
+done, wall_before = stored_runs(out.with_suffix(".json"))
 start = time.time()
 results = []
+
+
+def save_json():
+    wall = wall_before + time.time() - start
+    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "wall_s": wall, "results": results}, indent=1))
+    return wall
+
+
 with tempfile.TemporaryDirectory() as tmp:
     for name, stages, changes in planned:
         if stages > args.max_ranks:
@@ -130,18 +161,19 @@ with tempfile.TemporaryDirectory() as tmp:
             print(f"{name}: not run (needs {stages} ranks, --max-ranks {args.max_ranks})", flush=True)
             continue
         runs = []
+        results.append({"name": name, "stages": stages, "runs": runs})
         for seed in args.seeds:
+            if (name, seed) in done:
+                runs.append(done[name, seed])
+                print(f"{name} seed {seed}: kept from the earlier run", flush=True)
+                continue
             run_start = time.time()
             errors, speed = run(stages, changes, seed, Path(tmp))
             runs.append({"seed": seed, "test_error": errors, "samples_per_s": speed})
             print(f"{name} seed {seed}: test error {errors[-1]:.2%} ({time.time() - run_start:.0f} s)", flush=True)
-        results.append({"name": name, "stages": stages, "runs": runs})
-wall = time.time() - start
-
-out = Path(args.out)
-out.parent.mkdir(parents=True, exist_ok=True)
+            save_json()  # a later failure keeps the runs made so far (rerun with --reuse)
+wall = save_json()
 command = "python benchmarks/convergence.py " + " ".join(sys.argv[1:])
-out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "wall_s": wall, "results": results}, indent=1))
 
 three_quarters = max(1, round(0.75 * args.epochs))  # how flat the end of the curve is
 lines = [
