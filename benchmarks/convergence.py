@@ -213,7 +213,11 @@ for result in results:
         f"| {result['name']} | {result['stages']} | {mean(finals):.2%} | ± {spread:.2%} | "
         f"{paired_delta(result['runs'])} | {earlier:.2%} | {speed:.0f} |"
     )
-out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+ANALYSIS = "<!-- analysis: written by hand, kept when the table is regenerated -->"
+md = out.with_suffix(".md")
+kept = md.read_text().partition(ANALYSIS)[1:] if md.exists() else ("", "")
+lines += ["", f"![test error per epoch]({out.with_suffix('.png').name})", ""]
+md.write_text("\n".join(lines) + "\n" + "".join(kept))
 
 import matplotlib  # noqa: E402  (only needed for the picture)
 
