@@ -224,20 +224,24 @@ import matplotlib  # noqa: E402  (only needed for the picture)
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-fig, ax = plt.subplots(figsize=(8, 5))
+# Left: the whole run; right: the second half (after the first LR decay), where the plateau is read.
+fig, (ax, zoom) = plt.subplots(1, 2, figsize=(12, 5))
 for result in results:
     if result["runs"]:
         curves = [r["test_error"] for r in result["runs"]]
-        epochs_axis = range(1, len(curves[0]) + 1)
+        epochs_axis = list(range(1, len(curves[0]) + 1))
+        errors = [100 * mean(col) for col in zip(*curves, strict=True)]
         style = "-" if result["name"] in ("BP", "1F1B") else "--"
-        ax.plot(
-            epochs_axis, [100 * mean(col) for col in zip(*curves, strict=True)], style, marker="o", label=result["name"]
-        )
-ax.set_xlabel("epoch")
+        ax.plot(epochs_axis, errors, style, marker="o", label=result["name"])
+        half = len(errors) // 2
+        zoom.plot(epochs_axis[half:], errors[half:], style, marker="o", label=result["name"])
+for axis in (ax, zoom):
+    axis.set_xlabel("epoch")
+    axis.grid(alpha=0.3)
 ax.set_ylabel("test error (%), mean over seeds")
 ax.set_title(f"{args.model} on {args.dataset} ({args.train_subset} train images)")
-ax.legend(fontsize=7)
-ax.grid(alpha=0.3)
+zoom.set_title("second half of the run")
+zoom.legend(fontsize=7)
 fig.tight_layout()
 fig.savefig(out.with_suffix(".png"), dpi=120)
 print(f"wrote {out.with_suffix('.md')}, {out.with_suffix('.png')}, {out.with_suffix('.json')} ({wall / 60:.1f} min)")
