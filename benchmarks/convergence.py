@@ -45,6 +45,11 @@ parser.add_argument(
     help="keep the runs already in <out>.json made with the same settings; run only the missing (variant, seed) pairs",
 )
 parser.add_argument(
+    "--report-only",
+    action="store_true",
+    help="with --reuse: run nothing, rewrite the table and picture from <out>.json (missing pairs are left out)",
+)
+parser.add_argument(
     "--variant",
     action="append",
     metavar="SPEC",
@@ -142,6 +147,8 @@ def stored_runs(path):
 
 out = Path(args.out)
 out.parent.mkdir(parents=True, exist_ok=True)
+if args.report_only and not args.reuse:
+    parser.error("--report-only needs --reuse (it reads the runs of <out>.json)")
 planned = list(variants())  # a bad --variant fails here, before any run
 done, wall_before = stored_runs(out.with_suffix(".json"))
 start = time.time()
@@ -166,6 +173,9 @@ with tempfile.TemporaryDirectory() as tmp:
             if (name, seed) in done:
                 runs.append(done[name, seed])
                 print(f"{name} seed {seed}: kept from the earlier run", flush=True)
+                continue
+            if args.report_only:
+                print(f"{name} seed {seed}: not in {out.with_suffix('.json')}, left out", flush=True)
                 continue
             run_start = time.time()
             errors, speed = run(stages, changes, seed, Path(tmp))
@@ -203,14 +213,17 @@ def paired_delta(runs):
 
 for result in results:
     if not result["runs"]:
-        lines.append(f"| {result['name']} | {result['stages']} | not run ({result['skipped']}) | | | | |")
+        why = result.get("skipped", "no runs yet")
+        lines.append(f"| {result['name']} | {result['stages']} | not run ({why}) | | | | |")
         continue
     finals = [r["test_error"][-1] for r in result["runs"]]
+    seeds = [r["seed"] for r in result["runs"]]
+    label = result["name"] if seeds == args.seeds else f"{result['name']} (seeds {seeds})"
     earlier = mean([r["test_error"][three_quarters - 1] for r in result["runs"]])
     spread = (max(finals) - min(finals)) / 2
     speed = mean([r["samples_per_s"] for r in result["runs"]])
     lines.append(
-        f"| {result['name']} | {result['stages']} | {mean(finals):.2%} | ± {spread:.2%} | "
+        f"| {label} | {result['stages']} | {mean(finals):.2%} | ± {spread:.2%} | "
         f"{paired_delta(result['runs'])} | {earlier:.2%} | {speed:.0f} |"
     )
 ANALYSIS = "<!-- analysis: written by hand, kept when the table is regenerated -->"
