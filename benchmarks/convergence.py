@@ -167,7 +167,7 @@ with tempfile.TemporaryDirectory() as tmp:
             results.append({"name": name, "stages": stages, "runs": [], "skipped": f"needs {stages} ranks"})
             print(f"{name}: not run (needs {stages} ranks, --max-ranks {args.max_ranks})", flush=True)
             continue
-        runs = []
+        runs: list[dict] = []
         results.append({"name": name, "stages": stages, "runs": runs})
         for seed in args.seeds:
             if (name, seed) in done:
