@@ -363,6 +363,11 @@ class FDGPipelineEngine(PipelineEngine):
         return loss
 
     def _report(self, steps_before: int, elapsed: float) -> None:
+        every = self.steps_per_print()
+        printing = bool(every) and self.global_steps // every != steps_before // every
+        if printing and self.wall_clock_breakdown() and self.grid.data_parallel_id == 0:
+            # Stage-local timings (forward, backward, step), one line per stage as each stage learns alone.
+            self.timers.log(self.engine_timers.active_timers(), ranks=[self.global_rank])
         if self.global_rank != 0:
             return
         loss = self.agg_train_loss.item()
@@ -371,8 +376,7 @@ class FDGPipelineEngine(PipelineEngine):
             if not math.isnan(loss):
                 events.append(("Train/Samples/train_loss", loss, self.global_samples))
             self.monitor.write_events(events)
-        every = self.steps_per_print()
-        if every and self.global_steps // every != steps_before // every:
+        if printing:
             ticks_run = max(self.global_steps - steps_before, 1)
             samples = self.train_micro_batch_size_per_gpu() * self.dp_world_size * ticks_run
             print(
@@ -472,7 +476,9 @@ class FDGPipelineEngine(PipelineEngine):
                 )
                 finite = bool(torch.isfinite(norm))
             if finite:
+                self._start_timers(self.engine_timers.step_timers)
                 self.optimizer.step()
+                self._stop_timers(self.engine_timers.step_timers)
                 finite = not getattr(self.optimizer, "overflow", False)
             if wrapped:
                 self.optimizer.zero_grad()
@@ -580,6 +586,12 @@ class FDGPipelineEngine(PipelineEngine):
             torch.autograd.backward(outputs, grads)
         finally:
             self._running_engine_backward = False
+            # DeepSpeed's hook on the forward outputs ran its backward prologue, which starts the
+            # backward timers; the epilogue that stops them belongs to engine.backward(loss), which
+            # only the last stage calls. Stop them here (they are started only with wall_clock_breakdown).
+            for name in self.engine_timers.backward_inner_timers + self.engine_timers.backward_timers:
+                if self.timers(name).started_:
+                    self.timers(name).stop()
         if bf16 and not self._config.bfloat16_config.immediate_grad_update:
             self.optimizer.update_hp_grads(clear_lp_grads=False)
 

@@ -33,6 +33,9 @@ def ds_config(case: dict[str, Any]) -> dict[str, Any]:
         cfg["zero_optimization"] = {"stage": case["zero"]}
     if case.get("bf16"):
         cfg["bf16"] = {"enabled": True}
+    if case.get("wall_clock"):  # DeepSpeed's timers: started by its output hooks, printed every step
+        cfg["wall_clock_breakdown"] = True
+        cfg["steps_per_print"] = 1
     if case.get("warmup"):
         cfg["scheduler"] = {
             "type": "WarmupLR",
@@ -127,6 +130,7 @@ def train(rank: int, world: int, cases: list[dict[str, Any]], import_fdg: bool =
                 "global_samples": engine.global_samples,
                 "lr": engine.get_lr()[0] if engine.lr_scheduler is not None else None,
                 "in_flight": getattr(engine, "in_flight", lambda: None)(),
+                "running_timers": [n for n in engine.engine_timers.active_timers() if engine.timers(n).started_],
             }
         )
     return out

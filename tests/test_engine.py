@@ -104,6 +104,7 @@ def check_against_reference(results: list[list[dict[str, Any]]], cases: list[dic
             assert r["global_samples"] == case["calls"] * case.get("gas", 3) * 4 * case.get("dp", 1)
             if case.get("drain"):
                 assert r["in_flight"] == 0
+            assert r["running_timers"] == [], f"{case}: DeepSpeed timers left running"
 
 
 def _cases(stages: int, gas: int, calls: int, **extra: Any) -> list[dict[str, Any]]:
@@ -153,6 +154,8 @@ def test_two_stages_all_modes_sgd_and_adam(tmp_path) -> None:
         ),  # fmt: skip
         # DeepSpeed's activation checkpointing recomputes with the weights in the parameters: stashed ones here
         {"stages": 2, "n": 64, "gas": 3, "calls": 3, "checkpoint_interval": 1, "weights": "stashed"},
+        # wall_clock_breakdown: DeepSpeed's output hooks start backward timers a non-last stage must stop
+        {"stages": 2, "n": 64, "gas": 3, "calls": 3, "wall_clock": True, "grad_shrink": 0.5, "drain": True},
     ]
     results = run_ranks(engine_workers.train, 2, tmp_path, cases, deadline_s=300)
     check_against_reference(results, cases)
@@ -160,6 +163,7 @@ def test_two_stages_all_modes_sgd_and_adam(tmp_path) -> None:
 
 def test_three_stages_all_modes_tick_by_tick(tmp_path) -> None:
     cases = _cases(3, gas=1, calls=9, drain=True)  # one tick per call: compared after every tick
+    cases += [{"stages": 3, "n": 64, "gas": 2, "calls": 4, "wall_clock": True, "grad_shrink": 0.5, "drain": True}]
     results = run_ranks(engine_workers.train, 3, tmp_path, cases, deadline_s=300)
     check_against_reference(results, cases)
 
