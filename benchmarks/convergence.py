@@ -97,8 +97,23 @@ def free_port():
         return s.getsockname()[1]
 
 
+class RunFailed(Exception):
+    """A run that did not finish (e.g. it diverged); the message is the error that stopped it."""
+
+
+def first_error(output, returncode):
+    """The error line of the rank that failed first, not its neighbours' "gave up waiting" that follow."""
+    lines = [
+        re.sub(r"^\[rank\d+\]:\s*", "", line)
+        for line in output.splitlines()
+        if re.search(r"\w(Error|Exception): ", line)
+    ]
+    primary = [line for line in lines if "gave up waiting" not in line and "Connection closed" not in line]
+    return (primary or lines or [f"exit code {returncode}"])[-1][:400]
+
+
 def run(stages, changes, seed, workdir):
-    """One recipe run; returns test error per epoch (fractions) and samples/s."""
+    """One recipe run; returns test error per epoch (fractions) and samples/s, or raises RunFailed."""
     config = json.loads((ROOT / "ds_configs" / "resnet_bp.json").read_text())
     config.update(changes, train_micro_batch_size_per_gpu=args.micro_batch)
     path = workdir / f"config_{time.monotonic_ns()}.json"
@@ -122,7 +137,8 @@ def run(stages, changes, seed, workdir):
     speed = re.search(r"^final: .* \| ([\d.]+) samples/s", output, re.M)
     if proc.returncode != 0 or len(errors) != args.epochs or speed is None:
         tail = "\n".join(output.splitlines()[-15:])
-        raise SystemExit(f"run failed (exit {proc.returncode}): {' '.join(command)}\n{tail}")
+        print(f"run failed (exit {proc.returncode}): {' '.join(command)}\n{tail}", flush=True)
+        raise RunFailed(first_error(output, proc.returncode))
     return errors, float(speed.group(1))
 
 
@@ -178,7 +194,13 @@ with tempfile.TemporaryDirectory() as tmp:
                 print(f"{name} seed {seed}: not in {out.with_suffix('.json')}, left out", flush=True)
                 continue
             run_start = time.time()
-            errors, speed = run(stages, changes, seed, Path(tmp))
+            try:
+                errors, speed = run(stages, changes, seed, Path(tmp))
+            except RunFailed as err:  # a result too: the table says which runs failed and why
+                runs.append({"seed": seed, "failed": str(err)})
+                print(f"{name} seed {seed}: FAILED ({time.time() - run_start:.0f} s): {err}", flush=True)
+                save_json()
+                continue
             runs.append({"seed": seed, "test_error": errors, "samples_per_s": speed})
             print(f"{name} seed {seed}: test error {errors[-1]:.2%} ({time.time() - run_start:.0f} s)", flush=True)
             save_json()  # a later failure keeps the runs made so far (rerun with --reuse)
@@ -201,27 +223,38 @@ lines = [
     f"| method | stages | final test error | spread | Δ BP (paired) | at epoch {three_quarters} | samples/s |",
     "| --- | --- | --- | --- | --- | --- | --- |",
 ]
-bp_final = {r["seed"]: r["test_error"][-1] for res in results if res["name"] == "BP" for r in res["runs"]}
+
+
+def finished(runs):
+    return [r for r in runs if "failed" not in r]
+
+
+bp_final = {r["seed"]: r["test_error"][-1] for res in results if res["name"] == "BP" for r in finished(res["runs"])}
 
 
 def paired_delta(runs):
-    deltas = [r["test_error"][-1] - bp_final[r["seed"]] for r in runs if r["seed"] in bp_final]
+    deltas = [r["test_error"][-1] - bp_final[r["seed"]] for r in finished(runs) if r["seed"] in bp_final]
     if not deltas:
         return "n/a"
     return f"{mean(deltas):+.2%} ± {(max(deltas) - min(deltas)) / 2:.2%}"
 
 
+failures = []
 for result in results:
-    if not result["runs"]:
-        why = result.get("skipped", "no runs yet")
+    ok = finished(result["runs"])
+    failed = [r["seed"] for r in result["runs"] if "failed" in r]
+    failures += [f"- {result['name']}, seed {r['seed']}: `{r['failed']}`" for r in result["runs"] if "failed" in r]
+    if not ok:
+        why = f"failed, seeds {failed}" if failed else result.get("skipped", "no runs yet")
         lines.append(f"| {result['name']} | {result['stages']} | not run ({why}) | | | | |")
         continue
-    finals = [r["test_error"][-1] for r in result["runs"]]
-    seeds = [r["seed"] for r in result["runs"]]
+    finals = [r["test_error"][-1] for r in ok]
+    seeds = [r["seed"] for r in ok]
     label = result["name"] if seeds == args.seeds else f"{result['name']} (seeds {seeds})"
-    earlier = mean([r["test_error"][three_quarters - 1] for r in result["runs"]])
+    label += f" (failed: seeds {failed})" if failed else ""
+    earlier = mean([r["test_error"][three_quarters - 1] for r in ok])
     spread = (max(finals) - min(finals)) / 2
-    speed = mean([r["samples_per_s"] for r in result["runs"]])
+    speed = mean([r["samples_per_s"] for r in ok])
     lines.append(
         f"| {label} | {result['stages']} | {mean(finals):.2%} | ± {spread:.2%} | "
         f"{paired_delta(result['runs'])} | {earlier:.2%} | {speed:.0f} |"
@@ -229,6 +262,8 @@ for result in results:
 ANALYSIS = "<!-- analysis: written by hand, kept when the table is regenerated -->"
 md = out.with_suffix(".md")
 kept = md.read_text().partition(ANALYSIS)[1:] if md.exists() else ("", "")
+if failures:
+    lines += ["", "Runs that did not finish (the error that stopped them):", "", *failures]
 lines += ["", f"![test error per epoch]({out.with_suffix('.png').name})", ""]
 md.write_text("\n".join(lines) + "\n" + "".join(kept))
 
@@ -240,8 +275,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 # Left: the whole run; right: the second half (after the first LR decay), where the plateau is read.
 fig, (ax, zoom) = plt.subplots(1, 2, figsize=(12, 5))
 for result in results:
-    if result["runs"]:
-        curves = [r["test_error"] for r in result["runs"]]
+    if finished(result["runs"]):
+        curves = [r["test_error"] for r in finished(result["runs"])]
         epochs_axis = list(range(1, len(curves[0]) + 1))
         errors = [100 * mean(col) for col in zip(*curves, strict=True)]
         style = "-" if result["name"] in ("BP", "1F1B") else "--"
