@@ -245,8 +245,8 @@ for result in results:
     failed = [r["seed"] for r in result["runs"] if "failed" in r]
     failures += [f"- {result['name']}, seed {r['seed']}: `{r['failed']}`" for r in result["runs"] if "failed" in r]
     if not ok:
-        why = f"failed, seeds {failed}" if failed else result.get("skipped", "no runs yet")
-        lines.append(f"| {result['name']} | {result['stages']} | not run ({why}) | | | | |")
+        cell = f"failed (seeds {failed}; below)" if failed else f"not run ({result.get('skipped', 'no runs yet')})"
+        lines.append(f"| {result['name']} | {result['stages']} | {cell} | | | | |")
         continue
     finals = [r["test_error"][-1] for r in ok]
     seeds = [r["seed"] for r in ok]
