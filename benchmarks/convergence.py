@@ -64,11 +64,14 @@ def fdg_variant(stages, beta, weights):
     return f"FDG K={stages} β={beta:g} {weights}", stages, {"pipeline": {"schedule": "fdg", "fdg": fdg}}
 
 
+# (name, stages, config changes) of the stock schedules
+BASELINES: list[tuple[str, int, dict]] = [("BP", 1, {}), ("1F1B", 2, {})]
+
+
 def parse_variant(spec):
-    if spec.upper() == "BP":
-        return "BP", 1, {}
-    if spec.upper() == "1F1B":
-        return "1F1B", 2, {}
+    for baseline in BASELINES:
+        if spec.upper() == baseline[0]:
+            return baseline
     try:
         kind, stages, beta, weights = spec.split(":")
         assert kind == "fdg" and weights in ("current", "stashed")
@@ -83,8 +86,7 @@ def variants():
         yield from (parse_variant(spec) for spec in args.variant)
         return
     if not args.fdg_only:
-        yield "BP", 1, {}
-        yield "1F1B", 2, {}
+        yield from BASELINES
     for stages in args.stages:
         for weights in args.weights:
             for beta in args.betas:
@@ -144,6 +146,10 @@ def run(stages, changes, seed, workdir):
 
 def mean(xs):
     return sum(xs) / len(xs)
+
+
+def half_range(xs):
+    return (max(xs) - min(xs)) / 2
 
 
 SETTINGS = ("model", "dataset", "epochs", "train_subset", "test_subset", "micro_batch")  # what makes runs comparable
@@ -236,14 +242,15 @@ def paired_delta(runs):
     deltas = [r["test_error"][-1] - bp_final[r["seed"]] for r in finished(runs) if r["seed"] in bp_final]
     if not deltas:
         return "n/a"
-    return f"{mean(deltas):+.2%} ± {(max(deltas) - min(deltas)) / 2:.2%}"
+    return f"{mean(deltas):+.2%} ± {half_range(deltas):.2%}"
 
 
 failures = []
 for result in results:
     ok = finished(result["runs"])
-    failed = [r["seed"] for r in result["runs"] if "failed" in r]
-    failures += [f"- {result['name']}, seed {r['seed']}: `{r['failed']}`" for r in result["runs"] if "failed" in r]
+    failed_runs = [r for r in result["runs"] if "failed" in r]
+    failed = [r["seed"] for r in failed_runs]
+    failures += [f"- {result['name']}, seed {r['seed']}: `{r['failed']}`" for r in failed_runs]
     if not ok:
         cell = f"failed (seeds {failed}; below)" if failed else f"not run ({result.get('skipped', 'no runs yet')})"
         lines.append(f"| {result['name']} | {result['stages']} | {cell} | | | | |")
@@ -253,7 +260,7 @@ for result in results:
     label = result["name"] if seeds == args.seeds else f"{result['name']} (seeds {seeds})"
     label += f" (failed: seeds {failed})" if failed else ""
     earlier = mean([r["test_error"][three_quarters - 1] for r in ok])
-    spread = (max(finals) - min(finals)) / 2
+    spread = half_range(finals)
     speed = mean([r["samples_per_s"] for r in ok])
     lines.append(
         f"| {label} | {result['stages']} | {mean(finals):.2%} | ± {spread:.2%} | "
@@ -275,8 +282,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 # Left: the whole run; right: the second half (after the first LR decay), where the plateau is read.
 fig, (ax, zoom) = plt.subplots(1, 2, figsize=(12, 5))
 for result in results:
-    if finished(result["runs"]):
-        curves = [r["test_error"] for r in finished(result["runs"])]
+    curves = [r["test_error"] for r in finished(result["runs"])]
+    if curves:
         epochs_axis = list(range(1, len(curves[0]) + 1))
         errors = [100 * mean(col) for col in zip(*curves, strict=True)]
         style = "-" if result["name"] in ("BP", "1F1B") else "--"

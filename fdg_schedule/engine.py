@@ -494,8 +494,8 @@ class FDGPipelineEngine(PipelineEngine):
     def _check_inputs(self, inputs: Any, micro_batch: int) -> None:
         if not self.bfloat16_enabled():
             return
-        wrong = [t.dtype for t in _as_tuple(inputs) if torch.is_tensor(t) and t.is_floating_point()]
-        wrong = [d for d in wrong if d != torch.bfloat16]
+        floating = [t.dtype for t in _as_tuple(inputs) if torch.is_tensor(t) and t.is_floating_point()]
+        wrong = [dtype for dtype in floating if dtype != torch.bfloat16]
         if wrong:
             raise FDGRuntimeError(
                 f"stage 0 (global rank {self.global_rank}): micro-batch {micro_batch} has floating inputs of "
