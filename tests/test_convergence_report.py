@@ -1,0 +1,55 @@
+"""benchmarks/convergence.py's report from stored runs: paired differences, failed runs, kept analysis.
+
+`--reuse --report-only` runs nothing, so this checks the table arithmetic without training.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SETTINGS = {"model": "resnet20", "dataset": "fashion-mnist", "epochs": 4, "train_subset": 2048, "test_subset": 1000}
+
+
+def report(out: Path, *extra: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--epochs", "4", "--seeds", "0", "1"]
+    command += ["--variant", "BP", "--variant", "fdg:2:0.2:current", f"--out={out}", "--reuse", "--report-only"]
+    return subprocess.run([*command, *extra], capture_output=True, text=True, timeout=120)
+
+
+def test_report_from_stored_runs(tmp_path: Path) -> None:
+    runs = {
+        "BP": [{"seed": 0, "test_error": [0.4, 0.3, 0.25, 0.20]}, {"seed": 1, "test_error": [0.4, 0.35, 0.28, 0.24]}],
+        "FDG K=2 β=0.2 current": [
+            {"seed": 0, "test_error": [0.4, 0.3, 0.22, 0.21]},
+            {"seed": 1, "failed": "FDGRuntimeError: x"},
+        ],
+    }
+    results = [
+        {"name": name, "stages": 1 if name == "BP" else 2, "runs": [{"samples_per_s": 100.0, **r} for r in rs]}
+        for name, rs in runs.items()
+    ]
+    out = tmp_path / "conv"
+    out.with_suffix(".json").write_text(
+        json.dumps({"args": {**SETTINGS, "micro_batch": 32}, "wall_s": 60, "results": results})
+    )
+    out.with_suffix(".md").write_text(
+        "old table\n<!-- analysis: written by hand, kept when the table is regenerated -->\nMINE\n"
+    )
+
+    done = report(out)
+    assert done.returncode == 0, done.stderr[-2000:]
+    md = out.with_suffix(".md").read_text()
+    assert "| BP | 1 | 22.00% | ± 2.00% | +0.00% ± 0.00% | 26.50% | 100 |" in md  # 26.50%: at epoch 3 of 4
+    assert (
+        "| FDG K=2 β=0.2 current (seeds [0]) (failed: seeds [1]) | 2 | 21.00% | ± 0.00% | +1.00% ± 0.00% | 22.00% |"
+        in md
+    )
+    assert "- FDG K=2 β=0.2 current, seed 1: `FDGRuntimeError: x`" in md
+    assert "old table" not in md and md.endswith("MINE\n")  # the hand-written analysis survives
+
+    other = report(out, "--train-subset", "4096")
+    assert other.returncode != 0 and "made with other train_subset" in other.stderr + other.stdout
