@@ -1,23 +1,27 @@
 """fdg_schedule: fully decoupled learning with delayed gradients (FDG) as a DeepSpeed pipeline schedule.
 
-Two ways in:
+The config switches a job: with the package installed, ``deepspeed.initialize`` builds an
+:class:`FDGPipelineEngine` for a ``PipelineModule`` whose config says
+``"pipeline": {"schedule": "fdg"}``, and DeepSpeed's own engine, untouched, for any other config
+(see Note [the start-up hook] in :mod:`fdg_schedule.install`). ``import fdg_schedule`` does the same
+where the package is only on ``PYTHONPATH``. ``fdg_schedule.initialize(...)`` builds the FDG engine
+even with ``FDG_SCHEDULE_AUTO_INSTALL=0``, which makes ``deepspeed.initialize`` refuse FDG configs.
 
-* ``import fdg_schedule`` before ``deepspeed.initialize``: a ``PipelineModule`` whose config says
-  ``"pipeline": {"schedule": "fdg"}`` gets an :class:`FDGPipelineEngine`; any other config gets
-  DeepSpeed's own engine, untouched. Set ``FDG_SCHEDULE_AUTO_INSTALL=0`` to skip this.
-* ``fdg_schedule.initialize(...)`` instead of ``deepspeed.initialize(...)``: the same, without
-  changing ``deepspeed`` for anyone else.
+Importing the package loads neither torch nor DeepSpeed; the engine and the reference load on first use.
 """
 
 from __future__ import annotations
 
-import os
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from fdg_schedule.config import FDGConfig, FDGConfigError
-from fdg_schedule.engine import FDGPipelineEngine
 from fdg_schedule.errors import DataExhausted, FDGRuntimeError
-from fdg_schedule.install import SelectPipelineEngine, build_pipeline_engine, initialize, install, uninstall
-from fdg_schedule.reference import fdg_reference
+from fdg_schedule.install import initialize, install, uninstall, watch_deepspeed
+
+if TYPE_CHECKING:
+    from fdg_schedule.engine import FDGPipelineEngine
+    from fdg_schedule.reference import fdg_reference
 
 __all__ = [
     "DataExhausted",
@@ -25,8 +29,6 @@ __all__ = [
     "FDGConfigError",
     "FDGPipelineEngine",
     "FDGRuntimeError",
-    "SelectPipelineEngine",
-    "build_pipeline_engine",
     "fdg_reference",
     "initialize",
     "install",
@@ -34,5 +36,15 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-if os.environ.get("FDG_SCHEDULE_AUTO_INSTALL", "1") != "0":
-    install()
+_LAZY = {"FDGPipelineEngine": "fdg_schedule.engine", "fdg_reference": "fdg_schedule.reference"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'fdg_schedule' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+watch_deepspeed()

@@ -1,48 +1,240 @@
-"""How ``deepspeed.initialize`` comes to build an :class:`FDGPipelineEngine`.
+"""How ``deepspeed.initialize`` comes to build an :class:`FDGPipelineEngine` when the config asks for FDG.
 
-DeepSpeed has no engine registry: ``initialize`` looks up the name ``PipelineEngine`` in the
-``deepspeed`` package when it is given a ``PipelineModule``. :func:`install` rebinds that name to
-:class:`SelectPipelineEngine`, which validates the config on every rank (before any rank waits
-on another) and builds the FDG engine when ``pipeline.schedule`` is ``"fdg"`` and DeepSpeed's own
-``PipelineEngine``, untouched, otherwise.
+:func:`guard` wraps the function ``deepspeed.initialize``; DeepSpeed's classes stay DeepSpeed's. A
+call whose config has no ``pipeline.schedule`` goes straight to DeepSpeed (fdg_schedule's engine is
+not even imported). A call whose config asks for FDG either builds an ``FDGPipelineEngine`` or
+raises :class:`FDGConfigError` saying why and how to fix it: it never trains 1F1B in its place.
+
+Importing this module imports neither torch nor DeepSpeed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
+import os
+import sys
 import threading
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from types import ModuleType
 from typing import Any
 
-import deepspeed
-from deepspeed.runtime.pipe.engine import PipelineEngine
-from deepspeed.runtime.pipe.module import PipelineModule, TiedLayerSpec
-
 from fdg_schedule import config as fdg_config
-from fdg_schedule import observe
 from fdg_schedule.config import FDGConfigError
-from fdg_schedule.engine import FDGPipelineEngine
+
+# Note [the start-up hook]
+# Users run DeepSpeed scripts they do not want to edit (`deepspeed train.py --deepspeed_config
+# fdg.json`), so the config alone must switch the engine. Installing the package puts
+# fdg_schedule_autoinstall.pth into site-packages (setup.py ships it in wheels and in editable
+# installs). Python's `site` runs its one line at every interpreter start: it imports
+# _fdg_schedule_autoinstall (which uses only `sys`) and puts a finder first on sys.meta_path that
+# answers no import but `deepspeed`'s. When the program imports deepspeed, deepspeed/__init__.py runs
+# with DeepSpeed's own loader, then guard(deepspeed) replaces the function deepspeed.initialize by
+# a wrapper (DeepSpeed 0.19.8 re-exports initialize nowhere else; `from deepspeed import initialize`
+# runs after the guard and gets the wrapper) and the finder leaves sys.meta_path. `import
+# fdg_schedule` arms the same finder, for checkouts used through PYTHONPATH without the .pth.
+#
+# Nothing else changes: deepspeed.PipelineEngine stays DeepSpeed's class, except while a call that
+# asks for FDG runs (under _lock): then the name DeepSpeed's initialize looks up for a PipelineModule
+# is bound to a function that builds FDGPipelineEngine, a real subclass of PipelineEngine.
+#
+# The guard stays armed when FDG is switched off (FDG_SCHEDULE_AUTO_INSTALL=0, uninstall()): a config
+# that asks for FDG is then refused, never trained with 1F1B.
+
+AUTO_INSTALL_ENV = "FDG_SCHEDULE_AUTO_INSTALL"
+UNTESTED_DEEPSPEED_ENV = "FDG_SCHEDULE_ALLOW_UNTESTED_DEEPSPEED"
+TESTED_DEEPSPEED = "==0.19.8"  # pyproject.toml's deepspeed requirement; fdg_schedule uses private names
+_OFF = ("0", "false", "no", "off")
 
 _lock = threading.RLock()
+_switch: bool | None = None  # install() / uninstall(); None: the environment variable decides
+_stock_initialize: dict[int, Callable[..., Any]] = {}  # id(deepspeed module) -> DeepSpeed's own initialize
 
 
-def build_pipeline_engine(*args: Any, **kwargs: Any) -> PipelineEngine:
-    """Build the engine the config asks for (the arguments are ``PipelineEngine``'s)."""
-    config_class = kwargs.get("config_class")
-    ds_config = getattr(config_class, "_param_dict", None)
-    if ds_config is None:
-        raise FDGConfigError("fdg_schedule needs deepspeed.initialize to pass config_class (DeepSpeed >= 0.19)")
-    fdg = fdg_config.parse(ds_config)
-    if fdg is None:
-        return PipelineEngine(*args, **kwargs)
-    _check_module(kwargs.get("model"))
-    observe.before_engine(ds_config)  # W&B offline unless logged in, one group for all stages
-    return FDGPipelineEngine(*args, fdg_config=fdg, **kwargs)
+def guard(deepspeed: ModuleType) -> None:
+    """Wrap ``deepspeed.initialize`` so that its config picks the engine (idempotent)."""
+    with _lock:
+        current = getattr(deepspeed, "initialize", None)
+        if current is None or getattr(current, "__fdg_schedule_guard__", False):
+            return
+        signature = inspect.signature(current)
+
+        @functools.wraps(current)
+        def initialize(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
+            return _initialize(deepspeed, current, signature, args, kwargs, switch_on=switched_on)
+
+        initialize.__fdg_schedule_guard__ = True  # type: ignore[attr-defined]
+        _stock_initialize[id(deepspeed)] = current
+        deepspeed.initialize = initialize  # type: ignore[attr-defined]
 
 
-def _check_module(model: Any) -> None:
-    if not isinstance(model, PipelineModule):
+def install() -> None:
+    """Let ``deepspeed.initialize`` build the FDG engine for configs that ask for it, whatever the environment says."""
+    global _switch
+    _switch = True
+    watch_deepspeed()
+
+
+def uninstall() -> None:
+    """Make ``deepspeed.initialize`` refuse configs that ask for FDG (it never trains 1F1B in their place).
+
+    :func:`initialize` still builds the FDG engine.
+    """
+    global _switch
+    _switch = False
+    watch_deepspeed()
+
+
+def switched_on() -> bool:
+    """Whether ``deepspeed.initialize`` builds the FDG engine for a config that asks for it."""
+    if _switch is not None:
+        return _switch
+    return os.environ.get(AUTO_INSTALL_ENV, "1").strip().lower() not in _OFF
+
+
+def installed() -> bool:
+    return switched_on()
+
+
+def watch_deepspeed() -> None:
+    """Guard ``deepspeed.initialize`` now if DeepSpeed is imported, else when it is."""
+    import _fdg_schedule_autoinstall
+
+    _fdg_schedule_autoinstall.watch()
+
+
+def initialize(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
+    """``deepspeed.initialize`` that honours ``pipeline.schedule``, even with ``FDG_SCHEDULE_AUTO_INSTALL=0``.
+
+    Same arguments and return value as ``deepspeed.initialize``.
+    """
+    import deepspeed
+
+    guard(deepspeed)
+    stock = _stock_initialize[id(deepspeed)]
+    return _initialize(deepspeed, stock, inspect.signature(stock), args, kwargs, switch_on=lambda: True)
+
+
+def check_deepspeed_version(version: str) -> None:
+    """Refuse a DeepSpeed outside :data:`TESTED_DEEPSPEED` unless the user accepts the risk."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        tested = Version(version) in SpecifierSet(TESTED_DEEPSPEED)
+    except InvalidVersion:
+        tested = False
+    if tested:
         return
+    risk = (
+        f"fdg_schedule was tested with deepspeed{TESTED_DEEPSPEED} and relies on private parts of its "
+        f"PipelineEngine and optimizer wrappers; with deepspeed {version} a silent change there could change "
+        "the gradients"
+    )
+    if os.environ.get(UNTESTED_DEEPSPEED_ENV, "0").strip().lower() not in _OFF:
+        warnings.warn(f"{risk}; running anyway because {UNTESTED_DEEPSPEED_ENV} is set", stacklevel=3)
+        return
+    raise FDGConfigError(
+        f'pipeline.schedule="fdg" refused: {risk}. Install deepspeed{TESTED_DEEPSPEED} (pip install '
+        f'"deepspeed{TESTED_DEEPSPEED}"), or set {UNTESTED_DEEPSPEED_ENV}=1 to run at your own risk and '
+        "compare a few ticks against fdg_schedule.fdg_reference"
+    )
+
+
+def _initialize(
+    deepspeed: ModuleType,
+    stock: Callable[..., Any],
+    signature: inspect.Signature,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    switch_on: Callable[[], bool],
+) -> tuple[Any, ...]:
+    ds_config, model = _config_and_model(signature, args, kwargs)
+    fdg = fdg_config.parse(ds_config) if ds_config is not None and _mentions_schedule(ds_config) else None
+    if ds_config is None or fdg is None:
+        result = stock(*args, **kwargs)
+        _check_built(result)  # Note [the start-up hook]: a config DeepSpeed read another way
+        return result
+    if not switch_on():
+        raise FDGConfigError(_switched_off_message())
+    check_deepspeed_version(str(getattr(deepspeed, "__version__", "unknown")))
+    _check_model(deepspeed, model)
+    engine_class = _fdg_engine_class(deepspeed)
+    from fdg_schedule import observe
+
+    observe.before_engine(ds_config)  # W&B offline unless logged in, one group for all stages
+    with _pipeline_engine_bound(deepspeed, _engine_factory(engine_class, deepspeed.PipelineEngine)):
+        result = stock(*args, **kwargs)
+    _check_built(result)
+    return result
+
+
+def _config_and_model(
+    signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Mapping[str, Any] | None, Any]:
+    """The config dict and model ``deepspeed.initialize`` will use, read as it reads them (0.19.8).
+
+    None when they cannot be read here: DeepSpeed then raises its own error, or builds an engine
+    that :func:`_check_built` inspects.
+    """
+    try:
+        given = signature.bind(*args, **kwargs).arguments
+    except TypeError:
+        return None, None
+    config = given.get("config")
+    if config is None:
+        config = given.get("config_params")
+    for name in ("deepspeed_config", "deepscale_config"):  # --deepscale_config wins, as in DeepSpeed
+        path = getattr(given.get("args"), name, None)
+        if path is not None:
+            config = path
+    if config is None or isinstance(config, Mapping):
+        return config, given.get("model")
+    try:
+        from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+
+        return load_ds_config(config), given.get("model")
+    except Exception:  # noqa: BLE001 - DeepSpeed raises its own error when it reads the same config
+        return None, given.get("model")
+
+
+def _mentions_schedule(ds_config: Mapping[str, Any] | None) -> bool:
+    pipeline = (ds_config or {}).get("pipeline")
+    return isinstance(pipeline, Mapping) and ("schedule" in pipeline or "fdg" in pipeline)
+
+
+def _switched_off_message() -> str:
+    why = (
+        "fdg_schedule.uninstall() was called"
+        if _switch is False
+        else f"{AUTO_INSTALL_ENV}={os.environ.get(AUTO_INSTALL_ENV)} is set"
+    )
+    return (
+        f'pipeline.schedule="fdg" in ds_config, but {why}, so deepspeed.initialize does not build the FDG '
+        "engine, and it never trains DeepSpeed's 1F1B in its place. Call fdg_schedule.initialize(...) (same "
+        f'arguments) instead of deepspeed.initialize, or unset {AUTO_INSTALL_ENV}, or remove "schedule": "fdg" '
+        "from the pipeline block to train with 1F1B"
+    )
+
+
+def _check_model(deepspeed: ModuleType, model: Any) -> None:
+    from deepspeed.runtime.pipe.module import PipelineModule, TiedLayerSpec
+
+    dual_pipe_v = getattr(deepspeed, "DualPipeVModule", None)
+    if dual_pipe_v is not None and isinstance(model, dual_pipe_v):
+        raise FDGConfigError(
+            'pipeline.schedule="fdg" cannot train a DualPipeVModule: DeepSpeed builds its own DualPipeVEngine '
+            "for it, with its own schedule. Build a deepspeed.pipe.PipelineModule for FDG, or remove "
+            '"schedule": "fdg" from the pipeline block to train with DualPipeV'
+        )
+    if not isinstance(model, PipelineModule):
+        raise FDGConfigError(
+            f'pipeline.schedule="fdg" needs a deepspeed.pipe.PipelineModule, got {type(model).__module__}.'
+            f"{type(model).__qualname__}, which DeepSpeed would train without a pipeline. Build the model as "
+            'PipelineModule(layers=..., num_stages=...), or remove "schedule": "fdg" from the pipeline block'
+        )
     if model._grid.get_slice_parallel_world_size() > 1:
         raise FDGConfigError(
             f"tensor (slice) model parallelism of size {model._grid.get_slice_parallel_world_size()} is not "
@@ -70,54 +262,65 @@ def _check_module(model: Any) -> None:
             )
 
 
-class _SelectingMeta(type):
-    def __call__(cls, *args: Any, **kwargs: Any) -> PipelineEngine:
-        return build_pipeline_engine(*args, **kwargs)
+def _fdg_engine_class(deepspeed: ModuleType) -> type:
+    """``FDGPipelineEngine``, once sure it replaces the engine DeepSpeed would build (its own)."""
+    from deepspeed.runtime.pipe.engine import PipelineEngine
 
-    def __instancecheck__(cls, obj: Any) -> bool:
-        return isinstance(obj, PipelineEngine)
-
-    def __subclasscheck__(cls, sub: type) -> bool:
-        return issubclass(sub, PipelineEngine)
-
-
-class SelectPipelineEngine(metaclass=_SelectingMeta):
-    """Stands in for ``deepspeed.PipelineEngine``: ``isinstance`` checks against it still hold."""
-
-
-def install() -> None:
-    """Route ``deepspeed.initialize`` through :func:`build_pipeline_engine` (idempotent)."""
-    with _lock:
-        deepspeed.PipelineEngine = SelectPipelineEngine
-
-
-def uninstall() -> None:
-    """Give ``deepspeed.initialize`` back DeepSpeed's own ``PipelineEngine``."""
-    with _lock:
-        deepspeed.PipelineEngine = PipelineEngine
+    chosen = deepspeed.PipelineEngine
+    if chosen is not PipelineEngine:
+        raise FDGConfigError(
+            f'pipeline.schedule="fdg" refused: deepspeed.PipelineEngine is {_name(chosen)}, not DeepSpeed\'s '
+            "PipelineEngine; something replaced it, and FDG would silently drop that replacement. Remove the "
+            'code that rebinds deepspeed.PipelineEngine, or remove "schedule": "fdg" from the pipeline block'
+        )
+    try:
+        from fdg_schedule.engine import FDGPipelineEngine
+    except Exception as exc:  # an untested DeepSpeed (check_deepspeed_version was overridden)
+        raise FDGConfigError(
+            f"fdg_schedule could not load its engine with deepspeed {deepspeed.__version__}: {exc!r}"
+        ) from exc
+    return FDGPipelineEngine
 
 
-def installed() -> bool:
-    return deepspeed.PipelineEngine is SelectPipelineEngine
+def _engine_factory(engine_class: type, stock_class: type) -> Callable[..., Any]:
+    def build_pipeline_engine(*args: Any, **kwargs: Any) -> Any:
+        # The config exactly as DeepSpeed parsed it; a concurrent stock call from another thread gets its own engine.
+        fdg = fdg_config.parse(kwargs["config_class"]._param_dict)
+        if fdg is None:
+            return stock_class(*args, **kwargs)
+        return engine_class(*args, fdg_config=fdg, **kwargs)
+
+    return build_pipeline_engine
 
 
 @contextlib.contextmanager
-def _installed_for_call() -> Iterator[None]:
+def _pipeline_engine_bound(deepspeed: ModuleType, factory: Callable[..., Any]) -> Iterator[None]:
     with _lock:
-        was = installed()
-        install()
+        stock = deepspeed.PipelineEngine
+        deepspeed.PipelineEngine = factory  # type: ignore[attr-defined]
         try:
             yield
         finally:
-            if not was:
-                uninstall()
+            deepspeed.PipelineEngine = stock  # type: ignore[attr-defined]
 
 
-def initialize(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
-    """``deepspeed.initialize`` that honours ``pipeline.schedule`` without a global side effect.
+def _check_built(result: Any) -> None:
+    """Refuse an engine other than FDG's for a config that asks for FDG, however DeepSpeed read that config."""
+    engine = result[0] if isinstance(result, tuple) and result else result
+    ds_config = getattr(getattr(engine, "_config", None), "_param_dict", None)
+    if not isinstance(ds_config, Mapping) or not _mentions_schedule(ds_config):
+        return
+    if fdg_config.parse(ds_config) is None:
+        return
+    engine_module = sys.modules.get("fdg_schedule.engine")
+    if engine_module is None or not isinstance(engine, engine_module.FDGPipelineEngine):
+        raise FDGConfigError(
+            f'pipeline.schedule="fdg" in the config DeepSpeed read, but deepspeed.initialize built '
+            f"{_name(type(engine))}: fdg_schedule could not see that config when the call began (deepspeed "
+            f"{getattr(sys.modules.get('deepspeed'), '__version__', '?')}). Pass the config as "
+            "deepspeed.initialize(config=<dict or path>) or args.deepspeed_config, or call fdg_schedule.initialize"
+        )
 
-    Same arguments and return value as ``deepspeed.initialize``; ``deepspeed.PipelineEngine`` is
-    rebound only for the duration of the call.
-    """
-    with _installed_for_call():
-        return deepspeed.initialize(*args, **kwargs)
+
+def _name(obj: Any) -> str:
+    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"

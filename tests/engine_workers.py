@@ -60,6 +60,9 @@ def shard(batch: tuple[torch.Tensor, torch.Tensor], dp_rank: int, dp: int) -> tu
 def build(case: dict[str, Any], world: int, import_fdg: bool = True):
     if import_fdg:
         import fdg_schedule  # noqa: F401  (selects the engine from the config)
+    # Without the import: DeepSpeed's own initialize, also where the installed start-up hook wrapped it.
+    stock = getattr(deepspeed.initialize, "__wrapped__", deepspeed.initialize)
+    initialize = deepspeed.initialize if import_fdg else stock
     stages = case["stages"]
     model = PipelineModule(
         layers=toy.layers(batch_norm=case.get("batch_norm", False)),
@@ -81,9 +84,9 @@ def build(case: dict[str, Any], world: int, import_fdg: bool = True):
     if case.get("ds_optimizer"):
         ds_cfg = ds_config(case)
         ds_cfg["optimizer"] = {"type": "SGD", "params": {"lr": case.get("lr", 0.1), "momentum": 0.9}}
-        engine, *_ = deepspeed.initialize(model=model, config=ds_cfg, model_parameters=model.parameters(), **kwargs)
+        engine, *_ = initialize(model=model, config=ds_cfg, model_parameters=model.parameters(), **kwargs)
     else:
-        engine, *_ = deepspeed.initialize(
+        engine, *_ = initialize(
             model=model,
             config=ds_config(case),
             optimizer=make_optimizer(case),
