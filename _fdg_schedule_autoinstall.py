@@ -65,4 +65,6 @@ def _guard(deepspeed):
     # import_module, not "from fdg_schedule import install": the package exports a function of that name.
     from importlib import import_module
 
-    import_module("fdg_schedule.install").guard(deepspeed)
+    guard = getattr(import_module("fdg_schedule.install"), "guard", None)
+    if guard is not None:  # None: an older fdg_schedule shadows this one on sys.path; it hooks in when imported
+        guard(deepspeed)
