@@ -94,10 +94,6 @@ def switched_on() -> bool:
     return os.environ.get(AUTO_INSTALL_ENV, "1").strip().lower() not in _OFF
 
 
-def installed() -> bool:
-    return switched_on()
-
-
 def watch_deepspeed() -> None:
     """Guard ``deepspeed.initialize`` now if DeepSpeed is imported, else when it is."""
     import _fdg_schedule_autoinstall
@@ -155,16 +151,13 @@ def _initialize(
     fdg = fdg_config.parse(ds_config) if ds_config is not None and _mentions_schedule(ds_config) else None
     if ds_config is None or fdg is None:
         result = stock(*args, **kwargs)
-        _check_built(result)  # Note [the start-up hook]: a config DeepSpeed read another way
+        _check_built(result)  # in case DeepSpeed read a config where _config_and_model did not
         return result
     if not switch_on():
         raise FDGConfigError(_switched_off_message())
     check_deepspeed_version(str(getattr(deepspeed, "__version__", "unknown")))
     _check_model(deepspeed, model)
     engine_class = _fdg_engine_class(deepspeed)
-    from fdg_schedule import observe
-
-    observe.before_engine(ds_config)  # W&B offline unless logged in, one group for all stages
     with _pipeline_engine_bound(deepspeed, _engine_factory(engine_class, deepspeed.PipelineEngine)):
         result = stock(*args, **kwargs)
     _check_built(result)
@@ -285,9 +278,13 @@ def _fdg_engine_class(deepspeed: ModuleType) -> type:
 def _engine_factory(engine_class: type, stock_class: type) -> Callable[..., Any]:
     def build_pipeline_engine(*args: Any, **kwargs: Any) -> Any:
         # The config exactly as DeepSpeed parsed it; a concurrent stock call from another thread gets its own engine.
-        fdg = fdg_config.parse(kwargs["config_class"]._param_dict)
+        ds_config = kwargs["config_class"]._param_dict
+        fdg = fdg_config.parse(ds_config)
         if fdg is None:
             return stock_class(*args, **kwargs)
+        from fdg_schedule import observe
+
+        observe.before_engine(ds_config)  # W&B offline unless logged in, one group for all stages
         return engine_class(*args, fdg_config=fdg, **kwargs)
 
     return build_pipeline_engine
