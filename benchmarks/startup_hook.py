@@ -16,7 +16,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -38,7 +37,8 @@ def layered_venv(path: Path, wheel: Path | None) -> Path:
         capture_output=True,
         text=True,
     )
-    (Path(site.stdout.strip()) / "layered_on.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    here = [p for p in sys.path if Path(p).name == "site-packages" and Path(p).is_dir()]  # torch, DeepSpeed
+    (Path(site.stdout.strip()) / "layered_on.pth").write_text("".join(f"{path}\n" for path in here))
     return python
 
 

@@ -19,7 +19,6 @@ import signal
 import socket
 import subprocess
 import sys
-import sysconfig
 import warnings
 from pathlib import Path
 from typing import Any
@@ -227,6 +226,11 @@ def _env(**extra: str) -> dict[str, str]:
     return {**env, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **extra}
 
 
+def _site_packages() -> list[str]:
+    """Where this interpreter finds torch and DeepSpeed (its venv's site-packages, and any it is layered on)."""
+    return [p for p in sys.path if Path(p).name == "site-packages" and Path(p).is_dir()]
+
+
 def _venv(path: Path, wheel: Path | None) -> Path:
     """A venv that sees this venv's packages (torch, DeepSpeed) through a plain path entry, plus ``wheel``."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True)
@@ -240,7 +244,7 @@ def _venv(path: Path, wheel: Path | None) -> Path:
         capture_output=True,
         text=True,
     ).stdout.strip()
-    (Path(site) / "layered_on.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    (Path(site) / "layered_on.pth").write_text("".join(f"{path}\n" for path in _site_packages()))
     return python
 
 
@@ -371,15 +375,14 @@ def _same_training(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
 
 
 @pytest.fixture(scope="module")
-def stock_runs(pythons: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    base = tmp_path_factory.mktemp("stock")
-    return {kind: launch(pythons[kind], None, base / kind) for kind in ("wheel", "bare")}
+def stock_run(pythons: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, list[Any]]:
+    return launch(pythons["wheel"], None, tmp_path_factory.mktemp("stock") / "job")
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
 def test_the_config_alone_switches_an_unmodified_script(
-    pythons: dict[str, Path], stock_runs: dict[str, Any], tmp_path: Path
+    pythons: dict[str, Path], stock_run: tuple[int, str, list[Any]], tmp_path: Path
 ) -> None:
     code, output, hooked = launch(pythons["wheel"], FDG, tmp_path / "hooked")
     assert code == 0, output[-3000:]
@@ -389,22 +392,20 @@ def test_the_config_alone_switches_an_unmodified_script(
     for rank in hooked + explicit:
         assert rank["engine"] == "fdg_schedule.engine.FDGPipelineEngine" and rank["is_pipeline_engine"]
     assert _same_training(hooked, explicit), "the config-only run trained differently from `import fdg_schedule`"
-    assert not _same_training(hooked, stock_runs["wheel"][2]), "FDG and 1F1B trained the same weights"
+    assert not _same_training(hooked, stock_run[2]), "FDG and 1F1B trained the same weights"
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(900)
-def test_a_stock_config_is_untouched_bit_for_bit(stock_runs: dict[str, Any]) -> None:
-    (code, output, hooked), (bare_code, bare_output, bare) = stock_runs["wheel"], stock_runs["bare"]
+@pytest.mark.timeout(600)
+def test_a_stock_config_gets_deepspeeds_engine(stock_run: tuple[int, str, list[Any]]) -> None:
+    # Bit for bit against DeepSpeed's own initialize: test_engine.py::test_stock_1f1b_is_unchanged_by_the_import.
+    code, output, results = stock_run
     assert code == 0, output[-3000:]
-    assert bare_code == 0, bare_output[-3000:]
-    for rank in hooked:
+    assert len(results) == 2
+    for rank in results:
         assert rank["engine"] == "deepspeed.runtime.pipe.engine.PipelineEngine" and rank["is_pipeline_engine"]
         assert "fdg_schedule.engine" not in rank["modules"], "a stock config must not load fdg_schedule's engine"
         assert "fdg_schedule.install" in rank["modules"], "the hook was not active"
-    for rank in bare:
-        assert "fdg_schedule" not in {m.split(".")[0] for m in rank["modules"]}, "the baseline must be stock DeepSpeed"
-    assert _same_training(hooked, bare)
 
 
 @pytest.mark.distributed
