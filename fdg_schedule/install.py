@@ -199,16 +199,15 @@ def _mentions_schedule(ds_config: Mapping[str, Any] | None) -> bool:
 
 
 def _switched_off_message() -> str:
-    why = (
-        "fdg_schedule.uninstall() was called"
-        if _switch is False
-        else f"{AUTO_INSTALL_ENV}={os.environ.get(AUTO_INSTALL_ENV)} is set"
-    )
+    if _switch is False:
+        why, undo = "fdg_schedule.uninstall() was called", "call fdg_schedule.install()"
+    else:
+        why, undo = f"{AUTO_INSTALL_ENV}={os.environ.get(AUTO_INSTALL_ENV)} is set", f"unset {AUTO_INSTALL_ENV}"
     return (
         f'pipeline.schedule="fdg" in ds_config, but {why}, so deepspeed.initialize does not build the FDG '
         "engine, and it never trains DeepSpeed's 1F1B in its place. Call fdg_schedule.initialize(...) (same "
-        f'arguments) instead of deepspeed.initialize, or unset {AUTO_INSTALL_ENV}, or remove "schedule": "fdg" '
-        "from the pipeline block to train with 1F1B"
+        f'arguments) instead of deepspeed.initialize, or {undo}, or remove "schedule": "fdg" from the pipeline '
+        "block to train with 1F1B"
     )
 
 

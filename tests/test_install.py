@@ -168,14 +168,14 @@ def refusals(rank: int, world: int) -> dict[str, Any]:
         del os.environ[UNTESTED_DEEPSPEED_ENV]
 
     os.environ["FDG_SCHEDULE_AUTO_INSTALL"] = "0"
-    out["opted_out"] = attempt(pipeline=FDG)
+    out["opted_out"] = out["opted_out_fix"] = attempt(pipeline=FDG)
     out["opted_out_explicit"] = attempt(initialize=fdg_schedule.initialize, pipeline=FDG)
     out["opted_out_stock"] = attempt()
     fdg_schedule.install()
     out["opted_out_then_install"] = attempt(pipeline=FDG)
     del os.environ["FDG_SCHEDULE_AUTO_INSTALL"]
     fdg_schedule.uninstall()
-    out["uninstalled"] = attempt(pipeline=FDG)
+    out["uninstalled"] = out["uninstalled_fix"] = attempt(pipeline=FDG)
     out["uninstalled_explicit"] = attempt(initialize=fdg_schedule.initialize, pipeline=FDG)
     return out
 
@@ -186,7 +186,9 @@ REFUSALS = {  # case -> what the error says
     "replaced_engine_class": "deepspeed.PipelineEngine is test_install.refusals.<locals>.Replaced, not",
     "untested_version": "with deepspeed 0.20.0 a silent change there could change the gradients",
     "opted_out": OPT_OUT_MESSAGE,
+    "opted_out_fix": "or unset FDG_SCHEDULE_AUTO_INSTALL, or remove",
     "uninstalled": "fdg_schedule.uninstall() was called, so deepspeed.initialize does not build the FDG",
+    "uninstalled_fix": "or call fdg_schedule.install(), or remove",
 }
 
 
