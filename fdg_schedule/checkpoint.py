@@ -1,13 +1,12 @@
-"""FDG's in-flight state inside DeepSpeed checkpoints: what each rank saves beside DeepSpeed's files.
+"""FDG's in-flight state inside DeepSpeed checkpoints: the file each rank saves beside DeepSpeed's, and its checks.
 
 DeepSpeed saves weights (per layer), optimizer, LR scheduler and counters per stage. FDG adds, per
-stage and data-parallel rank, ``<save_dir>/<tag>/fdg_stage{k:02d}_dp{r:03d}.pt``: the micro-batches
-in flight (stage input, RNG state, saved activations or weight snapshot; see
-:mod:`fdg_schedule.delayed`), the messages received for the next tick (activation, gradient and
-the loss carried upstream), the labels the last stage holds for micro-batches still on their way,
-the segment tick, the data position and this rank's RNG state. A run that saves at tick T and
-resumes from the checkpoint computes, from tick T on, bit for bit what it would have computed
-without stopping -- given its data iterators restart at micro-batch T, as in stock DeepSpeed.
+stage and data-parallel rank, ``<save_dir>/<tag>/fdg_stage{k:02d}_dp{r:03d}.pt``: what
+:meth:`fdg_schedule.stage_state.StageState.capture` returns (the micro-batches in flight, the
+messages received for the next tick, the labels the last stage holds, the segment tick, the data
+position and this rank's RNG state), with the layout and modes it was saved under. A run that saves
+at tick T and resumes from the checkpoint computes, from tick T on, bit for bit what it would have
+computed without stopping -- given its data iterators restart at micro-batch T, as in stock DeepSpeed.
 
 Writes are atomic (temporary file, then rename), and ``latest`` is rewritten only after every rank
 has finished writing, so an interrupted save never leaves ``latest`` pointing at a partial checkpoint.
@@ -15,19 +14,15 @@ has finished writing, so an interrupted save never leaves ``latest`` pointing at
 
 from __future__ import annotations
 
-import functools
 import glob
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from deepspeed.utils import logger
 
-from fdg_schedule import ticks
-from fdg_schedule.delayed import Held
-
-if TYPE_CHECKING:
-    from fdg_schedule.engine import FDGPipelineEngine
+from fdg_schedule.config import FDGConfig, FDGConfigError
 
 FORMAT = 1
 
@@ -51,6 +46,14 @@ def write_latest(save_dir: str, tag: str) -> None:
     os.replace(tmp, os.path.join(save_dir, "latest"))
 
 
+def publish(save_dir: str, tag: str, global_rank: int) -> None:
+    """Every rank: once all have written every file, global rank 0 points ``latest`` at ``tag``."""
+    dist.barrier()
+    if global_rank == 0:
+        write_latest(save_dir, tag)
+    dist.barrier()
+
+
 def resolve_tag(load_dir: str, tag: str | None) -> str | None:
     if tag is not None:
         return str(tag)
@@ -67,17 +70,32 @@ def saved_stages(load_dir: str, tag: str) -> int | None:
     return len(files) or None
 
 
-def rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
+def other_stages(load_dir: str, tag: str | None, stages: int, per_stage_state: bool) -> bool:
+    """True when the checkpoint has another number of stages (then only its weights load).
+
+    Raises :class:`FDGConfigError` when ``per_stage_state`` (optimizer or LR-scheduler state) is requested.
+    """
+    saved = None if tag is None else saved_stages(load_dir, tag)
+    if saved is None or saved == stages:
+        return False
+    if per_stage_state:
+        raise FDGConfigError(
+            f"checkpoint {os.path.join(load_dir, str(tag))} has {saved} pipeline stages, this job "
+            f"{stages}: optimizer and LR-scheduler state are per stage and cannot be re-partitioned; "
+            "call load_checkpoint(..., load_optimizer_states=False, load_lr_scheduler_states=False) to load "
+            "the weights (re-partitioned by layer)"
+        )
+    return True
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+def identity(stages: int, data_parallel: int, config: FDGConfig) -> dict[str, Any]:
+    """What must match for in-flight work to continue: layout and modes."""
+    return {
+        "stages": stages,
+        "data_parallel": data_parallel,
+        "weights": config.weights,
+        "activations": config.activations,
+    }
 
 
 def why_not_resumable(state: dict[str, Any], expected: dict[str, Any]) -> str | None:
@@ -90,88 +108,26 @@ def why_not_resumable(state: dict[str, Any], expected: dict[str, Any]) -> str | 
     return None
 
 
-def identity(engine: FDGPipelineEngine) -> dict[str, Any]:
-    """What must match for in-flight work to continue: layout and modes."""
-    return {
-        "stages": engine.num_stages,
-        "data_parallel": engine.dp_world_size,
-        "weights": engine.fdg_config.weights,
-        "activations": engine.fdg_config.activations,
-    }
+def save(path: str, expected: dict[str, Any], captured: dict[str, Any]) -> None:
+    """Write a stage's captured state with the layout and modes it belongs to."""
+    atomic_save({"format": FORMAT, **expected, **captured}, path)
 
 
-def capture(engine: FDGPipelineEngine) -> dict[str, Any]:
-    """This rank's in-flight FDG state, between ``train_batch()`` calls."""
-    in_flight = {
-        buffer_id: {
-            "inputs": _detached(engine.pipe_buffers["inputs"][buffer_id]),
-            "rng_state": held.rng_state,
-            "weights": held.weights,
-            "saved": None if held.saved is None else [t.detach() for t in held.saved],
-            "sent_meta": engine._sent_meta.get(buffer_id),
-        }
-        for buffer_id, held in engine._delayed.held.items()
-    }
-    return {
-        "format": FORMAT,
-        **identity(engine),
-        "segment_tick": engine.segment_tick,
-        "in_flight": in_flight,
-        "received": engine._exchange.received(),
-        "labels_in_flight": list(engine.labels_in_flight),
-        "micro_batches_read": engine.micro_batches_read,
-        "rng": rng_state(),
-    }
-
-
-def restore(engine: FDGPipelineEngine, load_dir: str, tag: str) -> None:
-    """Undo :func:`capture` in a new process, or drop the in-flight work with a log line saying why."""
-    engine._reset_pipeline()
-    path = state_path(load_dir, tag, engine.stage_id, engine.grid.data_parallel_id)
+def load(load_dir: str, tag: str, stage_id: int, dp_id: int, expected: dict[str, Any], log: bool) -> dict | None:
+    """This rank's saved state if it can continue in this job, else None (``log``: say how much is dropped)."""
+    path = state_path(load_dir, tag, stage_id, dp_id)
     state = torch.load(path, weights_only=False) if os.path.exists(path) else None
     if state is None:
         reason: str | None = "it holds no FDG state for this stage (a 1F1B checkpoint or another layout)"
     else:
-        reason = why_not_resumable(state, identity(engine))
-    if reason is not None:
-        if engine.global_rank == 0:
-            first = state_path(load_dir, tag, 0, 0)
-            dropped = len(torch.load(first, weights_only=False)["in_flight"]) if os.path.exists(first) else 0
-            logger.warning(
-                f"fdg_schedule: dropped {dropped} in-flight micro-batches from checkpoint {tag} ({reason}); "
-                "the pipeline fills again from the next train_batch()"
-            )
-        return
-    assert state is not None
-    engine.segment_tick = state["segment_tick"]
-    engine._reserve_pipe_buffers(ticks.num_buffers(engine.num_stages, engine.stage_id))
-    needs_grad = not engine.is_first_stage() or engine._reentrant_activation_checkpointing()
-    for buffer_id, record in sorted(state["in_flight"].items()):
-        inputs = _leaves(record["inputs"], needs_grad)
-        engine.pipe_buffers["inputs"][buffer_id] = inputs
-        engine._sent_meta[buffer_id] = record["sent_meta"]
-        held = Held(weights=record["weights"], rng_state=record["rng_state"], saved=record["saved"])
-        engine.pipe_buffers["outputs"][buffer_id] = engine._delayed.rebuild(
-            buffer_id, held, functools.partial(engine._stage_forward, inputs)
+        reason = why_not_resumable(state, expected)
+    if reason is None:
+        return state
+    if log:
+        first = state_path(load_dir, tag, 0, 0)
+        dropped = len(torch.load(first, weights_only=False)["in_flight"]) if os.path.exists(first) else 0
+        logger.warning(
+            f"fdg_schedule: dropped {dropped} in-flight micro-batches from checkpoint {tag} ({reason}); "
+            "the pipeline fills again from the next train_batch()"
         )
-    engine._exchange.restore_received(state["received"])
-    engine.labels_in_flight.extend(state["labels_in_flight"])
-    engine.micro_batches_read = state["micro_batches_read"]
-    if engine.training_data is not None and (engine.is_first_stage() or engine.is_last_stage()):
-        # The engine's own loader: continue after the micro-batches read before the save.
-        engine._build_data_iter(engine.training_data)
-        for _ in range(engine.micro_batches_read):
-            engine._next_batch()
-    set_rng_state(state["rng"])
-
-
-def _detached(x: Any) -> Any:
-    if torch.is_tensor(x):
-        return x.detach()
-    return tuple(_detached(t) for t in x) if isinstance(x, (tuple, list)) else x
-
-
-def _leaves(x: Any, requires_grad: bool) -> Any:
-    if torch.is_tensor(x):
-        return x.detach().requires_grad_(requires_grad and x.is_floating_point())
-    return tuple(_leaves(t, requires_grad) for t in x)
+    return None

@@ -46,9 +46,11 @@ class NeighbourExchange:
         prev_rank / next_rank: global ranks of the neighbouring stages (None at the ends).
         device: where received tensors are allocated.
         dynamic_shape: send the activation header every time instead of once.
-        describe: names a stage in error messages, given its stage id and global rank.
         stage_id: this stage.
         timeout_s: how long any wait may block before the neighbour is declared failed.
+        plan: the schedule of every stage around the current tick, as text, for errors that
+            mean the stages disagree on it (a wait with no receive posted).
+        describe: names a stage in error messages, given its stage id and global rank.
     """
 
     def __init__(
@@ -57,10 +59,12 @@ class NeighbourExchange:
         next_rank: int | None,
         device: torch.device,
         dynamic_shape: bool,
-        describe: Callable[[int, int | None], str],
         stage_id: int,
         timeout_s: float,
+        plan: Callable[[], str] = lambda: "",
+        describe: Callable[[int, int | None], str] = lambda stage, rank: f"stage {stage} (global rank {rank})",
     ) -> None:
+        self.plan = plan
         self.prev_rank, self.next_rank = prev_rank, next_rank
         self.device, self.dynamic_shape = device, dynamic_shape
         self.describe = describe(stage_id, dist.get_rank())
@@ -86,8 +90,11 @@ class NeighbourExchange:
         """Send this tick's activation / gradients+loss; receive next tick's (shapes in ``recv_grad_meta``).
 
         One ``batch_isend_irecv`` per neighbour. An activation travels with a control word: ``end``
-        is the number of micro-batches of the segment when the data ran out (Note [end of data]).
+        is the number of micro-batches of the segment when the data ran out, sent instead of an
+        activation in a dummy of the last activation's shapes (Note [end of data]).
         """
+        if end != NO_END:
+            activation = self._dummy_activation()
         self.wait_sends()
         self._exchange_headers(activation, recv_activation)  # shapes and dtypes as the stage made them
         if activation is not None:
@@ -110,6 +117,14 @@ class NeighbourExchange:
         if recv_grad_meta is not None:
             self._grad = (next_works, from_next[:-1], from_next[-1])
 
+    def _dummy_activation(self) -> tuple[Tensor, ...]:
+        if self.sent_meta is None:
+            raise FDGRuntimeError(
+                f"{self.describe}: the data ran out before the first micro-batch; the next stage cannot be told "
+                "-- give train_batch() a non-empty iterator"
+            )
+        return tuple(torch.zeros(s, dtype=d, device=self.device) for s, d in self.sent_meta)
+
     def _batch(self, peer: int | None, name: str, sends: list[Tensor], recvs: list[Tensor]) -> list[dist.Work]:
         """One batched exchange with one neighbour; returns the receives' works (sends are kept)."""
         if not sends and not recvs:
@@ -127,7 +142,7 @@ class NeighbourExchange:
     def wait_activation(self) -> tuple[tuple[Tensor, ...], int]:
         """The activation posted for this tick and its control word (blocks until it has arrived)."""
         if self._activation is None:
-            raise FDGRuntimeError(f"{self.describe}: no activation receive was posted for this tick")
+            raise FDGRuntimeError(f"{self.describe}: no activation receive was posted for this tick\n{self.plan()}")
         works, bufs = self._activation
         self._activation = None
         self._wait(works, f"the activation from {self._prev}")
@@ -137,7 +152,7 @@ class NeighbourExchange:
     def wait_grad(self) -> tuple[tuple[Tensor, ...], Tensor]:
         """The gradients and carried loss posted for this tick (blocks until they have arrived)."""
         if self._grad is None:
-            raise FDGRuntimeError(f"{self.describe}: no gradient receive was posted for this tick")
+            raise FDGRuntimeError(f"{self.describe}: no gradient receive was posted for this tick\n{self.plan()}")
         works, grads, loss = self._grad
         self._grad = None
         self._wait(works, f"the gradient from {self._next}")

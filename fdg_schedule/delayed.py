@@ -42,15 +42,22 @@ from fdg_schedule.errors import FDGRuntimeError
 
 @dataclasses.dataclass
 class Held:
-    """What is kept for one micro-batch in flight on one stage."""
+    """What is kept for one micro-batch in flight on one stage (the stage's state owns it between ticks)."""
 
     weights: list[Tensor] | None = None  # weights="stashed": the forward's weights
     rng_state: tuple[Tensor, Tensor | None] | None = None  # RNG state the forward started from
     saved: list[Tensor] | None = None  # activations="stored": what autograd saved, in order
 
+    def nbytes(self) -> int:
+        """Bytes of saved activations and weight snapshots."""
+        return sum(t.numel() * t.element_size() for t in (*(self.saved or ()), *(self.weights or ())))
+
 
 class DelayedBackward:
     """Runs a stage's forwards so their backward can run ``delay`` ticks and optimizer steps later.
+
+    It keeps nothing itself: :meth:`forward` returns the :class:`Held` record of a micro-batch,
+    which :class:`~fdg_schedule.stage_state.StageState` keeps until :meth:`backward` consumes it.
 
     Args:
         module: the stage (its trainable parameters are the ones stashed or read live).
@@ -65,12 +72,11 @@ class DelayedBackward:
         self.delayed = delayed
         self.stash = delayed and config.weights == "stashed"
         self.recompute = delayed and config.activations == "recomputed"
-        self.held: dict[int, Held] = {}
 
-    def forward(self, buffer_id: int, run: Callable[[], Any]) -> Any:
-        """Run ``run()`` (the stage forward) for the micro-batch in ``buffer_id``, keeping what its backward needs."""
+    def forward(self, run: Callable[[], Any]) -> tuple[Any, Held | None]:
+        """Run ``run()`` (the stage forward); returns its outputs and what its backward needs (None: no delay)."""
         if not self.delayed:  # the backward follows at once: plain autograd
-            return run()
+            return run(), None
         held = Held(rng_state=_rng_state())
         if self.stash:
             held.weights = [p.detach().clone() for p in self.params]
@@ -81,12 +87,10 @@ class DelayedBackward:
             held.saved = []
             with _saved_tensors_read_live(held, self.state_storages):
                 outputs = run()
-        self.held[buffer_id] = held
-        return outputs
+        return outputs, held
 
-    def rebuild(self, buffer_id: int, held: Held, run: Callable[[], Any]) -> Any:
-        """Rebuild a stored forward's graph from a checkpoint (Note [rebuilding a stored graph])."""
-        self.held[buffer_id] = held
+    def rebuild(self, held: Held, run: Callable[[], Any]) -> Any:
+        """Rebuild a stored forward's graph from a checkpoint (Note [rebuilding a stored graph]); updates ``held``."""
         if self.recompute:
             return None
         assert held.saved is not None and held.rng_state is not None
@@ -96,20 +100,19 @@ class DelayedBackward:
             outputs = run()
         if len(held.saved) != len(saved):
             raise FDGRuntimeError(
-                f"cannot rebuild the stored forward of buffer {buffer_id}: the checkpoint holds {len(saved)} "
-                f"saved tensors, the forward now saves {len(held.saved)}; the stage's code changed since the save"
+                f"cannot rebuild a stored forward: the checkpoint holds {len(saved)} saved tensors, the forward "
+                f"now saves {len(held.saved)}; the stage's code changed since the save"
             )
         return outputs
 
     @contextlib.contextmanager
-    def backward(self, buffer_id: int, stored_outputs: Any, run: Callable[[], Any]) -> Iterator[Any]:
-        """Context for the delayed backward: yields the outputs to back-propagate through.
+    def backward(self, held: Held, stored_outputs: Any, run: Callable[[], Any]) -> Iterator[Any]:
+        """Context for the delayed backward of ``held``: yields the outputs to back-propagate through.
 
         With stashed weights the forward's weights sit in the parameters for the whole context;
         with recomputed activations the forward is rerun inside it with the forward's RNG state,
         leaving buffers (batch-norm running statistics) as the first forward left them.
         """
-        held = self.held.pop(buffer_id)
         with self._weights_of(held):
             if not self.recompute:
                 yield stored_outputs
@@ -132,17 +135,6 @@ class DelayedBackward:
         finally:
             with torch.no_grad():
                 torch._foreach_copy_(_data(self.params), current)
-
-    def held_bytes(self) -> int:
-        """Bytes held for delayed backward passes: saved activations and weight snapshots."""
-        total = 0
-        for held in self.held.values():
-            total += sum(t.numel() * t.element_size() for t in held.saved or ())
-            total += sum(w.numel() * w.element_size() for w in held.weights or ())
-        return total
-
-    def clear(self) -> None:
-        self.held.clear()
 
 
 def _data(params: Sequence[Tensor]) -> list[Tensor]:

@@ -1,9 +1,10 @@
 """``FDGPipelineEngine``: DeepSpeed's ``PipelineEngine`` running the FDG schedule.
 
 The engine only executes: :class:`~fdg_schedule.schedule.FDGTrainSchedule` decides what happens
-at each tick, :class:`~fdg_schedule.delayed.DelayedBackward` keeps what a delayed backward needs,
-:class:`~fdg_schedule.comm.NeighbourExchange` moves tensors. DeepSpeed's own data loading,
-gradient all-reduce, optimizer wrappers, checkpoints and monitors are reused as they are.
+at each tick (and how a segment ends), :class:`~fdg_schedule.stage_state.StageState` holds what
+is in flight between ticks, :class:`~fdg_schedule.delayed.DelayedBackward` runs forwards whose
+backward comes later, :class:`~fdg_schedule.comm.NeighbourExchange` moves tensors. DeepSpeed's own
+data loading, gradient all-reduce, optimizer wrappers, checkpoints and monitors are reused as they are.
 
 What ``train_batch()`` returns on each rank: the mean loss of the micro-batches this stage
 *back-propagated* during the call, averaged over the stage's data-parallel group. On the last
@@ -14,10 +15,8 @@ loss has reached the stage yet.
 
 from __future__ import annotations
 
-import collections
-import itertools
+import functools
 import math
-import os
 import time
 from typing import Any
 
@@ -26,40 +25,33 @@ import torch.distributed as dist
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.pipe.engine import PipelineEngine
-from deepspeed.runtime.pipe.schedule import PipeInstruction, ReduceGrads
-from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+from deepspeed.runtime.pipe.schedule import PipeInstruction
 from deepspeed.utils import logger
 from torch import Tensor
 
-from fdg_schedule import checkpoint, ticks
-from fdg_schedule.comm import NO_END, Meta, NeighbourExchange, meta_of
-from fdg_schedule.config import FDGConfig, FDGConfigError
+from fdg_schedule import checkpoint, dispatch, grid, guards, observe, optim, ticks
+from fdg_schedule.comm import NO_END, NeighbourExchange, meta_of
+from fdg_schedule.config import FDGConfig
 from fdg_schedule.delayed import DelayedBackward
-from fdg_schedule.errors import DataExhausted, FDGRuntimeError, _DataEnded
-from fdg_schedule.observe import Observer, observers_from_config
+from fdg_schedule.errors import DataExhausted, FDGRuntimeError
+from fdg_schedule.report import report_call, stop_backward_timers
 from fdg_schedule.schedule import (
+    OPS,
     AdvanceTick,
     Exchange,
     FDGBackward,
     FDGForward,
     FDGLoad,
     FDGTrainSchedule,
+    Kind,
     LocalOptimizerStep,
     WaitActivation,
     WaitGrad,
 )
+from fdg_schedule.stage_state import StageState
+from fdg_schedule.tensors import as_tuple, describe, floating, input_grads, to_device
 
-# What each instruction's time counts as in ``fdg_stats`` ("<kind>_s") and in traces.
-_KINDS: dict[type, str] = {
-    FDGForward: "forward",
-    FDGBackward: "backward",
-    LocalOptimizerStep: "step",
-    ReduceGrads: "reduce",
-    WaitActivation: "wait",
-    WaitGrad: "wait",
-    FDGLoad: "load",
-    Exchange: "exchange",
-}
+Field = int | None  # an Exchange field: a buffer_id, or the segment's micro-batch count for send_end; or None
 
 
 class FDGPipelineEngine(PipelineEngine):
@@ -71,39 +63,22 @@ class FDGPipelineEngine(PipelineEngine):
 
     pipe_buffers: dict[str, list[Any]]  # DeepSpeed's, typed for mypy
     num_pipe_buffers: int
-    fwd_outputs: list[Any]
 
     def __init__(self, *args: Any, fdg_config: FDGConfig, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.fdg_config = fdg_config
-        self._decouple_optimizer_from_other_stages()
+        optim.decouple_from_other_stages(self.optimizer)
+        rank = lambda stage: self.grid.stage_to_global(stage) if 0 <= stage < self.num_stages else None  # noqa: E731
         self._exchange = NeighbourExchange(
-            prev_rank=None if self.is_first_stage() else self.grid.stage_to_global(self.prev_stage),
-            next_rank=None if self.is_last_stage() else self.grid.stage_to_global(self.next_stage),
-            device=self.device,
-            dynamic_shape=self.dynamic_shape,
-            describe=lambda stage, rank: f"stage {stage} (global rank {rank})",
-            stage_id=self.stage_id,
-            timeout_s=fdg_config.timeout,
-        )
+            rank(self.stage_id - 1), rank(self.stage_id + 1), self.device, self.dynamic_shape, self.stage_id,
+            timeout_s=fdg_config.timeout, plan=self._plan,
+        )  # fmt: skip
         self._delayed = DelayedBackward(self.module, fdg_config, delayed=not self.is_last_stage())
-        self.segment_tick = 0  # ticks since the pipeline last filled (micro-batch 0 of the segment)
-        self._sent_meta: dict[int, Meta] = {}  # buffer -> activation shapes, for the gradient receive
-        self._received: dict[int, tuple[tuple[Tensor, ...], Tensor]] = {}  # buffer -> grads, loss
-        self._to_send: dict[int, tuple[tuple[Tensor, ...], Tensor]] = {}  # buffer -> input grads, loss
-        self._losses: dict[int, Tensor] = {}  # buffer -> loss (last stage)
-        self.labels_in_flight: collections.deque[Any] = collections.deque()  # last stage, K > 1
-        self.micro_batches_read = 0  # from the data iterator on this rank (first and last stage)
-        self._send_end: int | None = None  # Note [end of data]: pass the end downstream this tick
-        self.segment_limit: int | None = None  # micro-batches in this segment, once the data has ended
-        self._call_losses: list[Tensor] = []
-        self.fdg_stats: dict[str, float] = {
-            "ticks": 0,
-            "steps": 0,
-            "skipped": 0,
-            **{f"{k}_s": 0.0 for k in _KINDS.values()},
-        }
-        self.observers: list[Observer] = observers_from_config(self)
+        self.state = StageState(self.num_stages, self._exchange, self.pipe_buffers)
+        self._running: FDGTrainSchedule | None = None  # the call in progress: told when the data ends
+        # Counters, and seconds spent per kind of instruction ("<kind>_s", see schedule.Kind).
+        self.fdg_stats: dict[str, float] = {"ticks": 0, "steps": 0, "skipped": 0, **{f"{k.value}_s": 0.0 for k in Kind}}
+        self.observers = observe.observers_from_config(self, self._config._param_dict)
 
     # -- public ---------------------------------------------------------------------------------
 
@@ -112,7 +87,7 @@ class FDGPipelineEngine(PipelineEngine):
 
         When the data iterator runs out, every rank drains and raises
         :class:`~fdg_schedule.DataExhausted` (a ``StopIteration``) in the same call: the one holding
-        the tick at which stage 0 back-propagates the last micro-batch.
+        the tick at which stage 0 back-propagates the last micro-batch (Note [end of data]).
         """
         if not torch.is_grad_enabled():
             raise RuntimeError("train_batch() requires gradients enabled. Use eval_batch() instead.")
@@ -120,10 +95,10 @@ class FDGPipelineEngine(PipelineEngine):
             self.set_dataiterator(data_iter)
         if self.data_iterator is None and (self.is_first_stage() or self.is_last_stage()):
             raise FDGRuntimeError(
-                f"stage {self.stage_id} (global rank {self.global_rank}) reads data but has none: pass "
+                f"{self._where()} reads data but has none: pass "
                 "train_batch(data_iter=...) or deepspeed.initialize(training_data=...)"
             )
-        return self._run(self._schedule(self.micro_batches, drain=False))
+        return self._run(self._schedule(self.micro_batches))
 
     def drain(self) -> Tensor:
         """Finish every in-flight backward pass without starting new micro-batches.
@@ -133,22 +108,27 @@ class FDGPipelineEngine(PipelineEngine):
         Use it at the end of training and before a schedule-independent checkpoint. On an empty
         pipeline (nothing entered since the last drain) it does nothing and returns NaN.
         """
-        if self.segment_tick == 0:  # every stage agrees: nothing is in flight
+        state = self.state
+        if state.segment_tick == 0:  # every stage agrees: nothing is in flight
             return torch.tensor(math.nan, device=self.device)
-        if self.segment_limit is not None:  # the data already ended: finish that segment
-            return self._run(self._schedule(self._last_tick() + 1 - self.segment_tick, drain=False))
+        if state.segment_limit is not None:  # the data already ended: finish that segment
+            return self._run(self._schedule(state.ticks_left()))
         loss = self._run(self._schedule(ticks.drain_ticks(self.num_stages), drain=True))
-        self.segment_tick = 0
+        state.segment_tick = 0
         return loss
 
     def in_flight(self) -> int:
         """Micro-batches this stage has forwarded but not yet back-propagated."""
-        return len(self._delayed.held)
+        return self.state.in_flight()
 
     def held_bytes(self) -> int:
         """Bytes held on this stage for delayed backward passes (activations, inputs, weight snapshots)."""
-        inputs = sum(_nbytes(self.pipe_buffers["inputs"][b]) for b in self._delayed.held if b < self.num_pipe_buffers)
-        return inputs + self._delayed.held_bytes()
+        return self.state.held_bytes()
+
+    @property
+    def micro_batches_read(self) -> int:
+        """Micro-batches this rank has read from its data iterator (where to restart the data after a resume)."""
+        return self.state.micro_batches_read
 
     def eval_batch(self, *args: Any, **kwargs: Any) -> Any:
         """DeepSpeed's ``eval_batch``, run on its own buffers so in-flight FDG work is untouched."""
@@ -160,7 +140,7 @@ class FDGPipelineEngine(PipelineEngine):
         finally:
             self.pipe_buffers, self.num_pipe_buffers = fdg_buffers, fdg_count
 
-    # -- checkpoints ----------------------------------------------------------------------------
+    # -- checkpoints (layout and checks in fdg_schedule.checkpoint, contents in StageState) -------
 
     def save_checkpoint(
         self,
@@ -180,19 +160,11 @@ class FDGPipelineEngine(PipelineEngine):
             self.drain()
         tag = str(tag if tag is not None else f"global_step{self.global_steps}")
         path = checkpoint.state_path(save_dir, tag, self.stage_id, self.grid.data_parallel_id)
-        checkpoint.atomic_save(checkpoint.capture(self), path)
-        saved = super().save_checkpoint(
-            save_dir,
-            tag=tag,
-            client_state=client_state or {},
-            save_latest=False,
-            exclude_frozen_parameters=exclude_frozen_parameters,
-        )
+        checkpoint.save(path, self._identity(), self.state.capture())
+        frozen = exclude_frozen_parameters
+        saved = super().save_checkpoint(save_dir, tag, client_state or {}, False, exclude_frozen_parameters=frozen)
         if save_latest:  # only once every rank has written every file
-            dist.barrier()
-            if self.global_rank == 0:
-                checkpoint.write_latest(save_dir, tag)
-            dist.barrier()
+            checkpoint.publish(save_dir, tag, self.global_rank)
         return saved
 
     def load_checkpoint(
@@ -213,177 +185,102 @@ class FDGPipelineEngine(PipelineEngine):
         by layer) when optimizer and scheduler state are not requested.
         """
         resolved = checkpoint.resolve_tag(load_dir, tag)
-        saved_stages = None if resolved is None else checkpoint.saved_stages(load_dir, resolved)
-        other_stages = saved_stages is not None and saved_stages != self.num_stages
-        if other_stages and not load_module_only and (load_optimizer_states or load_lr_scheduler_states):
-            raise FDGConfigError(
-                f"checkpoint {os.path.join(load_dir, str(resolved))} has {saved_stages} pipeline stages, this job "
-                f"{self.num_stages}: optimizer and LR-scheduler state are per stage and cannot be re-partitioned; "
-                "call load_checkpoint(..., load_optimizer_states=False, load_lr_scheduler_states=False) to load "
-                "the weights (re-partitioned by layer)"
-            )
+        per_stage = not load_module_only and (load_optimizer_states or load_lr_scheduler_states)
+        other_stages = checkpoint.other_stages(load_dir, resolved, self.num_stages, per_stage_state=per_stage)
         load_path, client_state = super().load_checkpoint(
-            load_dir,
-            tag=resolved,
-            load_module_strict=load_module_strict,
-            load_optimizer_states=load_optimizer_states,
-            load_lr_scheduler_states=load_lr_scheduler_states,
-            load_module_only=load_module_only,
+            load_dir, tag=resolved, load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
             custom_load_fn=custom_load_fn,
-        )
+        )  # fmt: skip
         if load_path is None or resolved is None:
             return load_path, client_state
         if other_stages:
             logger.warning(f"stage {self.stage_id}: client_state dropped: it belongs to another pipeline layout")
             client_state = {}
-        checkpoint.restore(self, load_dir, resolved)
+        self._restore_in_flight(load_dir, resolved)
         return load_path, client_state
 
-    def _reset_pipeline(self) -> None:
-        """Forget all in-flight work (before loading a checkpoint)."""
-        self._delayed.clear()
-        for store in (self._received, self._to_send, self._losses, self._sent_meta):
-            store.clear()
-        self.labels_in_flight.clear()
-        self._exchange.restore_received(None)
-        self.segment_tick = 0
-        for buffers in self.pipe_buffers.values():
-            buffers[:] = [None] * len(buffers)
+    def _identity(self) -> dict[str, Any]:
+        return checkpoint.identity(self.num_stages, self.dp_world_size, self.fdg_config)
+
+    def _restore_in_flight(self, load_dir: str, tag: str) -> None:
+        """This rank's in-flight state from the checkpoint, or an empty pipeline when it cannot continue."""
+        dp_id, log = self.grid.data_parallel_id, self.global_rank == 0
+        saved = checkpoint.load(load_dir, tag, self.stage_id, dp_id, self._identity(), log=log)
+        self.state.reset()
+        if saved is None:
+            return
+        self._reserve_pipe_buffers(ticks.num_buffers(self.num_stages, self.stage_id))
+        if self.training_data is not None and (self.is_first_stage() or self.is_last_stage()):
+            # The engine's own loader: continue after the micro-batches read before the save.
+            self._build_data_iter(self.training_data)
+            for _ in range(saved["micro_batches_read"]):
+                self._next_batch()
+        needs_grad = not self.is_first_stage() or self._reentrant_activation_checkpointing()
+        rebuild = lambda held, inputs: self._delayed.rebuild(held, functools.partial(self._stage_forward, inputs))
+        self.state.restore(saved, rebuild, needs_grad)
 
     # -- running ticks ----------------------------------------------------------------------------
 
-    def _schedule(self, micro_batches: int, drain: bool, start_tick: int | None = None) -> FDGTrainSchedule:
-        start = self.segment_tick if start_tick is None else start_tick
-        if self.segment_limit is not None and not drain:  # the data has ended: finish the segment
-            micro_batches = max(0, min(micro_batches, self._last_tick() + 1 - start))
-        return FDGTrainSchedule(
-            micro_batches=micro_batches,
-            stages=self.num_stages,
-            stage_id=self.stage_id,
-            start_tick=start,
-            accumulate=self.fdg_config.accumulate,
-            drain=drain,
-            limit=self.segment_limit,
-        )
+    def _schedule(self, micro_batches: int, drain: bool = False) -> FDGTrainSchedule:
+        """The next ``micro_batches`` ticks of this stage's segment (fewer if the segment ends first)."""
+        state, accumulate = self.state, self.fdg_config.accumulate
+        return FDGTrainSchedule(micro_batches, self.num_stages, self.stage_id, state.segment_tick, accumulate, drain,
+                                limit=state.segment_limit)  # fmt: skip
 
     def _run(self, schedule: FDGTrainSchedule) -> Tensor:
         self.module.train()
-        self._call_losses = []
-        steps_before = self.global_steps
-        start = time.perf_counter()
-        data_ended = self._exec_ticks(schedule)
+        self.state.call_losses = []
+        steps_before, start = self.global_steps, time.perf_counter()
+        self._running = schedule
+        try:
+            self._exec_schedule(schedule)
+        finally:
+            self._running = None
         wait_start = time.perf_counter()
         self._exchange.complete()
         self.fdg_stats["wait_s"] += time.perf_counter() - wait_start
+        data_ended = self.state.segment_over()
         self.agg_train_loss = self._mean_call_loss()
         elapsed = time.perf_counter() - start
-        self._report(steps_before, elapsed)
+        report_call(self, steps_before, elapsed)
         for observer in self.observers:
             observer.on_call_end(self, elapsed)
         if data_ended:
             raise DataExhausted(self.agg_train_loss)
         return self.agg_train_loss
 
-    def _exec_ticks(self, schedule: FDGTrainSchedule) -> bool:
-        """Run the schedule tick by tick; True when the data has ended and the pipeline is drained."""
-        self._reserve_pipe_buffers(schedule.num_pipe_buffers())
-        call_end = schedule.start_tick + schedule.micro_batches
-        for tick, cmds in zip(itertools.count(schedule.start_tick), schedule.steps()):
-            done: list[PipeInstruction] = []
-            try:
-                for cmd in cmds:
-                    self._exec_instruction(cmd)
-                    done.append(cmd)
-            except _DataEnded as ended:
-                self._learn_data_end(tick, ended.limit, done)
-                rest = self._schedule(call_end - tick - 1, drain=False, start_tick=tick + 1)
-                for later in rest.steps():
-                    for cmd in later:
-                        self._exec_instruction(cmd)
-                break
-        if self.segment_limit is None or self.segment_tick <= self._last_tick():
-            return False
-        self.segment_limit = None  # drained: the next call fills a new segment
-        self.segment_tick = 0
-        self.labels_in_flight.clear()  # read past the end when the label iterator is longer
-        return True
-
-    def _learn_data_end(self, tick: int, limit: int, done: list[PipeInstruction]) -> None:
-        """Note [end of data]: stage 0's iterator ran out at micro-batch ``limit`` of the segment.
-
-        Stage 0 learns it from its iterator at tick ``limit``; it then sends a dummy activation
-        carrying ``limit`` where micro-batch ``limit`` would have gone, and stage k learns it from
-        that dummy at tick ``limit + k``, before it would have forwarded micro-batch ``limit``.
-        From then on each stage runs the schedule of a segment of ``limit`` micro-batches, through
-        the tick at which stage 0 back-propagates the last one, and every stage raises
-        :class:`DataExhausted` in the call that contains that tick.
-        """
-        self.segment_limit = limit
-        self._send_end = None if self.is_last_stage() else limit
-        # Ticks since `limit` already counted a micro-batch as entering on this stage.
-        self.global_samples -= (tick - limit) * self.train_micro_batch_size_per_gpu() * self.dp_world_size
-        for cmd in self._schedule(0, drain=False, start_tick=tick).tick_instructions(tick):
-            if not any(type(cmd) is type(d) and cmd.kwargs == d.kwargs for d in done):
-                self._exec_instruction(cmd)
-
-    def _last_tick(self) -> int:
-        """The segment tick at which stage 0 back-propagates the segment's last micro-batch."""
-        assert self.segment_limit is not None
-        return self.segment_limit - 1 + ticks.drain_ticks(self.num_stages)
-
     def _exec_schedule(self, pipe_schedule: Any) -> None:
-        """DeepSpeed's dispatch loop (eval_batch runs through it), with every instruction timed."""
-        self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
-        self.fwd_outputs = []
-        for step_cmds in pipe_schedule:
-            for cmd in step_cmds:
-                self._exec_instruction(cmd)
+        """DeepSpeed's dispatch loop (``eval_batch`` runs through it too), every instruction timed and observed."""
+        dispatch.execute(self, pipe_schedule, self._after_instruction)
 
-    def _exec_instruction(self, cmd: PipeInstruction) -> None:
-        handler = self._INSTRUCTION_MAP.get(type(cmd))
-        if handler is None:
-            raise FDGRuntimeError(f"{type(self).__name__} does not understand instruction {cmd!r}")
-        start = time.perf_counter()
-        handler(self, **cmd.kwargs)
-        end = time.perf_counter()
-        kind = _KINDS.get(type(cmd))
-        if kind is not None:
-            self.fdg_stats[f"{kind}_s"] += end - start
+    def _after_instruction(self, cmd: PipeInstruction, start: float, end: float) -> None:
+        op = OPS.get(type(cmd))
+        if op is not None and op.kind is not None:
+            self.fdg_stats[f"{op.kind.value}_s"] += end - start
         for observer in self.observers:
             observer.on_instruction(self, cmd, start, end)
 
+    def _data_ended(self, limit: int) -> None:
+        """Note [end of data]: this stage just learned that its segment has ``limit`` micro-batches."""
+        assert self._running is not None
+        self._running.end_data(limit)
+        self.state.segment_limit = limit
+        # Ticks since micro-batch `limit` would have entered counted one as entering on this stage.
+        late = self.state.segment_tick - limit
+        self.global_samples -= late * self.train_micro_batch_size_per_gpu() * self.dp_world_size
+
+    def _plan(self) -> str:
+        """Every stage's plan around this tick, for errors that mean the stages disagree on it."""
+        return "" if self._running is None else grid.around(self._running, self.state.segment_tick)
+
     def _mean_call_loss(self) -> Tensor:
-        if self._call_losses:
-            loss = torch.stack(self._call_losses).mean()
-        else:
-            loss = torch.tensor(math.nan, device=self.device)
+        losses = self.state.call_losses
+        loss = torch.stack(losses).mean() if losses else torch.tensor(math.nan, device=self.device)
         if self.is_data_parallel:  # stage-local: the data-parallel peers of this stage only
             dist.all_reduce(loss, group=self.grid.get_data_parallel_group())
             loss /= self.dp_world_size
         return loss
-
-    def _report(self, steps_before: int, elapsed: float) -> None:
-        every = self.steps_per_print()
-        printing = bool(every) and self.global_steps // every != steps_before // every
-        if printing and self.wall_clock_breakdown() and self.grid.data_parallel_id == 0:
-            # Stage-local timings (forward, backward, step), one line per stage as each stage learns alone.
-            self.timers.log(self.engine_timers.active_timers(), ranks=[self.global_rank])
-        if self.global_rank != 0:
-            return
-        loss = self.agg_train_loss.item()
-        if self.monitor.enabled:
-            events = [("Train/Samples/lr", self.get_lr()[0], self.global_samples)]
-            if not math.isnan(loss):
-                events.append(("Train/Samples/train_loss", loss, self.global_samples))
-            self.monitor.write_events(events)
-        if printing:
-            ticks_run = max(self.global_steps - steps_before, 1)
-            samples = self.train_micro_batch_size_per_gpu() * self.dp_world_size * ticks_run
-            print(
-                f"steps: {self.global_steps} loss: {loss:0.4f} iter time (s): {elapsed:0.3f} "
-                f"samples/sec: {samples / max(elapsed, 1e-9):0.3f}",
-                flush=True,
-            )
 
     # -- instruction handlers -------------------------------------------------------------------
 
@@ -391,99 +288,93 @@ class FDGPipelineEngine(PipelineEngine):
         try:
             if self.is_first_stage():  # inputs (and labels too when K = 1), as DeepSpeed loads them
                 self._exec_load_micro_batch(buffer_id)
-                self._check_inputs(self.pipe_buffers["inputs"][buffer_id], micro_batch)
+                inputs = self.pipe_buffers["inputs"][buffer_id]
+                guards.check_inputs(inputs, micro_batch, self.bfloat16_enabled(), self._where())
             else:  # Note [labels read when the inputs are]
-                self.labels_in_flight.append(_to_device(self._next_batch()[1], self.device))
+                self.state.labels_in_flight.append(to_device(self._next_batch()[1], self.device))
         except StopIteration:
             if self.is_first_stage():
-                raise _DataEnded(micro_batch) from None
+                self._data_ended(micro_batch)
             return  # the last stage learns the end from upstream, with the micro-batch that is missing
-        self.micro_batches_read += 1
+        self.state.micro_batches_read += 1
 
     def _exec_wait_activation(self, buffer_id: int, micro_batch: int) -> None:
         received, end = self._exchange.wait_activation()
-        if end != NO_END:  # a dummy: the data ended (Note [end of data])
-            raise _DataEnded(end)
+        if end != NO_END:  # a dummy where micro-batch `end` would be: the data ended (Note [end of data])
+            self._data_ended(end)
+            return
         for t in received:
             t.requires_grad_(t.is_floating_point())
         self.pipe_buffers["inputs"][buffer_id] = received[0] if len(received) == 1 else received
 
     def _exec_wait_grad(self, buffer_id: int, micro_batch: int) -> None:
-        self._received[buffer_id] = self._exchange.wait_grad()
+        self.state.received[buffer_id] = self._exchange.wait_grad()
 
     def _exec_fdg_forward(self, buffer_id: int, micro_batch: int) -> None:
         inputs = self.pipe_buffers["inputs"][buffer_id]
-        outputs = self._delayed.forward(buffer_id, lambda: self._stage_forward(inputs))
+        outputs, held = self._delayed.forward(lambda: self._stage_forward(inputs))
         self.pipe_buffers["outputs"][buffer_id] = outputs
-        if self.is_last_stage():
-            if not self.is_first_stage() and not self.labels_in_flight:
-                raise FDGRuntimeError(
-                    f"stage {self.stage_id} (global rank {self.global_rank}): the labels ran out before the inputs, "
-                    f"at micro-batch {micro_batch} of the segment; first and last stage must read data of equal length"
-                )
-            labels = (
-                self.pipe_buffers["labels"][buffer_id] if self.is_first_stage() else self.labels_in_flight.popleft()
+        if held is not None:
+            self.state.held[buffer_id] = held
+        if not self.is_last_stage():
+            self.state.sent_meta[buffer_id] = meta_of(floating(outputs))
+            return
+        labels = self._labels(buffer_id, micro_batch)
+        if self.module.loss_fn is None:  # the model returns its loss
+            self.state.losses[buffer_id] = outputs
+            return
+        try:
+            self.state.losses[buffer_id] = self.module.loss_fn(outputs, labels)
+        except (RuntimeError, TypeError, ValueError) as err:
+            raise FDGRuntimeError(
+                f"{self._where()}: loss_fn failed on micro-batch {micro_batch} "
+                f"with outputs {describe(outputs)} and labels {describe(labels)}: {err}"
+            ) from err
+
+    def _labels(self, buffer_id: int, micro_batch: int) -> Any:
+        if self.is_first_stage():
+            return self.pipe_buffers["labels"][buffer_id]
+        if not self.state.labels_in_flight:
+            raise FDGRuntimeError(
+                f"{self._where()}: the labels ran out before the inputs, "
+                f"at micro-batch {micro_batch} of the segment; first and last stage must read data of equal length"
             )
-            if self.module.loss_fn is not None:
-                try:
-                    self._losses[buffer_id] = self.module.loss_fn(outputs, labels)
-                except (RuntimeError, TypeError, ValueError) as err:
-                    raise FDGRuntimeError(
-                        f"stage {self.stage_id} (global rank {self.global_rank}): loss_fn failed on micro-batch "
-                        f"{micro_batch} with outputs {_describe(outputs)} and labels {_describe(labels)}: {err}"
-                    ) from err
-            else:  # the model returns its loss
-                self._losses[buffer_id] = outputs
-        else:
-            self._sent_meta[buffer_id] = meta_of(_floating(outputs))
+        return self.state.labels_in_flight.popleft()
 
     def _exec_fdg_backward(self, buffer_id: int, micro_batch: int) -> None:
         if self.is_last_stage():
-            loss = self._losses.pop(buffer_id)
-            if not bool(torch.isfinite(loss.detach()).all()):
+            loss = self.state.losses.pop(buffer_id)
+            if not guards.finite(loss.detach()):
                 self._non_finite("loss", micro_batch)
             # One micro-batch per tick: no division by gradient_accumulation_steps.
             DeepSpeedEngine.backward(self, loss / self.fdg_config.accumulate, scale_wrt_gas=False)
             carried = loss.detach().float()
         else:
-            grads, carried = self._received.pop(buffer_id)
+            grads, carried = self.state.received.pop(buffer_id)
             if self.fdg_config.grad_shrink != 1.0:
                 grads = tuple(g.mul_(self.fdg_config.grad_shrink) for g in grads)
-            inputs = self.pipe_buffers["inputs"][buffer_id]
+            inputs, held = self.pipe_buffers["inputs"][buffer_id], self.state.held.pop(buffer_id)
             stored = self.pipe_buffers["outputs"][buffer_id]
-            with self._delayed.backward(buffer_id, stored, lambda: self._stage_forward(inputs)) as outputs:
-                self._autograd_backward(_floating(outputs), grads)
-        self._call_losses.append(carried)
+            with self._delayed.backward(held, stored, lambda: self._stage_forward(inputs)) as outputs:
+                self._autograd_backward(floating(outputs), grads)
+        self.state.call_losses.append(carried)
         if not self.is_first_stage():
-            self._to_send[buffer_id] = (_input_grads(self.pipe_buffers["inputs"][buffer_id]), carried)
-        self.pipe_buffers["inputs"][buffer_id] = None
-        self.pipe_buffers["outputs"][buffer_id] = None
-        self.pipe_buffers["labels"][buffer_id] = None
+            self.state.to_send[buffer_id] = (input_grads(self.pipe_buffers["inputs"][buffer_id]), carried)
+        for key in ("inputs", "outputs", "labels"):
+            self.pipe_buffers[key][buffer_id] = None
 
     def _exec_local_optimizer_step(self) -> None:
         wrapped = self.bfloat16_enabled() or self.zero_optimization()
         self._force_grad_boundary = True
         try:
-            finite = True
-            if not wrapped:  # the bf16 and ZeRO wrappers check (and skip) non-finite steps themselves
-                grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-                clip = self.gradient_clipping()
-                # Stage-local norm: DeepSpeed's clip_fp32_gradients all-reduces across stages.
-                norm = (
-                    torch.nn.utils.clip_grad_norm_(self.module.parameters(), clip)
-                    if clip > 0
-                    else torch.nn.utils.get_total_norm(grads)
-                )
-                finite = bool(torch.isfinite(norm))
+            # The bf16 and ZeRO wrappers check (and skip) non-finite steps themselves.
+            finite = wrapped or optim.clip_stage_local(self.module.parameters(), self.gradient_clipping())
             if finite:
                 self._start_timers(self.engine_timers.step_timers)
                 self.optimizer.step()
                 self._stop_timers(self.engine_timers.step_timers)
                 finite = not getattr(self.optimizer, "overflow", False)
-            if wrapped:
-                self.optimizer.zero_grad()
-            else:
-                self.zero_grad()
+            self.optimizer.zero_grad() if wrapped else self.zero_grad()
         finally:
             self._force_grad_boundary = False
         if finite:
@@ -491,62 +382,26 @@ class FDGPipelineEngine(PipelineEngine):
         else:
             self._non_finite("gradient")
 
-    def _check_inputs(self, inputs: Any, micro_batch: int) -> None:
-        if not self.bfloat16_enabled():
-            return
-        floating = [t.dtype for t in _as_tuple(inputs) if torch.is_tensor(t) and t.is_floating_point()]
-        wrong = [dtype for dtype in floating if dtype != torch.bfloat16]
-        if wrong:
-            raise FDGRuntimeError(
-                f"stage 0 (global rank {self.global_rank}): micro-batch {micro_batch} has floating inputs of "
-                f"dtype {wrong[0]} but bf16.enabled is true; convert the inputs to torch.bfloat16 in the data pipeline"
-            )
-
-    def _non_finite(self, what: str, micro_batch: int | None = None) -> None:
-        """pipeline.fdg.nonfinite: stop with an error naming the stage and tick, or count a skipped step."""
-        if self.fdg_config.nonfinite == "skip":
-            self.fdg_stats["skipped"] += what == "gradient"
-            return
-        where = "" if micro_batch is None else f" of micro-batch {micro_batch} (of this pipeline segment)"
-        raise FDGRuntimeError(
-            f"stage {self.stage_id} (global rank {self.global_rank}): non-finite {what}{where} at tick "
-            f'{self.global_steps}; lower the learning rate or set pipeline.fdg.nonfinite="skip" to skip '
-            "such optimizer steps"
-        )
-
     def _exec_exchange(
-        self,
-        send_activation: int | None,
-        send_grad: int | None,
-        recv_activation: int | None,
-        recv_grad: int | None,
+        self, send_activation: Field, send_grad: Field, recv_activation: Field, recv_grad: Field, send_end: Field
     ) -> None:
         activation = None
         if send_activation is not None:
-            activation = _as_tuple(self.pipe_buffers["outputs"][send_activation])
+            activation = as_tuple(self.pipe_buffers["outputs"][send_activation])
             if self._delayed.recompute:  # only the input waits for the backward
                 self.pipe_buffers["outputs"][send_activation] = None
-        end = NO_END
-        if self._send_end is not None:  # Note [end of data]: where the missing micro-batch would go
-            end, self._send_end = self._send_end, None
-            if self._exchange.sent_meta is None:
-                raise FDGRuntimeError(
-                    f"stage {self.stage_id} (global rank {self.global_rank}): the data ran out before the first "
-                    "micro-batch; the next stage cannot be told -- give train_batch() a non-empty iterator"
-                )
-            activation = tuple(torch.zeros(s, dtype=d, device=self.device) for s, d in self._exchange.sent_meta)
-        grads, loss = self._to_send.pop(send_grad) if send_grad is not None else (None, None)
+        grads, loss = self.state.to_send.pop(send_grad) if send_grad is not None else (None, None)
         self._exchange.post(
             activation=activation,
             grads=grads,
             loss=loss,
             recv_activation=recv_activation is not None,
-            recv_grad_meta=None if recv_grad is None else self._sent_meta[recv_grad],
-            end=end,
+            recv_grad_meta=None if recv_grad is None else self.state.sent_meta[recv_grad],
+            end=NO_END if send_end is None else send_end,
         )
 
     def _exec_advance_tick(self, entered: bool) -> None:
-        self.segment_tick += 1
+        self.state.segment_tick += 1
         self.global_steps += 1
         if entered:
             self.global_samples += self.train_micro_batch_size_per_gpu() * self.dp_world_size
@@ -568,6 +423,15 @@ class FDGPipelineEngine(PipelineEngine):
 
     # -- helpers --------------------------------------------------------------------------------
 
+    def _non_finite(self, what: str, micro_batch: int | None = None) -> None:
+        """pipeline.fdg.nonfinite: stop with an error naming the stage and tick, or count a skipped step."""
+        if self.fdg_config.nonfinite == "error":
+            raise guards.non_finite(what, self._where(), self.global_steps, micro_batch)
+        self.fdg_stats["skipped"] += what == "gradient"
+
+    def _where(self) -> str:
+        return f"stage {self.stage_id} (global rank {self.global_rank})"
+
     def _stage_forward(self, inputs: Any) -> Any:
         # A clone, as in DeepSpeed: layers may write into their input; the buffer stays the leaf.
         cloned = tuple(t.clone() for t in inputs) if isinstance(inputs, tuple) else inputs.clone()
@@ -575,9 +439,7 @@ class FDGPipelineEngine(PipelineEngine):
 
     def _autograd_backward(self, outputs: list[Tensor], grads: tuple[Tensor, ...]) -> None:
         if len(outputs) != len(grads):
-            raise FDGRuntimeError(
-                f"stage {self.stage_id}: {len(outputs)} floating output tensors but {len(grads)} gradients"
-            )
+            raise FDGRuntimeError(f"{self._where()}: {len(outputs)} floating output tensors but {len(grads)} gradients")
         bf16 = isinstance(self.optimizer, BF16_Optimizer)
         if bf16:  # as DeepSpeed's pipeline backward: we do not go through optimizer.backward()
             self.optimizer.clear_lp_grads()
@@ -586,59 +448,6 @@ class FDGPipelineEngine(PipelineEngine):
             torch.autograd.backward(outputs, grads)
         finally:
             self._running_engine_backward = False
-            # DeepSpeed's hook on the forward outputs ran its backward prologue, which starts the
-            # backward timers; the epilogue that stops them belongs to engine.backward(loss), which
-            # only the last stage calls. Stop them here (they are started only with wall_clock_breakdown).
-            for name in self.engine_timers.backward_inner_timers + self.engine_timers.backward_timers:
-                if self.timers(name).started_:
-                    self.timers(name).stop()
+            stop_backward_timers(self)
         if bf16 and not self._config.bfloat16_config.immediate_grad_update:
             self.optimizer.update_hp_grads(clear_lp_grads=False)
-
-    def _decouple_optimizer_from_other_stages(self) -> None:
-        """Make gradient norms, clipping and overflow checks stage-local (no cross-stage all-reduce).
-
-        DeepSpeed's wrappers reduce them over the model-parallel group, which for a pipeline spans
-        every stage: one collective across stages per step. Under FDG each stage steps on its own.
-        """
-        if isinstance(self.optimizer, BF16_Optimizer):
-            self.optimizer.mpu = None
-        if isinstance(self.optimizer, DeepSpeedZeroOptimizer):
-            self.optimizer.model_parallel_group = None
-            self.optimizer.model_parallel_rank = 0
-
-
-def _as_tuple(x: Any) -> tuple[Tensor, ...]:
-    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
-
-
-def _floating(x: Any) -> list[Tensor]:
-    return [t for t in _as_tuple(x) if torch.is_tensor(t) and t.is_floating_point()]
-
-
-def _input_grads(inputs: Any) -> tuple[Tensor, ...]:
-    return tuple(
-        t.grad if t.grad is not None else torch.zeros_like(t) for t in _as_tuple(inputs) if t.is_floating_point()
-    )
-
-
-def _to_device(x: Any, device: torch.device) -> Any:
-    if torch.is_tensor(x):
-        return x.to(device)
-    if isinstance(x, (tuple, list)):
-        return tuple(_to_device(t, device) for t in x)
-    return x
-
-
-def _describe(x: Any) -> str:
-    if torch.is_tensor(x):
-        return f"{x.dtype} {tuple(x.shape)}"
-    if isinstance(x, (tuple, list)):
-        return "(" + ", ".join(_describe(t) for t in x) + ")"
-    return type(x).__name__
-
-
-def _nbytes(x: Any) -> int:
-    if x is None:
-        return 0
-    return sum(t.numel() * t.element_size() for t in _as_tuple(x) if torch.is_tensor(t))

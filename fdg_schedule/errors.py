@@ -15,11 +15,3 @@ class DataExhausted(StopIteration):
     def __init__(self, loss: object) -> None:
         super().__init__("the training data ran out; the pipeline was drained on every stage")
         self.loss = loss
-
-
-class _DataEnded(Exception):  # noqa: N818 - a signal inside the engine, never seen by users
-    """Raised by an instruction handler that learned the segment has ``limit`` micro-batches."""
-
-    def __init__(self, limit: int) -> None:
-        super().__init__(limit)
-        self.limit = limit

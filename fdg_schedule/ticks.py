@@ -39,6 +39,11 @@ def drain_ticks(stages: int) -> int:
     return 2 * (stages - 1)
 
 
+def last_tick(limit: int, stages: int) -> int:
+    """The segment tick at which stage 0 back-propagates the last of a segment's ``limit`` micro-batches."""
+    return limit - 1 + drain_ticks(stages)
+
+
 def _valid(micro_batch: int, limit: int | None) -> int | None:
     if micro_batch < 0 or (limit is not None and micro_batch >= limit):
         return None

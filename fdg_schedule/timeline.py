@@ -28,54 +28,33 @@ from typing import Any
 
 from deepspeed.runtime.pipe import schedule as ds
 
-from fdg_schedule import ticks
-from fdg_schedule.observe import MicroBatchNumbers
-from fdg_schedule.schedule import (
-    AdvanceTick,
-    Exchange,
-    FDGBackward,
-    FDGForward,
-    FDGLoad,
-    LocalOptimizerStep,
-    WaitActivation,
-    WaitGrad,
-)
+from fdg_schedule import dispatch, ticks
+from fdg_schedule.schedule import OPS, AdvanceTick, Kind
+from fdg_schedule.view import MicroBatchNumbers, StageView
 
 # kind -> colour in the Gantt chart (and the trace's "cat")
 COLOURS = {
-    "forward": "#4c72b0",
-    "backward": "#dd8452",
-    "step": "#55a868",
-    "reduce": "#937860",
-    "wait": "#d0d0d0",
-    "load": "#8172b3",
-    "exchange": "#64b5cd",
-}
-
-# instruction type -> (kind, prefix of its name; a micro-batch number follows the prefix when it has one)
-_FDG = {
-    FDGForward: ("forward", "F"),
-    FDGBackward: ("backward", "B"),
-    LocalOptimizerStep: ("step", "S"),
-    ds.ReduceGrads: ("reduce", "R"),
-    WaitActivation: ("wait", "A"),
-    WaitGrad: ("wait", "G"),
-    FDGLoad: ("load", "L"),
-    Exchange: ("exchange", "X"),
+    Kind.FORWARD.value: "#4c72b0",
+    Kind.BACKWARD.value: "#dd8452",
+    Kind.STEP.value: "#55a868",
+    Kind.REDUCE.value: "#937860",
+    Kind.WAIT.value: "#d0d0d0",
+    Kind.LOAD.value: "#8172b3",
+    Kind.EXCHANGE.value: "#64b5cd",
 }
 # DeepSpeed's 1F1B instructions; on a stage, forward-side ones come in micro-batch order, and so do
 # backward-side ones, so counting them numbers the micro-batches.
 _ONE_F_ONE_B = {
-    ds.LoadMicroBatch: ("load", "L", "forward"),
-    ds.RecvActivation: ("wait", "A", "forward"),
-    ds.ForwardPass: ("forward", "F", "forward"),
-    ds.SendActivation: ("exchange", "sA", "forward"),
-    ds.RecvGrad: ("wait", "G", "backward"),
-    ds.BackwardPass: ("backward", "B", "backward"),
-    ds.SendGrad: ("exchange", "sG", "backward"),
-    ds.ReduceTiedGrads: ("reduce", "RT", None),
-    ds.ReduceGrads: ("reduce", "R", None),
-    ds.OptimizerStep: ("step", "S", None),
+    ds.LoadMicroBatch: (Kind.LOAD.value, "L", "forward"),
+    ds.RecvActivation: (Kind.WAIT.value, "A", "forward"),
+    ds.ForwardPass: (Kind.FORWARD.value, "F", "forward"),
+    ds.SendActivation: (Kind.EXCHANGE.value, "sA", "forward"),
+    ds.RecvGrad: (Kind.WAIT.value, "G", "backward"),
+    ds.BackwardPass: (Kind.BACKWARD.value, "B", "backward"),
+    ds.SendGrad: (Kind.EXCHANGE.value, "sG", "backward"),
+    ds.ReduceTiedGrads: (Kind.REDUCE.value, "RT", None),
+    ds.ReduceGrads: (Kind.REDUCE.value, "R", None),
+    ds.OptimizerStep: (Kind.STEP.value, "S", None),
 }
 
 
@@ -139,11 +118,11 @@ class TraceRecorder:
 class FDGTimeline:
     """An observer that records the instructions of the trace window of ticks on this rank."""
 
-    def __init__(self, engine: Any, start_tick: int = 0, ticks: int = 64, dir: str = "fdg_trace") -> None:  # noqa: A002
+    def __init__(self, engine: StageView, start_tick: int = 0, ticks: int = 64, dir: str = "fdg_trace") -> None:  # noqa: A002
         self.recorder = TraceRecorder(engine, "fdg", dir, start_tick, ticks)
         self.numbers = MicroBatchNumbers()
 
-    def on_instruction(self, engine: Any, cmd: Any, start: float, end: float) -> None:
+    def on_instruction(self, engine: StageView, cmd: Any, start: float, end: float) -> None:
         self.numbers.watch(cmd)
         rec = self.recorder
         tick = int(engine.fdg_stats["ticks"])  # ticks finished before this instruction's tick
@@ -152,17 +131,17 @@ class FDGTimeline:
             if rec.start_tick <= tick < rec.end_tick:
                 rec.mark(f"tick {tick}", end, tick=tick, entered=cmd.entered)
             return
-        if not rec.start_tick <= tick < rec.end_tick or type(cmd) not in _FDG:
+        op = OPS.get(type(cmd))
+        if not rec.start_tick <= tick < rec.end_tick or op is None or op.kind is None:
             return
-        kind, prefix = _FDG[type(cmd)]
         micro_batch = getattr(cmd, "micro_batch", None)
         if micro_batch is None:
-            rec.add(kind, prefix, start, end, tick=tick)
+            rec.add(op.kind.value, op.letter, start, end, tick=tick)
         else:
             number = self.numbers(micro_batch)
-            rec.add(kind, f"{prefix}{number}", start, end, tick=tick, micro_batch=number)
+            rec.add(op.kind.value, f"{op.letter}{number}", start, end, tick=tick, micro_batch=number)
 
-    def on_call_end(self, engine: Any, seconds: float) -> None:
+    def on_call_end(self, engine: StageView, seconds: float) -> None:
         self.numbers.end_call()
         if engine.fdg_stats["ticks"] >= self.recorder.end_tick:
             self.recorder.write()
@@ -193,25 +172,19 @@ def trace_one_f_one_b(
         in_window[0] = recorder.start_tick < first + pipe_schedule.micro_batches and first < recorder.end_tick
         if not in_window[0]:
             return original(pipe_schedule)
-        self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
-        self.fwd_outputs = []
         counts = {"forward": {}, "backward": {}}  # type: dict[str, dict[type, int]]
-        for step_cmds in pipe_schedule:
-            for cmd in step_cmds:
-                handler = self._INSTRUCTION_MAP.get(type(cmd))
-                if handler is None:
-                    raise RuntimeError(f"{type(self).__name__} does not understand instruction {cmd!r}")
-                start = time.perf_counter()
-                handler(self, **cmd.kwargs)
-                end = time.perf_counter()
-                kind, prefix, side = _ONE_F_ONE_B.get(type(cmd), ("other", type(cmd).__name__, None))
-                if side is None:
-                    recorder.add(kind, prefix, start, end, call=calls[0] - 1)
-                else:
-                    seen = counts[side].get(type(cmd), 0)
-                    counts[side][type(cmd)] = seen + 1
-                    number = first + seen
-                    recorder.add(kind, f"{prefix}{number}", start, end, call=calls[0] - 1, micro_batch=number)
+
+        def record(cmd: Any, start: float, end: float) -> None:
+            kind, prefix, side = _ONE_F_ONE_B.get(type(cmd), ("other", type(cmd).__name__, None))
+            if side is None:
+                recorder.add(kind, prefix, start, end, call=calls[0] - 1)
+                return
+            seen = counts[side].get(type(cmd), 0)
+            counts[side][type(cmd)] = seen + 1
+            number = first + seen
+            recorder.add(kind, f"{prefix}{number}", start, end, call=calls[0] - 1, micro_batch=number)
+
+        dispatch.execute(self, pipe_schedule, record)
 
     engine._exec_schedule = MethodType(exec_schedule, engine)
     if hasattr(engine, "_aggregate_total_loss"):  # the per-batch loss broadcast: every stage waits

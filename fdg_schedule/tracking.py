@@ -28,11 +28,11 @@ import torch
 from deepspeed.runtime.pipe.schedule import ReduceGrads
 
 from fdg_schedule import ticks
-from fdg_schedule.observe import MicroBatchNumbers
-from fdg_schedule.schedule import FDGBackward, LocalOptimizerStep
+from fdg_schedule.schedule import FDGBackward, Kind, LocalOptimizerStep
+from fdg_schedule.view import MicroBatchNumbers, StageView
 
 # Seconds per tick, averaged over the call: what each kind of instruction took (engine.fdg_stats).
-_KINDS = ("forward", "backward", "step", "reduce", "wait", "load", "exchange")
+_KINDS = [kind.value for kind in Kind]
 
 METRICS = {
     "fdg/tick": "ticks this stage has run (x axis of every fdg/ chart; equals global_steps)",
@@ -121,7 +121,7 @@ def _global_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def run_config(engine: Any) -> dict[str, Any]:
+def run_config(engine: StageView, ds_config: Mapping[str, Any]) -> dict[str, Any]:
     """What goes into each stage's W&B run config: the FDG settings and the stage's place."""
     return {
         "fdg": dataclasses.asdict(engine.fdg_config),
@@ -133,7 +133,7 @@ def run_config(engine: Any) -> dict[str, Any]:
         "delay": ticks.delay(engine.num_stages, engine.stage_id),
         "train_micro_batch_size_per_gpu": engine.train_micro_batch_size_per_gpu(),
         "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
-        "ds_config": dict(engine._config._param_dict),
+        "ds_config": dict(ds_config),
     }
 
 
@@ -144,10 +144,9 @@ class StageTracker:
     losses are kept as tensors until the call ends, so the ticks pay no device synchronisation.
     """
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: StageView, ds_config: Mapping[str, Any]) -> None:
         import wandb
 
-        ds_config = engine._config._param_dict
         block = wandb_block(ds_config) or {}
         group = prepare(ds_config)
         self.run = wandb.init(
@@ -156,7 +155,7 @@ class StageTracker:
             group=group,
             name=f"stage{engine.stage_id}-dp{engine.grid.data_parallel_id}",
             job_type=f"stage{engine.stage_id}",
-            config=run_config(engine),
+            config=run_config(engine, ds_config),
             reinit="create_new",  # DeepSpeed's own rank-0 run stays wandb.run
         )
         self.run.define_metric("fdg/tick")
@@ -169,7 +168,7 @@ class StageTracker:
         self._closed = False
         atexit.register(self.close)
 
-    def on_instruction(self, engine: Any, cmd: Any, start: float, end: float) -> None:
+    def on_instruction(self, engine: StageView, cmd: Any, start: float, end: float) -> None:
         self.numbers.watch(cmd)
         if isinstance(cmd, ReduceGrads):
             self._grad_norm = _grad_norm(engine.module.parameters())
@@ -177,17 +176,17 @@ class StageTracker:
             # ZeRO keeps reduced gradients in its own partitions; its step computed the norm.
             norm = getattr(engine.optimizer, "_global_grad_norm", None)
             self._grad_norm = None if norm is None else torch.as_tensor(norm, dtype=torch.float32)
-        elif isinstance(cmd, FDGBackward) and engine._call_losses:
-            self._last_loss = (self.numbers(cmd.micro_batch), engine._call_losses[-1])
+        elif isinstance(cmd, FDGBackward) and engine.state.call_losses:
+            self._last_loss = (self.numbers(cmd.micro_batch), engine.state.call_losses[-1])
 
-    def on_call_end(self, engine: Any, seconds: float) -> None:
+    def on_call_end(self, engine: StageView, seconds: float) -> None:
         self.numbers.end_call()
         if self._closed:
             return
         self.run.log(self.row(engine, seconds))
         self._grad_norm = None
 
-    def row(self, engine: Any, seconds: float) -> dict[str, Any]:
+    def row(self, engine: StageView, seconds: float) -> dict[str, Any]:
         """The history row of the call that just ended (also updates the per-call baselines)."""
         stats, before = engine.fdg_stats, self._stats
         ran = max(stats["ticks"] - before["ticks"], 1)

@@ -20,8 +20,8 @@ import toy
 from dist_harness import run_ranks
 
 from fdg_schedule import tracking
-from fdg_schedule.observe import MicroBatchNumbers
 from fdg_schedule.schedule import AdvanceTick
+from fdg_schedule.view import MicroBatchNumbers
 
 GAS, CALLS, WINDOW = 3, 3, {"start_tick": 1, "ticks": 6}
 _COLLECTIVES = ("all_reduce", "broadcast", "broadcast_object_list", "all_gather", "all_gather_object",

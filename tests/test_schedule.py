@@ -105,6 +105,7 @@ def test_accumulate_steps_every_n_backward_passes_and_at_drain() -> None:
     assert steps[-1] == "R S"
     # K = 2, stage 0 drains after 6 micro-batches: steps after B3 and after the last (partial) B5.
     sched = [*FDGTrainSchedule(6, 2, 0, accumulate=4).steps(), *FDGTrainSchedule(2, 2, 0, 6, 4, drain=True).steps()]
+    sched = [list(step) for step in sched]  # each tick's instructions come one at a time
     stepped_after = [
         next(str(c) for c in step if isinstance(c, FDGBackward))
         for step in sched
@@ -119,9 +120,11 @@ def _all_steps(stages: int, calls: list[int], accumulate: int) -> dict[int, list
     for stage_id in range(stages):
         tick, steps = 0, []
         for n in calls:
-            steps += list(FDGTrainSchedule(n, stages, stage_id, start_tick=tick, accumulate=accumulate).steps())
+            steps += map(list, FDGTrainSchedule(n, stages, stage_id, start_tick=tick, accumulate=accumulate).steps())
             tick += n
-        steps += list(FDGTrainSchedule(ticks.drain_ticks(stages), stages, stage_id, tick, accumulate, True).steps())
+        steps += map(
+            list, FDGTrainSchedule(ticks.drain_ticks(stages), stages, stage_id, tick, accumulate, True).steps()
+        )
         out[stage_id] = steps
     return out
 

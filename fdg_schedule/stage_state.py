@@ -1,0 +1,154 @@
+"""Everything a stage carries from one tick to the next, in one place, with its own capture and restore.
+
+The engine's instruction handlers read and write a :class:`StageState`; checkpoints save what
+:meth:`StageState.capture` returns and give it back to :meth:`StageState.restore`. Nothing else
+keeps work in flight between ticks. What it holds, and how long each piece lives:
+
+    field               written by                  read by                      lives
+    segment_tick        AdvanceTick                 the next call's schedule     until the segment ends
+    segment_limit       the handler that learns     the next call's schedule     from the end of the data
+                        the end of the data                                      to the segment's last tick
+    held[b]             FDGForward (non-last)       FDGBackward, checkpoints     delay ticks
+    buffers inputs[b]   FDGLoad / WaitActivation    FDGForward, FDGBackward      delay ticks
+    sent_meta[b]        FDGForward (non-last)       Exchange (gradient receive)  delay ticks
+    labels_in_flight    FDGLoad (last stage)        FDGForward (last stage)      K-1 ticks
+    received[b]         WaitGrad                    FDGBackward                  within a tick
+    losses[b]           FDGForward (last stage)     FDGBackward                  within a tick
+    to_send[b]          FDGBackward (non-first)     Exchange                     within a tick
+    call_losses         FDGBackward                 train_batch()'s return       one call
+    micro_batches_read  FDGLoad                     checkpoints (data position)  the run
+    exchange            Exchange                    WaitActivation / WaitGrad    one tick (next tick's messages)
+
+Only what lives across ticks is captured; within-tick fields are empty between calls. A new piece
+of per-stage state (an optimizer-side tensor, a counter) gets a field here and a line in
+:meth:`capture` / :meth:`restore`.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fdg_schedule import ticks
+from fdg_schedule.comm import Meta, NeighbourExchange
+from fdg_schedule.delayed import Held
+from fdg_schedule.tensors import detached, leaves, nbytes
+
+Message = tuple[tuple[Tensor, ...], Tensor]  # gradients and the loss carried with them
+
+
+class StageState:
+    """The in-flight state of one stage (one rank).
+
+    Args:
+        stages: number of pipeline stages ``K``.
+        exchange: this stage's exchange; it keeps the messages that arrived for the next tick.
+        buffers: DeepSpeed's pipe buffers (``inputs``, ``outputs``, ``labels`` by ``buffer_id``),
+            shared with the engine (its ``pipe_buffers``).
+    """
+
+    def __init__(self, stages: int, exchange: NeighbourExchange, buffers: dict[str, list[Any]]) -> None:
+        self.stages = stages
+        self.exchange = exchange
+        self.buffers = buffers
+        self.segment_tick = 0  # ticks since the pipeline last filled (micro-batch 0 of the segment)
+        self.segment_limit: int | None = None  # micro-batches in this segment, once the data has ended
+        self.held: dict[int, Held] = {}  # buffer -> what its delayed backward needs
+        self.sent_meta: dict[int, Meta] = {}  # buffer -> activation shapes, for the gradient receive
+        self.labels_in_flight: collections.deque[Any] = collections.deque()  # last stage, K > 1
+        self.received: dict[int, Message] = {}  # buffer -> gradients and loss from the next stage
+        self.losses: dict[int, Tensor] = {}  # buffer -> loss (last stage)
+        self.to_send: dict[int, Message] = {}  # buffer -> input gradients and loss for the previous stage
+        self.call_losses: list[Tensor] = []  # losses back-propagated in this call
+        self.micro_batches_read = 0  # from the data iterator on this rank (first and last stage)
+
+    def in_flight(self) -> int:
+        """Micro-batches forwarded but not yet back-propagated."""
+        return len(self.held)
+
+    def held_bytes(self) -> int:
+        """Bytes held for delayed backward passes: stage inputs, saved activations, weight snapshots."""
+        inputs = self.buffers["inputs"]
+        return sum(nbytes(inputs[b]) + held.nbytes() for b, held in self.held.items() if b < len(inputs))
+
+    def ticks_left(self) -> int:
+        """Ticks until the segment's last one, once the data has ended (Note [end of data])."""
+        assert self.segment_limit is not None
+        return ticks.last_tick(self.segment_limit, self.stages) + 1 - self.segment_tick
+
+    def segment_over(self) -> bool:
+        """True once the data has ended and the segment's last tick has run; then start a new segment."""
+        if self.segment_limit is None or self.segment_tick <= ticks.last_tick(self.segment_limit, self.stages):
+            return False
+        self.segment_limit = None
+        self.segment_tick = 0
+        self.labels_in_flight.clear()  # read past the end when the label iterator is longer
+        return True
+
+    def reset(self) -> None:
+        """Forget all in-flight work (before loading a checkpoint)."""
+        for store in (self.held, self.received, self.to_send, self.losses, self.sent_meta):
+            store.clear()
+        self.labels_in_flight.clear()
+        self.exchange.restore_received(None)
+        self.segment_tick = 0
+        for buffers in self.buffers.values():
+            buffers[:] = [None] * len(buffers)
+
+    def capture(self) -> dict[str, Any]:
+        """What continues this stage bit for bit in a new process (between ``train_batch()`` calls)."""
+        in_flight = {
+            buffer_id: {
+                "inputs": detached(self.buffers["inputs"][buffer_id]),
+                "rng_state": held.rng_state,
+                "weights": held.weights,
+                "saved": None if held.saved is None else [t.detach() for t in held.saved],
+                "sent_meta": self.sent_meta.get(buffer_id),
+            }
+            for buffer_id, held in self.held.items()
+        }
+        return {
+            "segment_tick": self.segment_tick,
+            "in_flight": in_flight,
+            "received": self.exchange.received(),
+            "labels_in_flight": list(self.labels_in_flight),
+            "micro_batches_read": self.micro_batches_read,
+            "rng": rng_state(),
+        }
+
+    def restore(self, saved: dict[str, Any], rebuild: Callable[[Held, Any], Any], needs_grad: bool) -> None:
+        """Undo :meth:`capture` in a new process; the buffers must have their slots reserved.
+
+        ``rebuild(held, inputs)`` rebuilds a stored forward's outputs (Note [rebuilding a stored graph]);
+        ``needs_grad``: the stage inputs are leaves that require gradients. The RNG state is set last.
+        """
+        self.reset()
+        self.segment_tick = saved["segment_tick"]
+        for buffer_id, record in sorted(saved["in_flight"].items()):
+            inputs = leaves(record["inputs"], needs_grad)
+            self.buffers["inputs"][buffer_id] = inputs
+            self.sent_meta[buffer_id] = record["sent_meta"]
+            held = Held(weights=record["weights"], rng_state=record["rng_state"], saved=record["saved"])
+            self.held[buffer_id] = held
+            self.buffers["outputs"][buffer_id] = rebuild(held, inputs)
+        self.exchange.restore_received(saved["received"])
+        self.labels_in_flight.extend(saved["labels_in_flight"])
+        self.micro_batches_read = saved["micro_batches_read"]
+        set_rng_state(saved["rng"])
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

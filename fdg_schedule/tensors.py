@@ -1,0 +1,65 @@
+"""Small helpers over what travels through a pipeline: a tensor or a tuple of tensors (and labels of any kind)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+def as_tuple(x: Any) -> tuple[Any, ...]:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def floating(x: Any) -> list[Tensor]:
+    """The floating-point tensors of ``x``: what gradients flow through and activations carry."""
+    return [t for t in as_tuple(x) if torch.is_tensor(t) and t.is_floating_point()]
+
+
+def input_grads(inputs: Any) -> tuple[Tensor, ...]:
+    """The gradient of each floating input (zeros where autograd left none)."""
+    return tuple(
+        t.grad if t.grad is not None else torch.zeros_like(t) for t in as_tuple(inputs) if t.is_floating_point()
+    )
+
+
+def to_device(x: Any, device: torch.device) -> Any:
+    if torch.is_tensor(x):
+        return x.to(device)
+    if isinstance(x, (tuple, list)):
+        return tuple(to_device(t, device) for t in x)
+    return x
+
+
+def describe(x: Any) -> str:
+    """Dtypes and shapes, for error messages: ``(torch.float32 (4, 8), torch.int64 (4,))``."""
+    if torch.is_tensor(x):
+        return f"{x.dtype} {tuple(x.shape)}"
+    if isinstance(x, (tuple, list)):
+        return "(" + ", ".join(describe(t) for t in x) + ")"
+    return type(x).__name__
+
+
+def nbytes(x: Any) -> int:
+    if x is None:
+        return 0
+    return sum(t.numel() * t.element_size() for t in as_tuple(x) if torch.is_tensor(t))
+
+
+def detached(x: Any) -> Any:
+    if torch.is_tensor(x):
+        return x.detach()
+    return tuple(detached(t) for t in x) if isinstance(x, (tuple, list)) else x
+
+
+def leaves(x: Any, requires_grad: bool) -> Any:
+    """``x`` as autograd leaves; floating ones require gradients when ``requires_grad``."""
+    if torch.is_tensor(x):
+        return x.detach().requires_grad_(requires_grad and x.is_floating_point())
+    return tuple(leaves(t, requires_grad) for t in x)
+
+
+def wrong_dtypes(inputs: Any, expected: torch.dtype) -> list[torch.dtype]:
+    """The dtypes of the floating tensors of ``inputs`` that are not ``expected``."""
+    return [t.dtype for t in floating(inputs) if t.dtype != expected]
