@@ -14,7 +14,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "train_resnet.py"
+sys.path.insert(0, str(ROOT))  # run as a script: the package is in the repository root
+from fdg_schedule.launch import free_port  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("--model", default="resnet20")
@@ -91,12 +92,6 @@ def variants():
         for weights in args.weights:
             for beta in args.betas:
                 yield fdg_variant(stages, beta, weights)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RunFailed(Exception):

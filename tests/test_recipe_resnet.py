@@ -6,7 +6,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ import pytest
 from deepspeed.runtime.config import DeepSpeedConfig
 
 from fdg_schedule import config as fdg_config
+from fdg_schedule.launch import free_port
 from fdg_schedule.zoo import vision_data
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,12 +83,6 @@ def test_missing_fashion_mnist_says_how_to_install_it(tmp_path: Path, monkeypatc
     monkeypatch.setattr(vision_data, "DEBIAN_FASHION_MNIST", tmp_path / "nowhere")
     with pytest.raises(vision_data.DataMissingError, match="apt-get install -y dataset-fashion-mnist"):
         vision_data.load_vision_data("fashion-mnist", data_dir=tmp_path, cache=tmp_path / "cache")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(ranks: int, *args: str, cwd: Path, timeout: float) -> str:

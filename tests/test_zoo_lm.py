@@ -8,7 +8,6 @@ import logging
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config
 
+from fdg_schedule.launch import free_port
 from fdg_schedule.zoo import hf_lm, text_data
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -183,12 +183,6 @@ def test_text_folder_source(tmp_path: Path) -> None:
 # distributed: two gloo ranks in subprocesses, killed at a deadline so a hang fails with the logs
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_two_ranks(command: list[str], tmp_path: Path, deadline: float) -> list[str]:
     """Run ``command`` as ranks 0 and 1 (env:// rendezvous); return their logs or fail the test."""
     env = {
@@ -198,7 +192,7 @@ def run_two_ranks(command: list[str], tmp_path: Path, deadline: float) -> list[s
         "FDG_CACHE": str(tmp_path / "cache"),
         "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
+        "MASTER_PORT": str(free_port()),
         "WORLD_SIZE": "2",
     }
     logs = [tmp_path / f"rank{rank}.log" for rank in (0, 1)]

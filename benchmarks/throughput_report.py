@@ -1,0 +1,149 @@
+"""The throughput benchmark's report: per-variant medians, paired ratios and memory, as JSON rows and Markdown."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from throughput_variants import COMPUTE_KINDS, MODELS, split_key
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def summarize(plan: dict[str, Any], ranks: list[dict[str, Any]], memory: dict[str, list[dict[str, Any]]]) -> dict:
+    """Per variant: samples/s, paired ratios, efficiency, stage balance, memory."""
+    specs = {s["name"]: s for s in plan["variants"]}
+    micro = MODELS[plan["model"]]["micro"]
+    rows: dict[str, dict[str, Any]] = {}
+    per_repeat: dict[str, dict[int, float]] = {name: {} for name in specs}
+    for name, spec in specs.items():
+        rank0 = [w for w in ranks[0]["windows"] if w["variant"] == name]
+        samples_per_s, efficiency, compute, wait, other, cpu, share, loads = [], [], [], [], [], [], [], []
+        for i, w0 in enumerate(rank0):
+            windows = [[x for x in r["windows"] if x["variant"] == name][i] for r in ranks]
+            used = [w for w, r in zip(windows, ranks) if r["stage_id"][name] is not None]
+            samples = w0["micro_batches"] * micro * (spec["ranks"] if spec["kind"] == "dp" else 1)
+            rate = samples / w0["wall_s"]
+            samples_per_s.append(rate)
+            per_repeat[name][w0["repeat"]] = rate
+            stage_compute = [sum(w["stats"].get(k, 0.0) for k in COMPUTE_KINDS) for w in used]
+            efficiency.append(sum(stage_compute) / (len(used) * w0["wall_s"]))
+            compute.append([c / w0["micro_batches"] for c in stage_compute])
+            wait.append([w["stats"].get("wait_s", 0.0) / w0["micro_batches"] for w in used])
+            other.append(
+                [(w["local_wall_s"] - c - w["stats"].get("wait_s", 0.0)) / w0["micro_batches"]
+                 for w, c in zip(used, stage_compute)]
+            )  # fmt: skip
+            cpu.append([w["cpu_s"] for w in windows])
+            share.append([w["cpu_s"] / w["local_wall_s"] for w in used])
+            loads.append((w0["load_before"], w0["load_after"]))
+        stages = len(compute[0])
+        rows[name] = {
+            "kind": spec["kind"],
+            "samples_per_s": _spread(samples_per_s),
+            "samples_per_s_all": samples_per_s,
+            "efficiency": _spread(efficiency),
+            "stage_compute_s_per_micro_batch": [statistics.median(c[s] for c in compute) for s in range(stages)],
+            "stage_wait_s_per_micro_batch": [statistics.median(c[s] for c in wait) for s in range(stages)],
+            # the rest of each rank's own wall time: dispatch, exchange posting, data, Python
+            "stage_other_s_per_micro_batch": [statistics.median(c[s] for c in other) for s in range(stages)],
+            "cpu_s_per_rank_per_window": [statistics.median(c[r] for c in cpu) for r in range(len(ranks))],
+            # CPU seconds a rank got per second of its wall time: < 1 while waiting or descheduled
+            "cpu_share_per_stage": [statistics.median(c[s] for c in share) for s in range(stages)],
+            "load_avg_1min": loads,
+            "optimizer_steps_per_micro_batch": 1.0 / spec["gas"] if spec["kind"] == "1f1b" else 1.0,
+        }
+    baseline_1f1b = "1f1b_m4" if "1f1b_m4" in per_repeat else None
+    for name, row in rows.items():
+        for key, base in (("ratio_vs_bp", "bp"), ("ratio_vs_1f1b_m4", baseline_1f1b)):
+            if base is None or base not in per_repeat:
+                continue
+            paired = [per_repeat[name][r] / per_repeat[base][r] for r in per_repeat[name] if r in per_repeat[base]]
+            row[key] = _spread(paired)
+        row["speedup_over_k"] = row["ratio_vs_bp"]["median"] / specs[name]["ranks"] if "ratio_vs_bp" in row else None
+        in_process = sorted(
+            ({"stage_id": r["stage_id"][name], "rank": r["rank"], **r["memory"][name]} for r in ranks
+             if r["stage_id"][name] is not None),
+            key=lambda m: (m["stage_id"], m["rank"]),
+        )  # fmt: skip
+        fresh = memory.get(name) or [{} for _ in in_process]
+        row["memory"] = [
+            {**m, **{k: v for k, v in f.items() if k.startswith("rss")}} for m, f in zip(in_process, fresh)
+        ]
+        row["split"] = plan["splits"].get(split_key(specs[name])) if specs[name]["stages"] > 1 else None
+    return rows
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The report as Markdown: one throughput table per model, then memory by K."""
+    lines = [
+        f"Measured {report['date']} on {report['machine']}, engine {report['engine']}; command:",
+        "",
+        f"    {report['command']}",
+        "",
+        f"Load average (1 min) at start {report['load_start'][0]:.2f}, at end {report['load_end'][0]:.2f}; "
+        f"{report['seconds']:.0f} s in all.",
+        "",
+    ]
+    for model, result in report["models"].items():
+        cfg = MODELS[model]
+        lines += [
+            f"### {model} (micro-batch {cfg['micro']}, {report['repeats']} rounds of {report['window']} "
+            "micro-batches per variant)",
+            "",
+            "| variant | split | samples/s median [min–max] | ×BP | ×1F1B m=4 | efficiency | compute ms/µb "
+            "| wait ms/µb | other ms/µb | CPU share | peak RSS MB | ΔRSS MB | held (FDG) / saved (others) MB |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        lines += [_row(name, row) for name, row in result["variants"].items()]
+        loads = [load for row in result["variants"].values() for pair in row["load_avg_1min"] for load in pair]
+        lines += ["", f"Load average (1 min) during the windows: {min(loads):.2f}–{max(loads):.2f}.", ""]
+    for model, result in report.get("memory_by_stages", {}).items():
+        lines += [
+            f"### {model}: memory per stage by K (fresh processes)",
+            "",
+            "| variant | K | held (FDG) / saved (others) MB | ΔRSS MB |",
+            "|---|---|---|---|",
+        ]
+        for k, per_variant in result.items():
+            for name, mem in per_variant.items():
+                held = _slash([m.get("held_max", m.get("saved_peak", 0)) for m in mem], 2**-20)
+                rss = _slash([m["rss_peak"] - m["rss_build"] for m in mem], 2**-20, 0)
+                lines.append(f"| {name} | {k} | {held} | {rss} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _row(name: str, row: dict[str, Any]) -> str:
+    """One table row; per-stage values are "stage 0 / stage 1"."""
+    sps = row["samples_per_s"]
+    mem = row["memory"] or []
+    rss = [m for m in mem if "rss_peak" in m]
+    cells = [
+        name,
+        "–" if row.get("split") is None else ",".join(map(str, row["split"])),
+        f"{sps['median']:.1f} [{sps['min']:.1f}–{sps['max']:.1f}]",
+        _ratio(row, "ratio_vs_bp"),
+        _ratio(row, "ratio_vs_1f1b_m4"),
+        f"{row['efficiency']['median']:.1%}",
+        _slash(row["stage_compute_s_per_micro_batch"], 1e3),
+        _slash(row["stage_wait_s_per_micro_batch"], 1e3),
+        _slash(row["stage_other_s_per_micro_batch"], 1e3),
+        _slash(row["cpu_share_per_stage"], 1.0, 2),
+        _slash([m["rss_peak"] for m in rss], 2**-20, 0),
+        _slash([m["rss_peak"] - m["rss_build"] for m in rss], 2**-20, 0),
+        _slash([m.get("held_max", m.get("saved_peak", 0)) for m in mem], 2**-20),
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def _ratio(row: dict[str, Any], key: str) -> str:
+    if key not in row:
+        return "–"
+    return f"{row[key]['median']:.2f} [{row[key]['min']:.2f}–{row[key]['max']:.2f}]"
+
+
+def _slash(values: list[float], scale: float, digits: int = 1) -> str:
+    return " / ".join(f"{v * scale:.{digits}f}" for v in values) if values else "–"

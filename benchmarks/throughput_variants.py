@@ -1,0 +1,198 @@
+"""The models and variants the throughput benchmark compares, as each rank builds them.
+
+Models are flat layer lists ``PipelineModule`` can cut anywhere, fed fixed synthetic data; variants
+are plain backprop (``bp``), DeepSpeed's 1F1B, FDG in every mode and DeepSpeed data parallelism.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+STAGES = 2  # this machine has 2 cores: one per stage
+MODES = [("current", "stored"), ("current", "recomputed"), ("stashed", "stored"), ("stashed", "recomputed")]
+GAS_1F1B = (2, 4, 8)
+LR, MOMENTUM, GRAD_SHRINK = 0.01, 0.9, 0.5
+COMPUTE_KINDS = ("forward_s", "backward_s", "step_s", "reduce_s")
+
+# model name -> size settings; "tiny" ones are for --quick and the smoke test
+MODELS: dict[str, dict[str, Any]] = {
+    "resnet32": dict(kind="resnet", depth=32, micro=32, image=32),
+    "transformer": dict(kind="transformer", blocks=4, width=256, heads=4, seq=64, micro=16),
+    "resnet8_tiny": dict(kind="resnet", depth=8, micro=8, image=16),
+    "transformer_tiny": dict(kind="transformer", blocks=2, width=64, heads=4, seq=16, micro=8),
+}
+CLASSES = 10
+
+
+class MeanPoolHead(nn.Module):
+    """LayerNorm, mean over the sequence, linear classifier: (batch, seq, width) -> (batch, classes)."""
+
+    def __init__(self, width: int, classes: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.norm(x).mean(dim=1))
+
+
+def model_layers(model: str) -> list[Any]:
+    """The LayerSpecs of ``model`` (same list for every variant)."""
+    from deepspeed.pipe import LayerSpec
+
+    from fdg_schedule.zoo.resnet import cifar_resnet_layers
+
+    cfg = MODELS[model]
+    if cfg["kind"] == "resnet":
+        return cifar_resnet_layers(cfg["depth"], CLASSES, 3)
+    width = cfg["width"]
+    block = [
+        LayerSpec(nn.TransformerEncoderLayer, width, cfg["heads"], 4 * width, 0.0, batch_first=True, norm_first=True)
+        for _ in range(cfg["blocks"])
+    ]
+    return [*block, LayerSpec(MeanPoolHead, width, CLASSES)]
+
+
+def fixed_data(model: str, count: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``count`` fixed synthetic micro-batches, cycled through (no data loading in the timings)."""
+    cfg = MODELS[model]
+    g = torch.Generator().manual_seed(0)
+    if cfg["kind"] == "resnet":
+        shape: tuple[int, ...] = (cfg["micro"], 3, cfg["image"], cfg["image"])
+    else:
+        shape = (cfg["micro"], cfg["seq"], cfg["width"])
+    return [
+        (torch.randn(shape, generator=g), torch.randint(0, CLASSES, (cfg["micro"],), generator=g)) for _ in range(count)
+    ]
+
+
+def split_key(spec: dict[str, Any]) -> str:
+    """Which split a variant uses: ``"<K>"``, or ``"<K>r"`` for FDG's recomputed modes."""
+    return f"{spec['stages']}{'r' if spec.get('activations') == 'recomputed' else ''}"
+
+
+def variants(gas_fdg: int) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = [dict(name="bp", kind="bp", stages=1, ranks=1, per_unit=1)]
+    out += [dict(name=f"1f1b_m{m}", kind="1f1b", stages=STAGES, ranks=STAGES, gas=m, per_unit=m) for m in GAS_1F1B]
+    out += [
+        dict(name=f"fdg_{w}_{a}", kind="fdg", stages=STAGES, ranks=STAGES, gas=gas_fdg, per_unit=gas_fdg, weights=w,
+             activations=a)
+        for w, a in MODES
+    ]  # fmt: skip
+    out.append(dict(name="dp2", kind="dp", stages=1, ranks=2, gas=1, per_unit=1))
+    return out
+
+
+class PlainBP:
+    """Backprop on one worker: the same layers in an nn.Sequential, an optimizer step per micro-batch."""
+
+    def __init__(self, model: str) -> None:
+        torch.manual_seed(0)
+        self.module = nn.Sequential(*[spec.build() for spec in model_layers(model)])
+        self.optimizer = torch.optim.SGD(self.module.parameters(), lr=LR, momentum=MOMENTUM)
+        self.data = itertools.cycle(fixed_data(model))
+        self.stats: dict[str, float] = {k: 0.0 for k in COMPUTE_KINDS}
+        self.stage_id = 0
+
+    def unit(self) -> None:
+        x, y = next(self.data)
+        t0 = time.perf_counter()
+        loss = nn.functional.cross_entropy(self.module(x), y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
+        self.stats["forward_s"] += t1 - t0
+        self.stats["backward_s"] += t2 - t1
+        self.stats["step_s"] += t3 - t2
+
+
+class DeepSpeedVariant:
+    """A DeepSpeed pipeline engine (FDG, 1F1B or one-stage data parallel) on the fixed data."""
+
+    def __init__(self, spec: dict[str, Any], model: str, parts: list[int]) -> None:
+        import deepspeed
+
+        import fdg_schedule  # noqa: F401  (a "schedule": "fdg" config now builds the FDG engine)
+        from fdg_schedule.zoo.resnet import SplitPipelineModule, parts_method
+
+        torch.manual_seed(0)
+        cfg = MODELS[model]
+        module = SplitPipelineModule(
+            layers=model_layers(model),
+            num_stages=spec["stages"],
+            loss_fn=nn.CrossEntropyLoss(),
+            partition_method=parts_method(parts),
+        )
+        config: dict[str, Any] = {
+            "train_micro_batch_size_per_gpu": cfg["micro"],
+            "gradient_accumulation_steps": spec["gas"],
+            "gradient_clipping": 0.0,  # clipping would add a cross-stage all-reduce to 1F1B
+            "steps_per_print": 10**9,
+        }
+        if spec["kind"] == "fdg":
+            fdg = {"grad_shrink": GRAD_SHRINK, "weights": spec["weights"], "activations": spec["activations"]}
+            config["pipeline"] = {"schedule": "fdg", "fdg": fdg}
+        self.engine, *_ = deepspeed.initialize(
+            model=module,
+            config=config,
+            optimizer=lambda params: torch.optim.SGD(params, lr=LR, momentum=MOMENTUM),
+            model_parameters=module.parameters(),
+        )
+        self.module = module
+        self.stage_id = self.engine.stage_id
+        self.data = itertools.cycle(fixed_data(model))
+        self.is_fdg = spec["kind"] == "fdg"
+        self._stats: dict[str, float] = {}
+        if not self.is_fdg:
+            self._time_stock_instructions()
+
+    @property
+    def stats(self) -> dict[str, float]:
+        return dict(self.engine.fdg_stats) if self.is_fdg else dict(self._stats)
+
+    def unit(self) -> None:
+        self.engine.train_batch(self.data)
+
+    def _time_stock_instructions(self) -> None:
+        """Time DeepSpeed's handlers by kind, through an instance copy of its instruction map."""
+        from deepspeed.runtime.pipe import schedule as s
+
+        kinds = {
+            s.ForwardPass: "forward_s", s.BackwardPass: "backward_s", s.OptimizerStep: "step_s",
+            s.ReduceGrads: "reduce_s", s.ReduceTiedGrads: "reduce_s", s.LoadMicroBatch: "load_s",
+            s.SendActivation: "wait_s", s.RecvActivation: "wait_s", s.SendGrad: "wait_s", s.RecvGrad: "wait_s",
+        }  # fmt: skip
+        self._stats = {k: 0.0 for k in set(kinds.values())}
+        table = dict(type(self.engine)._INSTRUCTION_MAP)
+        for cls, kind in kinds.items():
+            table[cls] = _timed(table[cls], self._stats, kind)
+        self.engine._INSTRUCTION_MAP = table  # the dispatch loop reads self._INSTRUCTION_MAP
+
+
+def _timed(fn: Callable[..., Any], stats: dict[str, float], kind: str) -> Callable[..., Any]:
+    def timed(self: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(self, **kwargs)
+        finally:
+            stats[kind] += time.perf_counter() - start
+
+    return timed
+
+
+def build_variant(spec: dict[str, Any], model: str, splits: dict[str, list[int]]) -> PlainBP | DeepSpeedVariant | None:
+    """This rank's part of ``spec`` (None: this rank sits the variant out)."""
+    if spec["kind"] == "bp":
+        return PlainBP(model) if dist.get_rank() == 0 else None
+    parts = splits[split_key(spec)] if spec["stages"] > 1 else [0, len(model_layers(model))]
+    return DeepSpeedVariant(spec, model, parts)

@@ -1,0 +1,184 @@
+"""Run a function on K local ranks from Python: spawned processes, gloo, a deadline, errors that reach the caller.
+
+For notebooks, experiments and tests: a few CPU ranks on this machine, no ``deepspeed`` launcher,
+no hostfile, no port to pick::
+
+    from fdg_schedule.launch import run
+
+    def train(rank: int, world_size: int, steps: int) -> float:
+        import deepspeed, fdg_schedule     # the process group is already up (gloo)
+        ...                                # deepspeed.initialize(...), train
+        return last_loss
+
+    losses = run(train, 2, 100, deadline_s=600)   # [what rank 0 returned, what rank 1 returned]
+
+The function must be importable by name (defined at module level in a ``.py`` file, not in a
+notebook cell): each rank is a fresh ``spawn``-ed process. Each rank gets ``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE`` set, ``threads`` CPU threads, ``DS_ACCELERATOR=cpu`` unless set, and DeepSpeed's
+process group over gloo with a ``file://`` rendezvous in ``workdir`` (no port collisions). Return
+values travel back through ``torch.save`` (tensors are fine). A rank that raises, dies, or does not
+finish within ``deadline_s`` makes :func:`run` kill the others and raise :class:`RankFailed` with the
+rank's traceback; a rank still running shortly before the deadline prints where it is stuck.
+
+Note [a rank does not import the package]: a rank runs this file as a plain script (``runpy``)
+rather than importing ``fdg_schedule.launch``, so a function that never imports ``fdg_schedule``
+trains with stock DeepSpeed, untouched (importing the package installs the engine selection). This
+file therefore imports nothing from ``fdg_schedule``.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import io
+import os
+import queue
+import runpy
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+_RANK = "__fdg_schedule_rank__"  # the run name under which a rank executes this file
+
+
+class RankFailed(RuntimeError):
+    """A rank raised, died or missed the deadline; the message names it (with its traceback if it raised)."""
+
+
+def run(
+    worker: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    deadline_s: float = 600,
+    expect_exit: dict[int, int] | None = None,
+    workdir: str | Path | None = None,
+    threads: int = 1,
+    init_timeout_s: float = 120,
+) -> list[Any]:
+    """``worker(rank, world_size, *args)`` on ``world_size`` local ranks; returns the results in rank order.
+
+    Args:
+        deadline_s: wall-clock limit for the whole run; afterwards every rank is killed.
+        expect_exit: ranks that must die with that exit code instead of returning (their result is None).
+        workdir: where the rendezvous file goes (a temporary directory if None).
+        threads: CPU threads per rank (``torch.set_num_threads`` and ``OMP_NUM_THREADS``).
+        init_timeout_s: how long ``init_process_group`` may wait for the other ranks.
+    """
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+        ctx = mp.get_context("spawn")
+        results: Any = ctx.Queue()
+        launch = {
+            "worker": worker, "world_size": world_size, "args": args, "results": results, "threads": threads,
+            "init_file": os.path.join(tmp, "rendezvous"), "init_timeout_s": init_timeout_s,
+            "dump_after_s": max(1.0, deadline_s - 5), "port": free_port(),
+        }  # fmt: skip
+        procs = [
+            ctx.Process(
+                target=runpy.run_path,  # Note [a rank does not import the package]
+                args=(__file__,),
+                kwargs={"init_globals": {"_LAUNCH": {**launch, "rank": rank}}, "run_name": _RANK},
+                daemon=False,  # DeepSpeed data loaders start worker processes of their own
+            )
+            for rank in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        try:
+            return _collect(procs, results, deadline_s, expect_exit or {})
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join(timeout=10)
+
+
+def free_port() -> int:
+    """A TCP port on localhost that nothing listens on right now (for ``MASTER_PORT`` / ``--master_port``)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _collect(procs: list[Any], results: Any, deadline_s: float, expect_exit: dict[int, int]) -> list[Any]:
+    import torch
+
+    world_size = len(procs)
+    done: dict[int, Any] = {}
+    dead_since: dict[int, float] = {}
+    end = time.monotonic() + deadline_s
+    while len(done) < world_size:
+        for r, code in expect_exit.items():
+            if r not in done and procs[r].exitcode is not None:
+                if procs[r].exitcode != code:
+                    raise RankFailed(f"rank {r} exited with {procs[r].exitcode}, expected {code}")
+                done[r] = None
+        try:
+            status, rank, payload = results.get(timeout=max(0.1, min(1.0, end - time.monotonic())))
+        except queue.Empty:
+            if time.monotonic() > end:
+                missing = sorted(set(range(world_size)) - set(done))
+                raise RankFailed(f"ranks {missing} did not finish within {deadline_s:.0f} s") from None
+            unexpected = done.keys() | expect_exit.keys()
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in unexpected]
+            # A rank may abort in interpreter teardown just after its result was queued: read once
+            # more before calling it dead.
+            if dead and time.monotonic() - dead_since.setdefault(dead[0], time.monotonic()) > 3:
+                raise RankFailed(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
+            continue
+        if rank in expect_exit:
+            raise RankFailed(f"rank {rank} was expected to die with exit code {expect_exit[rank]}: {status}")
+        if status == "error":
+            raise RankFailed(f"rank {rank} raised:\n{payload}")
+        done[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+    return [done[r] for r in range(world_size)]
+
+
+def _rank_main(
+    worker: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    args: tuple,
+    results: Any,
+    threads: int,
+    init_file: str,
+    init_timeout_s: float,
+    dump_after_s: float,
+    port: int,
+) -> None:
+    # A rank still running just before the deadline prints where it is stuck.
+    faulthandler.dump_traceback_later(dump_after_s, exit=False)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.update(
+        OMP_NUM_THREADS=str(threads), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )  # fmt: skip
+    try:
+        import deepspeed
+        import torch
+
+        torch.set_num_threads(threads)
+        deepspeed.init_distributed(
+            dist_backend="gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=init_timeout_s),
+            verbose=False,
+        )
+        result = worker(rank, world_size, *args)
+        # Plain bytes: shared-memory tensors would need this process alive until they are read.
+        buffer = io.BytesIO()
+        torch.save(result, buffer)
+        results.put(("ok", rank, buffer.getvalue()))
+    except BaseException:  # noqa: BLE001 - everything must reach the parent
+        results.put(("error", rank, traceback.format_exc()))
+
+
+if __name__ == _RANK:  # a rank (Note [a rank does not import the package])
+    _rank_main(**globals()["_LAUNCH"])
