@@ -29,25 +29,13 @@ from deepspeed.runtime.pipe.schedule import PipeInstruction
 from deepspeed.utils import logger
 from torch import Tensor
 
-from fdg_schedule import checkpoint, dispatch, grid, guards, observe, optim, ticks
+from fdg_schedule import checkpoint, dispatch, grid, guards, observe, optim, schedule, ticks
 from fdg_schedule.comm import NO_END, NeighbourExchange, meta_of
 from fdg_schedule.config import FDGConfig
 from fdg_schedule.delayed import DelayedBackward
 from fdg_schedule.errors import DataExhausted, FDGRuntimeError
 from fdg_schedule.report import report_call, stop_backward_timers
-from fdg_schedule.schedule import (
-    OPS,
-    AdvanceTick,
-    Exchange,
-    FDGBackward,
-    FDGForward,
-    FDGLoad,
-    FDGTrainSchedule,
-    Kind,
-    LocalOptimizerStep,
-    WaitActivation,
-    WaitGrad,
-)
+from fdg_schedule.schedule import OPS, FDGTrainSchedule, Kind
 from fdg_schedule.stage_state import StageState
 from fdg_schedule.tensors import as_tuple, describe, floating, input_grads, to_device
 
@@ -228,13 +216,13 @@ class FDGPipelineEngine(PipelineEngine):
         return FDGTrainSchedule(micro_batches, self.num_stages, self.stage_id, state.segment_tick, accumulate, drain,
                                 limit=state.segment_limit)  # fmt: skip
 
-    def _run(self, schedule: FDGTrainSchedule) -> Tensor:
+    def _run(self, plan: FDGTrainSchedule) -> Tensor:
         self.module.train()
         self.state.call_losses = []
         steps_before, start = self.global_steps, time.perf_counter()
-        self._running = schedule
+        self._running = plan
         try:
-            self._exec_schedule(schedule)
+            self._exec_schedule(plan)
         finally:
             self._running = None
         wait_start = time.perf_counter()
@@ -411,14 +399,14 @@ class FDGPipelineEngine(PipelineEngine):
 
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,
-        FDGLoad: _exec_fdg_load,
-        WaitActivation: _exec_wait_activation,
-        WaitGrad: _exec_wait_grad,
-        FDGForward: _exec_fdg_forward,
-        FDGBackward: _exec_fdg_backward,
-        LocalOptimizerStep: _exec_local_optimizer_step,
-        Exchange: _exec_exchange,
-        AdvanceTick: _exec_advance_tick,
+        schedule.FDGLoad: _exec_fdg_load,
+        schedule.WaitActivation: _exec_wait_activation,
+        schedule.WaitGrad: _exec_wait_grad,
+        schedule.FDGForward: _exec_fdg_forward,
+        schedule.FDGBackward: _exec_fdg_backward,
+        schedule.LocalOptimizerStep: _exec_local_optimizer_step,
+        schedule.Exchange: _exec_exchange,
+        schedule.AdvanceTick: _exec_advance_tick,
     }
 
     # -- helpers --------------------------------------------------------------------------------

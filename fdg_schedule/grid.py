@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
+from typing import Any
 
 from deepspeed.runtime.pipe.schedule import PipeInstruction
 
@@ -111,25 +112,20 @@ class Grid:
         return out
 
 
-def plan(
-    stages: int,
-    micro_batches: int,
-    start_tick: int = 0,
-    accumulate: int = 1,
-    drain: bool = False,
-    data_end: int | None = None,
-) -> Grid:
+def plan(stages: int, micro_batches: int, data_end: int | None = None, **options: Any) -> Grid:
     """The grid of one call of every stage, as the engines run it.
 
+    ``options`` are :class:`FDGTrainSchedule`'s (``start_tick``, ``accumulate``, ``drain``).
     ``data_end``: the data ran out at that micro-batch of the segment; a stage whose tick
     ``data_end + stage_id`` came before ``start_tick`` knew it when the call started, the others
     learn it at that tick (Note [end of data]).
     """
+    start_tick = options.get("start_tick", 0)
     rows = []
     for stage_id in range(stages):
         known = data_end if data_end is not None and start_tick > data_end + stage_id else None
-        schedule = FDGTrainSchedule(micro_batches, stages, stage_id, start_tick, accumulate, drain, limit=known)
-        rows.append(run(schedule, None if known is not None or drain else data_end))
+        schedule = FDGTrainSchedule(micro_batches, stages, stage_id, limit=known, **options)
+        rows.append(run(schedule, None if known is not None or schedule.drain else data_end))
     return Grid(start_tick, rows)
 
 
@@ -138,7 +134,8 @@ def around(schedule: FDGTrainSchedule, tick: int, width: int = 2) -> str:
     start = max(schedule.start_tick, tick - width)
     end = min(schedule.start_tick + schedule.micro_batches, tick + width + 1)
     data_end = None if schedule.drain else schedule.limit
-    nearby = plan(schedule.stages, max(end - start, 0), start, schedule.accumulate, schedule.drain, data_end)
+    options = {"start_tick": start, "accumulate": schedule.accumulate, "drain": schedule.drain}
+    nearby = plan(schedule.stages, max(end - start, 0), data_end, **options)
     return f"the plan of every stage near tick {tick} (this stage's cell marked):\n" + nearby.render(
         mark=(schedule.stage_id, tick)
     )

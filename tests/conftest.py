@@ -9,3 +9,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def one_rank_group(tmp_path: Path):
+    """A real one-rank gloo process group in this process (for code that asks for its rank)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -28,43 +28,23 @@ def _straight_and_resumed(tmp_path, world: int, cases: list[dict[str, Any]]) -> 
 
 
 def test_resume_is_bit_identical_two_stages_every_mode(tmp_path) -> None:
+    base = {"stages": 2, "n": 48, "gas": 3, "calls_before": 2, "calls_after": 2}
     cases = [
-        {
-            "stages": 2,
-            "n": 48,
-            "gas": 3,
-            "calls_before": 2,
-            "calls_after": 2,
-            "grad_shrink": 0.5,
-            "weights": w,
-            "activations": a,
-            "optimizer": opt,
-        }  # fmt: skip
+        {**base, "grad_shrink": 0.5, "weights": w, "activations": a, "optimizer": opt}
         for (w, a), opt in zip(MODES, ("sgd", "adam", "adam", "sgd"))
     ]
     cases += [
         # data through deepspeed.initialize(training_data=...): the engine's own loader continues
-        {"stages": 2, "n": 48, "gas": 3, "calls_before": 2, "calls_after": 2, "training_data": True},
+        {**base, "training_data": True},
         # a drained checkpoint resumes too (the pipeline refills)
-        {"stages": 2, "n": 48, "gas": 3, "calls_before": 2, "calls_after": 2, "drain_save": True, "zero": 1},
+        {**base, "drain_save": True, "zero": 1},
     ]
     _straight_and_resumed(tmp_path, 2, cases)
 
 
 def test_resume_is_bit_identical_three_stages_every_mode(tmp_path) -> None:
-    cases = [
-        {
-            "stages": 3,
-            "n": 48,
-            "gas": 2,
-            "calls_before": 3,
-            "calls_after": 2,
-            "grad_shrink": 0.5,
-            "weights": w,
-            "activations": a,
-        }  # fmt: skip
-        for w, a in MODES
-    ]
+    base = {"stages": 3, "n": 48, "gas": 2, "calls_before": 3, "calls_after": 2, "grad_shrink": 0.5}
+    cases = [{**base, "weights": w, "activations": a} for w, a in MODES]
     _straight_and_resumed(tmp_path, 3, cases)
 
 

@@ -108,20 +108,9 @@ def check_against_reference(results: list[list[dict[str, Any]]], cases: list[dic
 
 
 def _cases(stages: int, gas: int, calls: int, **extra: Any) -> list[dict[str, Any]]:
+    base = {"stages": stages, "n": 64, "gas": gas, "calls": calls, "grad_shrink": 0.5}
     return [
-        {
-            "stages": stages,
-            "n": 64,
-            "gas": gas,
-            "calls": calls,
-            "grad_shrink": 0.5,
-            "weights": w,
-            "activations": a,
-            "optimizer": opt,
-            **extra,
-        }  # fmt: skip
-        for w, a in MODES
-        for opt in ("sgd", "adam")
+        {**base, "weights": w, "activations": a, "optimizer": opt, **extra} for w, a in MODES for opt in ("sgd", "adam")
     ]
 
 
@@ -129,18 +118,7 @@ def test_two_stages_all_modes_sgd_and_adam(tmp_path) -> None:
     cases = _cases(2, gas=3, calls=4, drain=True)
     cases += [
         # accumulated decoupled learning, a warm-up LR schedule per tick, stage-local clipping
-        {
-            "stages": 2,
-            "n": 64,
-            "gas": 3,
-            "calls": 3,
-            "accumulate": 2,
-            "warmup": 5,
-            "lr": 0.1,
-            "clip": 0.5,
-            "drain": True,
-            "grad_shrink": 0.8,
-        },  # fmt: skip
+        dict(stages=2, n=64, gas=3, calls=3, accumulate=2, warmup=5, lr=0.1, clip=0.5, drain=True, grad_shrink=0.8),
         # the DeepSpeed-built optimizer and data through deepspeed.initialize(training_data=...)
         {"stages": 2, "n": 64, "gas": 2, "calls": 3, "ds_optimizer": True, "training_data": True, "weights": "stashed"},
         # ZeRO stage 1 wrapping the optimizer
@@ -169,19 +147,9 @@ def test_three_stages_all_modes_tick_by_tick(tmp_path) -> None:
 
 
 def test_data_parallel_2_x_pipeline_2(tmp_path) -> None:
+    base = {"stages": 2, "dp": 2, "n": 32, "gas": 3, "calls": 3, "drain": True, "grad_shrink": 0.5}
     cases = [
-        {
-            "stages": 2,
-            "dp": 2,
-            "n": 32,
-            "gas": 3,
-            "calls": 3,
-            "drain": True,
-            "grad_shrink": 0.5,
-            "weights": w,
-            "activations": a,
-            "optimizer": opt,
-        }  # fmt: skip
+        {**base, "weights": w, "activations": a, "optimizer": opt}
         for w, a, opt in (("current", "stored", "sgd"), ("stashed", "recomputed", "adam"))
     ]
     results = run_ranks(engine_workers.train, 4, tmp_path, cases, deadline_s=300)
@@ -264,18 +232,9 @@ def test_tied_layers_across_stages_are_refused_on_every_rank(tmp_path) -> None:
 def test_bf16_and_zero1_follow_the_fp32_reference_closely(tmp_path) -> None:
     """bf16 (DeepSpeed's BF16_Optimizer, fp32 master weights) and bf16 + ZeRO-1: the same FDG math,
     rounded: weights stay within bf16 precision of the fp32 reference."""
+    base = {"stages": 2, "n": 64, "gas": 3, "calls": 3, "grad_shrink": 0.5, "bf16": True}
     cases = [
-        {
-            "stages": 2,
-            "n": 64,
-            "gas": 3,
-            "calls": 3,
-            "grad_shrink": 0.5,
-            "bf16": True,
-            "weights": w,
-            "activations": a,
-            **extra,
-        }  # fmt: skip
+        {**base, "weights": w, "activations": a, **extra}
         for (w, a), extra in ((("current", "stored"), {}), (("stashed", "recomputed"), {"zero": 1}))
     ]
     results = run_ranks(engine_workers.train, 2, tmp_path, cases, deadline_s=300)

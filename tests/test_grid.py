@@ -1,0 +1,111 @@
+"""The whole pipeline's plan: how a segment ends when the data runs out, as golden grids, and the grid's checks."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from fdg_schedule import grid, ticks
+from fdg_schedule.schedule import AdvanceTick, Exchange, FDGTrainSchedule
+
+# Legend: L load, A / G wait for activation / gradient, F forward, B backward, R all-reduce, S step,
+# X[...] exchange (sa/sg send activation/gradient, ra/rg receive, se send the end of the data instead
+# of an activation), T / T+ end of tick (+: a micro-batch entered). Note [end of data].
+
+
+def test_golden_data_end_k2() -> None:
+    # Micro-batch 3 is missing: stage 0 finds out at tick 3 and sends the end in its place; stage 1
+    # learns it at tick 4 from that dummy, which is also the segment's last tick (stage 0's B2).
+    assert grid.plan(2, 6, data_end=3).render().splitlines() == [
+        "tick  stage 0                        stage 1",
+        "0     L0 F0 X[sa] T+                 L0 X[ra] T+",
+        "1     L1 F1 X[sa,rg] T+              A0 L1 F0 B0 R S X[sg,ra] T+",
+        "2     G0 B0 R S L2 F2 X[sa,rg] T+    A1 L2 F1 B1 R S X[sg,ra] T+",
+        "3     G1 B1 R S L3 X[rg,se] T        A2 L3 F2 B2 R S X[sg,ra] T+",
+        "4     G2 B2 R S X[] T                A3 X[] T",
+    ]
+
+
+def test_golden_data_end_k3_learned_in_an_earlier_call() -> None:
+    # The call starts at tick 3: stage 0 learned the end (at tick 2) in the previous call, stage 1
+    # learns it now and passes it on, stage 2 one tick later; all stop at the last tick, 5.
+    assert grid.plan(3, 4, data_end=2, start_tick=3).render().splitlines() == [
+        "tick  stage 0              stage 1                       stage 2",
+        "3     X[rg] T              G0 B0 R S A2 X[sg,rg,se] T    A1 L3 F1 B1 R S X[sg,ra] T+",
+        "4     G0 B0 R S X[rg] T    G1 B1 R S X[sg] T             A2 X[] T",
+        "5     G1 B1 R S X[] T      X[] T                         X[] T",
+    ]
+
+
+def test_golden_data_end_k1_steps_the_partial_accumulation() -> None:
+    # K = 1 learns the end one tick after its last backward; the partial accumulation is stepped after it.
+    assert grid.plan(1, 4, data_end=2, accumulate=3).render().splitlines() == [
+        "tick  stage 0",
+        "0     L0 F0 B0 X[] T+",
+        "1     L1 F1 B1 X[] T+",
+        "2     L2 X[] T",
+        "+     R S",
+    ]
+
+
+def _segment(stages: int, stage_id: int, gas: int, accumulate: int, data_end: int) -> list[list[str]]:
+    """One stage's calls of ``gas`` ticks until its segment ends, as the engine runs them."""
+    calls, tick, limit = [], 0, None
+    while limit is None or tick <= ticks.last_tick(limit, stages):
+        schedule = FDGTrainSchedule(gas, stages, stage_id, tick, accumulate, limit=limit)
+        steps = grid.run(schedule, data_end if limit is None else None)
+        tick += sum(isinstance(c, AdvanceTick) for step in steps for c in step)
+        limit = schedule.limit
+        calls.append([" ".join(map(str, step)) for step in steps])
+    return calls
+
+
+@pytest.mark.parametrize("stages,gas,accumulate", list(itertools.product([1, 2, 3, 4, 5], [1, 2, 3, 7], [1, 3])))
+def test_every_stage_ends_the_segment_in_the_same_call(stages: int, gas: int, accumulate: int) -> None:
+    for data_end in range(1 if stages > 1 else 0, 12):
+        segments = [_segment(stages, k, gas, accumulate, data_end) for k in range(stages)]
+        last = ticks.last_tick(data_end, stages)
+        expected_calls = max(last, data_end) // gas + 1  # K = 1 learns the end at tick data_end > its last
+        assert {len(calls) for calls in segments} == {expected_calls}, data_end
+        for calls in segments:
+            steps = [s for call in calls for s in call if "X[" in s]
+            assert len(steps) == max(last, data_end) + 1
+            entered = [s.endswith("T+") for s in steps]
+            assert entered[:data_end] == [True] * data_end  # counted until the stage learned the end
+            if data_end == 0:
+                continue
+            forwards = [s for s in steps if f" F{data_end - 1} " in f" {s} "]
+            assert len(forwards) == 1 and f"F{data_end}" not in " ".join(steps)
+            backwards = [s for s in steps if f"B{data_end - 1} " in f"{s} "]
+            assert len(backwards) == 1
+
+
+@pytest.mark.parametrize("stages,gas,accumulate", list(itertools.product([2, 3, 4], [1, 3], [1, 2])))
+def test_every_message_meets_its_counterpart(stages: int, gas: int, accumulate: int) -> None:
+    for data_end in (None, 1, 4, 9):
+        for start in range(0, 12, gas):
+            plan = grid.plan(stages, gas, data_end, start_tick=start, accumulate=accumulate)
+            assert plan.validate() == [], (data_end, start, plan.render())
+        drain = grid.plan(stages, ticks.drain_ticks(stages), start_tick=7, accumulate=accumulate, drain=True)
+        assert drain.validate() == []
+
+
+def test_validate_marks_the_cell_whose_send_is_not_received() -> None:
+    plan = grid.plan(2, 4)
+    exchange = next(c for c in plan.rows[1][2] if isinstance(c, Exchange))
+    exchange.send_grad = None  # stage 1 forgets to send micro-batch 1's gradient at tick 2
+    problems = plan.validate()
+    assert [(p.stage_id, p.tick) for p in problems] == [(0, 2)]
+    assert "stage 0 receives a gradient stage 1 does not send" in problems[0].message
+    marked = plan.render(mark=(0, 2)).splitlines()
+    assert marked[3].startswith("2   > G0 B0 R S L2 F2 X[sa,rg] T+ <")
+
+
+def test_around_prints_the_neighbourhood_of_a_tick() -> None:
+    schedule = FDGTrainSchedule(6, 3, 1, start_tick=3)
+    text = grid.around(schedule, tick=5)
+    lines = text.splitlines()
+    assert lines[0] == "the plan of every stage near tick 5 (this stage's cell marked):"
+    assert [line.split()[0] for line in lines[2:]] == ["3", "4", "5", "6", "7"]
+    assert "> G2 B2 R S A4 F4 X[sa,sg,ra,rg] T+ <" in lines[4]  # stage 1 at tick 5

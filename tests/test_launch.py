@@ -1,0 +1,62 @@
+"""fdg_schedule.launch: K local gloo ranks from Python, results in rank order, failures that reach the caller."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+
+import pytest
+
+from fdg_schedule.launch import RankFailed, free_port, run
+
+pytestmark = pytest.mark.distributed
+
+
+def sum_of_ranks(rank: int, world_size: int, scale: float) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total)
+    return {
+        "rank": rank,
+        "total": total * scale,
+        "world": dist.get_world_size(),
+        "fdg_schedule_imported": any(name.startswith("fdg_schedule") for name in sys.modules),
+    }
+
+
+def fails_on_rank_1(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise ValueError("boom on rank 1")
+    time.sleep(60)  # rank 0 would wait for ever: the launcher stops it
+
+
+def hangs(rank: int, world_size: int) -> None:
+    time.sleep(60)
+
+
+def test_results_come_back_in_rank_order_without_importing_the_package(tmp_path) -> None:
+    results = run(sum_of_ranks, 3, 2.0, deadline_s=120, workdir=tmp_path)
+    assert [r["rank"] for r in results] == [0, 1, 2]
+    assert all(r["world"] == 3 and r["total"].item() == 6.0 for r in results)
+    # Note [a rank does not import the package]: a worker that does not import it gets stock DeepSpeed.
+    assert not any(r["fdg_schedule_imported"] for r in results)
+
+
+def test_a_rank_that_raises_fails_the_run_with_its_traceback(tmp_path) -> None:
+    start = time.monotonic()
+    with pytest.raises(RankFailed, match=r"rank 1 raised:(.|\n)*ValueError: boom on rank 1"):
+        run(fails_on_rank_1, 2, deadline_s=120, workdir=tmp_path)
+    assert time.monotonic() - start < 60  # rank 0 was not waited for
+
+
+def test_a_rank_that_misses_the_deadline_is_named(tmp_path) -> None:
+    with pytest.raises(RankFailed, match=r"ranks \[0\] did not finish within 20 s"):
+        run(hangs, 1, deadline_s=20, workdir=tmp_path)
+
+
+def test_free_port_can_be_bound() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", free_port()))

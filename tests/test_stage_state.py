@@ -1,0 +1,102 @@
+"""StageState on its own: what it captures restores, in a new stage, to the same delayed backward passes bit for bit."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+
+from fdg_schedule.comm import NeighbourExchange, meta_of
+from fdg_schedule.config import FDGConfig
+from fdg_schedule.delayed import DelayedBackward
+from fdg_schedule.stage_state import StageState
+
+
+def _stage() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 5), nn.Dropout(0.3), nn.Tanh(), nn.Linear(5, 3))
+
+
+def _state(module: nn.Module, config: FDGConfig) -> tuple[StageState, DelayedBackward]:
+    exchange = NeighbourExchange(None, None, torch.device("cpu"), False, stage_id=0, timeout_s=5)
+    buffers: dict[str, list] = {"inputs": [None] * 3, "outputs": [None] * 3, "labels": [None] * 3}
+    return StageState(2, exchange, buffers), DelayedBackward(module, config, delayed=True)
+
+
+def _backward(state: StageState, delayed: DelayedBackward, module: nn.Module, buffer_id: int) -> list[torch.Tensor]:
+    inputs = state.buffers["inputs"][buffer_id]
+    held = state.held.pop(buffer_id)
+    g = torch.full((2, 3), 0.5)
+    with delayed.backward(held, state.buffers["outputs"][buffer_id], lambda: module(inputs)) as out:
+        torch.autograd.backward(out, g)
+    grads = [p.grad.clone() for p in module.parameters()] + [inputs.grad.clone()]
+    module.zero_grad()
+    return grads
+
+
+@pytest.mark.parametrize(
+    "weights,activations", [(w, a) for w in ("current", "stashed") for a in ("stored", "recomputed")]
+)
+def test_capture_and_restore_round_trip(one_rank_group: None, weights: str, activations: str) -> None:
+    config = FDGConfig(weights=weights, activations=activations)
+    module = _stage()
+    state, delayed = _state(module, config)
+    for buffer_id in (0, 1):  # two micro-batches in flight
+        inputs = torch.randn(2, 4, requires_grad=True)
+        outputs, held = delayed.forward(lambda inputs=inputs: module(inputs))
+        state.buffers["inputs"][buffer_id], state.buffers["outputs"][buffer_id] = inputs, outputs
+        state.held[buffer_id], state.sent_meta[buffer_id] = held, meta_of([outputs])
+    state.segment_tick, state.micro_batches_read = 2, 2
+    state.labels_in_flight.append(torch.tensor([1, 2]))
+    file = io.BytesIO()
+    torch.save(state.capture(), file)  # as a checkpoint writes it
+    rng = torch.get_rng_state()
+    torch.rand(3)  # the process goes on after the save
+
+    other = copy.deepcopy(module)  # a new process: the same weights, loaded by DeepSpeed
+    restored, other_delayed = _state(other, config)
+    file.seek(0)
+    rebuild = lambda held, inputs: other_delayed.rebuild(held, lambda: other(inputs))  # noqa: E731
+    restored.restore(torch.load(file, weights_only=False), rebuild, needs_grad=True)
+
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert (restored.segment_tick, restored.micro_batches_read) == (2, 2)
+    assert [t.tolist() for t in restored.labels_in_flight] == [[1, 2]]
+    assert restored.sent_meta == state.sent_meta
+    assert restored.in_flight() == state.in_flight() == 2
+    assert restored.held_bytes() == state.held_bytes() > 0
+    for m in (module, other):  # an optimizer step on both, between the save and the delayed backward
+        with torch.no_grad():
+            for p in m.parameters():
+                p.mul_(0.9)
+    for buffer_id in (0, 1):
+        for a, b in zip(
+            _backward(state, delayed, module, buffer_id), _backward(restored, other_delayed, other, buffer_id)
+        ):
+            assert torch.equal(a, b)
+
+
+def test_the_segment_ends_after_its_last_tick(one_rank_group: None) -> None:
+    state, _ = _state(_stage(), FDGConfig())
+    state.segment_tick = 5
+    assert not state.segment_over()  # the data has not ended
+    state.segment_limit = 4  # K = 2: stage 0 back-propagates micro-batch 3 at tick 5
+    assert state.ticks_left() == 1 and not state.segment_over()
+    state.segment_tick = 6
+    state.labels_in_flight.append(torch.tensor([0]))
+    assert state.segment_over()
+    assert (state.segment_tick, state.segment_limit, len(state.labels_in_flight)) == (0, None, 0)
+
+
+def test_reset_forgets_the_work_in_flight(one_rank_group: None) -> None:
+    state, delayed = _state(_stage(), FDGConfig(weights="stashed"))
+    module = delayed.module
+    inputs = torch.randn(2, 4)
+    state.buffers["outputs"][1], state.held[1] = delayed.forward(lambda: module(inputs))
+    state.buffers["inputs"][1], state.segment_tick = inputs, 3
+    state.reset()
+    assert state.in_flight() == 0 and state.segment_tick == 0
+    assert all(b is None for buffers in state.buffers.values() for b in buffers)
