@@ -124,8 +124,8 @@ def _collect(procs: list[Any], results: Any, deadline_s: float, expect_exit: dic
             if time.monotonic() > end:
                 missing = sorted(set(range(world_size)) - set(done))
                 raise RankFailed(f"ranks {missing} did not finish within {deadline_s:.0f} s") from None
-            unexpected = done.keys() | expect_exit.keys()
-            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in unexpected]
+            accounted = done.keys() | expect_exit.keys()
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in accounted]
             # A rank may abort in interpreter teardown just after its result was queued: read once
             # more before calling it dead.
             if dead and time.monotonic() - dead_since.setdefault(dead[0], time.monotonic()) > 3:

@@ -43,3 +43,17 @@ def test_tuple_activations_gradients_and_loss_arrive_intact(tmp_path) -> None:
     assert torch.equal(tensors[0], torch.arange(6.0).reshape(2, 3))
     assert tensors[1].tolist() == [True, False] and tensors[2].tolist() == [7, 8]
     assert torch.equal(stage0["grads"][0], torch.full((2, 3), 3.0)) and stage0["loss"].item() == 1.5
+
+
+def test_a_wait_with_no_receive_posted_prints_every_stages_plan(one_rank_group: None) -> None:
+    from fdg_schedule import grid
+    from fdg_schedule.comm import NeighbourExchange
+    from fdg_schedule.errors import FDGRuntimeError
+    from fdg_schedule.schedule import FDGTrainSchedule
+
+    schedule = FDGTrainSchedule(4, 2, 1)  # stage 1 of K = 2, at tick 1
+    comm = NeighbourExchange(None, None, torch.device("cpu"), False, stage_id=1, timeout_s=5,
+                             plan=lambda: grid.around(schedule, 1))  # fmt: skip
+    with pytest.raises(FDGRuntimeError, match="no activation receive was posted") as failed:
+        comm.wait_activation()
+    assert "> A0 L1 F0 B0 R S X[sg,ra] T+ <" in str(failed.value)  # stage 1's cell at tick 1, marked

@@ -3,38 +3,14 @@
 from __future__ import annotations
 
 import socket
-import sys
 import time
 
 import pytest
+from launch_workers import fails_on_rank_1, hangs, sum_of_ranks
 
 from fdg_schedule.launch import RankFailed, free_port, run
 
 pytestmark = pytest.mark.distributed
-
-
-def sum_of_ranks(rank: int, world_size: int, scale: float) -> dict:
-    import torch
-    import torch.distributed as dist
-
-    total = torch.tensor([float(rank)])
-    dist.all_reduce(total)
-    return {
-        "rank": rank,
-        "total": total * scale,
-        "world": dist.get_world_size(),
-        "fdg_schedule_imported": any(name.startswith("fdg_schedule") for name in sys.modules),
-    }
-
-
-def fails_on_rank_1(rank: int, world_size: int) -> None:
-    if rank == 1:
-        raise ValueError("boom on rank 1")
-    time.sleep(60)  # rank 0 would wait for ever: the launcher stops it
-
-
-def hangs(rank: int, world_size: int) -> None:
-    time.sleep(60)
 
 
 def test_results_come_back_in_rank_order_without_importing_the_package(tmp_path) -> None:
