@@ -14,39 +14,41 @@ from fdg_schedule.schedule import AdvanceTick, Exchange, FDGTrainSchedule
 # of an activation), T / T+ end of tick (+: a micro-batch entered). Note [end of data].
 
 
-def test_golden_data_end_k2() -> None:
+# (stages, ticks in the call, data_end, options) -> the grid
+GOLDEN_DATA_END = {
     # Micro-batch 3 is missing: stage 0 finds out at tick 3 and sends the end in its place; stage 1
     # learns it at tick 4 from that dummy, which is also the segment's last tick (stage 0's B2).
-    assert grid.plan(2, 6, data_end=3).render().splitlines() == [
+    "k2": ((2, 6, 3, {}), [
         "tick  stage 0                        stage 1",
         "0     L0 F0 X[sa] T+                 L0 X[ra] T+",
         "1     L1 F1 X[sa,rg] T+              A0 L1 F0 B0 R S X[sg,ra] T+",
         "2     G0 B0 R S L2 F2 X[sa,rg] T+    A1 L2 F1 B1 R S X[sg,ra] T+",
         "3     G1 B1 R S L3 X[rg,se] T        A2 L3 F2 B2 R S X[sg,ra] T+",
         "4     G2 B2 R S X[] T                A3 X[] T",
-    ]
-
-
-def test_golden_data_end_k3_learned_in_an_earlier_call() -> None:
+    ]),
     # The call starts at tick 3: stage 0 learned the end (at tick 2) in the previous call, stage 1
     # learns it now and passes it on, stage 2 one tick later; all stop at the last tick, 5.
-    assert grid.plan(3, 4, data_end=2, start_tick=3).render().splitlines() == [
+    "k3-learned-in-an-earlier-call": ((3, 4, 2, {"start_tick": 3}), [
         "tick  stage 0              stage 1                       stage 2",
         "3     X[rg] T              G0 B0 R S A2 X[sg,rg,se] T    A1 L3 F1 B1 R S X[sg,ra] T+",
         "4     G0 B0 R S X[rg] T    G1 B1 R S X[sg] T             A2 X[] T",
         "5     G1 B1 R S X[] T      X[] T                         X[] T",
-    ]
-
-
-def test_golden_data_end_k1_steps_the_partial_accumulation() -> None:
+    ]),
     # K = 1 learns the end one tick after its last backward; the partial accumulation is stepped after it.
-    assert grid.plan(1, 4, data_end=2, accumulate=3).render().splitlines() == [
+    "k1-partial-step": ((1, 4, 2, {"accumulate": 3}), [
         "tick  stage 0",
         "0     L0 F0 B0 X[] T+",
         "1     L1 F1 B1 X[] T+",
         "2     L2 X[] T",
         "+     R S",
-    ]
+    ]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", GOLDEN_DATA_END)
+def test_golden_data_end(name: str) -> None:
+    (stages, micro_batches, data_end, options), expected = GOLDEN_DATA_END[name]
+    assert grid.plan(stages, micro_batches, data_end, **options).render().splitlines() == expected
 
 
 def _segment(stages: int, stage_id: int, gas: int, accumulate: int, data_end: int) -> list[list[str]]:
