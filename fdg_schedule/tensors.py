@@ -58,8 +58,3 @@ def leaves(x: Any, requires_grad: bool) -> Any:
     if torch.is_tensor(x):
         return x.detach().requires_grad_(requires_grad and x.is_floating_point())
     return tuple(leaves(t, requires_grad) for t in x)
-
-
-def wrong_dtypes(inputs: Any, expected: torch.dtype) -> list[torch.dtype]:
-    """The dtypes of the floating tensors of ``inputs`` that are not ``expected``."""
-    return [t.dtype for t in floating(inputs) if t.dtype != expected]
