@@ -62,7 +62,7 @@ class FDGPipelineEngine(PipelineEngine):
             timeout_s=fdg_config.timeout, plan=self._plan,
         )  # fmt: skip
         self._delayed = DelayedBackward(self.module, fdg_config, delayed=not self.is_last_stage())
-        self.state = StageState(self.num_stages, self._exchange, self.pipe_buffers)
+        self.fdg_state = StageState(self.num_stages, self._exchange, self.pipe_buffers)
         self._running: FDGTrainSchedule | None = None  # the call in progress: told when the data ends
         # Counters, and seconds spent per kind of instruction ("<kind>_s", see schedule.Kind).
         self.fdg_stats: dict[str, float] = {"ticks": 0, "steps": 0, "skipped": 0, **{f"{k.value}_s": 0.0 for k in Kind}}
@@ -96,7 +96,7 @@ class FDGPipelineEngine(PipelineEngine):
         Use it at the end of training and before a schedule-independent checkpoint. On an empty
         pipeline (nothing entered since the last drain) it does nothing and returns NaN.
         """
-        state = self.state
+        state = self.fdg_state
         if state.segment_tick == 0:  # every stage agrees: nothing is in flight
             return torch.tensor(math.nan, device=self.device)
         if state.segment_limit is not None:  # the data already ended: finish that segment
@@ -107,16 +107,16 @@ class FDGPipelineEngine(PipelineEngine):
 
     def in_flight(self) -> int:
         """Micro-batches this stage has forwarded but not yet back-propagated."""
-        return self.state.in_flight()
+        return self.fdg_state.in_flight()
 
     def held_bytes(self) -> int:
         """Bytes held on this stage for delayed backward passes (activations, inputs, weight snapshots)."""
-        return self.state.held_bytes()
+        return self.fdg_state.held_bytes()
 
     @property
     def micro_batches_read(self) -> int:
         """Micro-batches this rank has read from its data iterator (where to restart the data after a resume)."""
-        return self.state.micro_batches_read
+        return self.fdg_state.micro_batches_read
 
     def eval_batch(self, *args: Any, **kwargs: Any) -> Any:
         """DeepSpeed's ``eval_batch``, run on its own buffers so in-flight FDG work is untouched."""
@@ -148,7 +148,7 @@ class FDGPipelineEngine(PipelineEngine):
             self.drain()
         tag = str(tag if tag is not None else f"global_step{self.global_steps}")
         path = checkpoint.state_path(save_dir, tag, self.stage_id, self.grid.data_parallel_id)
-        checkpoint.save(path, self._identity(), self.state.capture())
+        checkpoint.save(path, self._identity(), self.fdg_state.capture())
         frozen = exclude_frozen_parameters
         saved = super().save_checkpoint(save_dir, tag, client_state or {}, False, exclude_frozen_parameters=frozen)
         if save_latest:  # only once every rank has written every file
@@ -195,7 +195,7 @@ class FDGPipelineEngine(PipelineEngine):
         """This rank's in-flight state from the checkpoint, or an empty pipeline when it cannot continue."""
         dp_id, log = self.grid.data_parallel_id, self.global_rank == 0
         saved = checkpoint.load(load_dir, tag, self.stage_id, dp_id, self._identity(), log=log)
-        self.state.reset()
+        self.fdg_state.reset()
         if saved is None:
             return
         self._reserve_pipe_buffers(ticks.num_buffers(self.num_stages, self.stage_id))
@@ -206,19 +206,19 @@ class FDGPipelineEngine(PipelineEngine):
                 self._next_batch()
         needs_grad = not self.is_first_stage() or self._reentrant_activation_checkpointing()
         rebuild = lambda held, inputs: self._delayed.rebuild(held, functools.partial(self._stage_forward, inputs))
-        self.state.restore(saved, rebuild, needs_grad)
+        self.fdg_state.restore(saved, rebuild, needs_grad)
 
     # -- running ticks ----------------------------------------------------------------------------
 
     def _schedule(self, micro_batches: int, drain: bool = False) -> FDGTrainSchedule:
         """The next ``micro_batches`` ticks of this stage's segment (fewer if the segment ends first)."""
-        state, accumulate = self.state, self.fdg_config.accumulate
+        state, accumulate = self.fdg_state, self.fdg_config.accumulate
         return FDGTrainSchedule(micro_batches, self.num_stages, self.stage_id, state.segment_tick, accumulate, drain,
                                 limit=state.segment_limit)  # fmt: skip
 
     def _run(self, plan: FDGTrainSchedule) -> Tensor:
         self.module.train()
-        self.state.call_losses = []
+        self.fdg_state.call_losses = []
         steps_before, start = self.global_steps, time.perf_counter()
         self._running = plan
         try:
@@ -228,7 +228,7 @@ class FDGPipelineEngine(PipelineEngine):
         wait_start = time.perf_counter()
         self._exchange.complete()
         self.fdg_stats["wait_s"] += time.perf_counter() - wait_start
-        data_ended = self.state.segment_over()
+        data_ended = self.fdg_state.segment_over()
         self.agg_train_loss = self._mean_call_loss()
         elapsed = time.perf_counter() - start
         report_call(self, steps_before, elapsed)
@@ -253,17 +253,17 @@ class FDGPipelineEngine(PipelineEngine):
         """Note [end of data]: this stage just learned that its segment has ``limit`` micro-batches."""
         assert self._running is not None
         self._running.end_data(limit)
-        self.state.segment_limit = limit
+        self.fdg_state.segment_limit = limit
         # Ticks since micro-batch `limit` would have entered counted one as entering on this stage.
-        late = self.state.segment_tick - limit
+        late = self.fdg_state.segment_tick - limit
         self.global_samples -= late * self.train_micro_batch_size_per_gpu() * self.dp_world_size
 
     def _plan(self) -> str:
         """Every stage's plan around this tick, for errors that mean the stages disagree on it."""
-        return "" if self._running is None else grid.around(self._running, self.state.segment_tick)
+        return "" if self._running is None else grid.around(self._running, self.fdg_state.segment_tick)
 
     def _mean_call_loss(self) -> Tensor:
-        losses = self.state.call_losses
+        losses = self.fdg_state.call_losses
         loss = torch.stack(losses).mean() if losses else torch.tensor(math.nan, device=self.device)
         if self.is_data_parallel:  # stage-local: the data-parallel peers of this stage only
             dist.all_reduce(loss, group=self.grid.get_data_parallel_group())
@@ -279,12 +279,12 @@ class FDGPipelineEngine(PipelineEngine):
                 inputs = self.pipe_buffers["inputs"][buffer_id]
                 guards.check_inputs(inputs, micro_batch, self.bfloat16_enabled(), self._where())
             else:  # Note [labels read when the inputs are]
-                self.state.labels_in_flight.append(to_device(self._next_batch()[1], self.device))
+                self.fdg_state.labels_in_flight.append(to_device(self._next_batch()[1], self.device))
         except StopIteration:
             if self.is_first_stage():
                 self._data_ended(micro_batch)
             return  # the last stage learns the end from upstream, with the micro-batch that is missing
-        self.state.micro_batches_read += 1
+        self.fdg_state.micro_batches_read += 1
 
     def _exec_wait_activation(self, buffer_id: int, micro_batch: int) -> None:
         received, end = self._exchange.wait_activation()
@@ -296,23 +296,23 @@ class FDGPipelineEngine(PipelineEngine):
         self.pipe_buffers["inputs"][buffer_id] = received[0] if len(received) == 1 else received
 
     def _exec_wait_grad(self, buffer_id: int, micro_batch: int) -> None:
-        self.state.received[buffer_id] = self._exchange.wait_grad()
+        self.fdg_state.received[buffer_id] = self._exchange.wait_grad()
 
     def _exec_fdg_forward(self, buffer_id: int, micro_batch: int) -> None:
         inputs = self.pipe_buffers["inputs"][buffer_id]
         outputs, held = self._delayed.forward(lambda: self._stage_forward(inputs))
         self.pipe_buffers["outputs"][buffer_id] = outputs
         if held is not None:
-            self.state.held[buffer_id] = held
+            self.fdg_state.held[buffer_id] = held
         if not self.is_last_stage():
-            self.state.sent_meta[buffer_id] = meta_of(floating(outputs))
+            self.fdg_state.sent_meta[buffer_id] = meta_of(floating(outputs))
             return
         labels = self._labels(buffer_id, micro_batch)
         if self.module.loss_fn is None:  # the model returns its loss
-            self.state.losses[buffer_id] = outputs
+            self.fdg_state.losses[buffer_id] = outputs
             return
         try:
-            self.state.losses[buffer_id] = self.module.loss_fn(outputs, labels)
+            self.fdg_state.losses[buffer_id] = self.module.loss_fn(outputs, labels)
         except (RuntimeError, TypeError, ValueError) as err:
             raise FDGRuntimeError(
                 f"{self._where()}: loss_fn failed on micro-batch {micro_batch} "
@@ -322,32 +322,32 @@ class FDGPipelineEngine(PipelineEngine):
     def _labels(self, buffer_id: int, micro_batch: int) -> Any:
         if self.is_first_stage():
             return self.pipe_buffers["labels"][buffer_id]
-        if not self.state.labels_in_flight:
+        if not self.fdg_state.labels_in_flight:
             raise FDGRuntimeError(
                 f"{self._where()}: the labels ran out before the inputs, "
                 f"at micro-batch {micro_batch} of the segment; first and last stage must read data of equal length"
             )
-        return self.state.labels_in_flight.popleft()
+        return self.fdg_state.labels_in_flight.popleft()
 
     def _exec_fdg_backward(self, buffer_id: int, micro_batch: int) -> None:
         if self.is_last_stage():
-            loss = self.state.losses.pop(buffer_id)
+            loss = self.fdg_state.losses.pop(buffer_id)
             if not guards.finite(loss.detach()):
                 self._non_finite("loss", micro_batch)
             # One micro-batch per tick: no division by gradient_accumulation_steps.
             DeepSpeedEngine.backward(self, loss / self.fdg_config.accumulate, scale_wrt_gas=False)
             carried = loss.detach().float()
         else:
-            grads, carried = self.state.received.pop(buffer_id)
+            grads, carried = self.fdg_state.received.pop(buffer_id)
             if self.fdg_config.grad_shrink != 1.0:
                 grads = tuple(g.mul_(self.fdg_config.grad_shrink) for g in grads)
-            inputs, held = self.pipe_buffers["inputs"][buffer_id], self.state.held.pop(buffer_id)
+            inputs, held = self.pipe_buffers["inputs"][buffer_id], self.fdg_state.held.pop(buffer_id)
             stored = self.pipe_buffers["outputs"][buffer_id]
             with self._delayed.backward(held, stored, lambda: self._stage_forward(inputs)) as outputs:
                 self._autograd_backward(floating(outputs), grads)
-        self.state.call_losses.append(carried)
+        self.fdg_state.call_losses.append(carried)
         if not self.is_first_stage():
-            self.state.to_send[buffer_id] = (input_grads(self.pipe_buffers["inputs"][buffer_id]), carried)
+            self.fdg_state.to_send[buffer_id] = (input_grads(self.pipe_buffers["inputs"][buffer_id]), carried)
         for key in ("inputs", "outputs", "labels"):
             self.pipe_buffers[key][buffer_id] = None
 
@@ -378,18 +378,18 @@ class FDGPipelineEngine(PipelineEngine):
             activation = as_tuple(self.pipe_buffers["outputs"][send_activation])
             if self._delayed.recompute:  # only the input waits for the backward
                 self.pipe_buffers["outputs"][send_activation] = None
-        grads, loss = self.state.to_send.pop(send_grad) if send_grad is not None else (None, None)
+        grads, loss = self.fdg_state.to_send.pop(send_grad) if send_grad is not None else (None, None)
         self._exchange.post(
             activation=activation,
             grads=grads,
             loss=loss,
             recv_activation=recv_activation is not None,
-            recv_grad_meta=None if recv_grad is None else self.state.sent_meta[recv_grad],
+            recv_grad_meta=None if recv_grad is None else self.fdg_state.sent_meta[recv_grad],
             end=NO_END if send_end is None else send_end,
         )
 
     def _exec_advance_tick(self, entered: bool) -> None:
-        self.state.segment_tick += 1
+        self.fdg_state.segment_tick += 1
         self.global_steps += 1
         if entered:
             self.global_samples += self.train_micro_batch_size_per_gpu() * self.dp_world_size

@@ -176,8 +176,8 @@ class StageTracker:
             # ZeRO keeps reduced gradients in its own partitions; its step computed the norm.
             norm = getattr(engine.optimizer, "_global_grad_norm", None)
             self._grad_norm = None if norm is None else torch.as_tensor(norm, dtype=torch.float32)
-        elif isinstance(cmd, FDGBackward) and engine.state.call_losses:
-            self._last_loss = (self.numbers(cmd.micro_batch), engine.state.call_losses[-1])
+        elif isinstance(cmd, FDGBackward) and engine.fdg_state.call_losses:
+            self._last_loss = (self.numbers(cmd.micro_batch), engine.fdg_state.call_losses[-1])
 
     def on_call_end(self, engine: StageView, seconds: float) -> None:
         self.numbers.end_call()

@@ -27,7 +27,7 @@ class StageView(Protocol):
     fdg_config: FDGConfig
     fdg_stats: dict[str, float]  # counters and "<kind>_s" seconds, see schedule.Kind
     agg_train_loss: Tensor  # what the last train_batch() / drain() returned
-    state: StageState  # read only
+    fdg_state: StageState  # read only
     module: Any
     optimizer: Any
     grid: Any  # DeepSpeed's PipelineParallelGrid: data_parallel_id
