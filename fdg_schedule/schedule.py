@@ -17,11 +17,12 @@ it had posted for micro-batch ``limit``, and passes it on in that tick's exchang
 instructions are produced one at a time and re-read the limit after every instruction, so the rest
 of the tick (no forward, the exchange with ``send_end``, ``AdvanceTick(entered=False)``) and the
 ticks after it (through the segment's last tick, at which stage 0 back-propagates micro-batch
-``limit - 1``) are those of a segment of ``limit`` micro-batches. What ran before the end was
-learned does not depend on the limit: the backward before a load or wait in the same tick is of a
-micro-batch at least ``2(K-1-k) >= 1`` older than the missing one, so its optimizer step is decided
-alike; the last stage's own label reads past the end are no loss (Note [labels read when the inputs
-are]); only the samples counted at ticks ``limit .. limit + k - 1`` are taken back by the engine.
+``limit - 1``; K = 1 learns the end one tick after it) are those of a segment of ``limit``
+micro-batches. What ran before the end was learned does not depend on the limit: on a non-last
+stage the backward before the load or wait in the same tick is of micro-batch ``limit - 2(K-1-k)``,
+never the segment's last (``limit - 1``), so whether the stage steps after it is decided alike; the
+last stage's label reads past the end are dropped (Note [labels read when the inputs are]); only
+the samples counted at ticks ``limit .. limit + k - 1`` are taken back by the engine.
 """
 
 from __future__ import annotations
