@@ -43,6 +43,10 @@ from pathlib import Path
 from typing import Any
 
 _RANK = "__fdg_schedule_rank__"  # the run name under which a rank executes this file
+# Not used for the rendezvous (a file), but DeepSpeed's CPU backend names a shared-memory buffer per
+# rank after MASTER_ADDR and MASTER_PORT (/dev/shm/deepspeed_allreduce_buffer_*, ~70 MB) and never
+# removes it: a fixed port reuses one set of buffers instead of leaving a new set behind every run.
+_MASTER_PORT = "29500"
 
 
 class RankFailed(RuntimeError):
@@ -76,7 +80,7 @@ def run(
         launch = {
             "worker": worker, "world_size": world_size, "args": args, "results": results, "threads": threads,
             "init_file": os.path.join(tmp, "rendezvous"), "init_timeout_s": init_timeout_s,
-            "dump_after_s": max(1.0, deadline_s - 5), "port": free_port(),
+            "dump_after_s": max(1.0, deadline_s - 5),
         }  # fmt: skip
         procs = [
             ctx.Process(
@@ -149,14 +153,13 @@ def _rank_main(
     init_file: str,
     init_timeout_s: float,
     dump_after_s: float,
-    port: int,
 ) -> None:
     # A rank still running just before the deadline prints where it is stuck.
     faulthandler.dump_traceback_later(dump_after_s, exit=False)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.update(
         OMP_NUM_THREADS=str(threads), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-        LOCAL_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        LOCAL_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=_MASTER_PORT,
     )  # fmt: skip
     try:
         import deepspeed
