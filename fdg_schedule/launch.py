@@ -22,7 +22,7 @@ rank's traceback; a rank still running shortly before the deadline prints where 
 
 Note [a rank does not import the package]: a rank runs this file as a plain script (``runpy``)
 rather than importing ``fdg_schedule.launch``, so a function that never imports ``fdg_schedule``
-trains with stock DeepSpeed, untouched (importing the package installs the engine selection). This
+trains with stock DeepSpeed, untouched (importing the package guards ``deepspeed.initialize``). This
 file therefore imports nothing from ``fdg_schedule``.
 """
 
