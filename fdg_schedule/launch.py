@@ -22,8 +22,9 @@ rank's traceback; a rank still running shortly before the deadline prints where 
 
 Note [a rank does not import the package]: a rank runs this file as a plain script (``runpy``)
 rather than importing ``fdg_schedule.launch``, so a function that never imports ``fdg_schedule``
-trains with stock DeepSpeed, untouched (importing the package guards ``deepspeed.initialize``). This
-file therefore imports nothing from ``fdg_schedule``.
+trains with stock DeepSpeed, untouched. (With the package installed, importing DeepSpeed loads the
+start-up hook's guard, ``fdg_schedule.install``, which changes nothing unless a config asks for FDG;
+the engine is never loaded.) This file therefore imports nothing from ``fdg_schedule``.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ def sum_of_ranks(rank: int, world_size: int, scale: float) -> dict:
         "rank": rank,
         "total": total * scale,
         "world": dist.get_world_size(),
-        "fdg_schedule_imported": any(name.startswith("fdg_schedule") for name in sys.modules),
+        "fdg_schedule_modules": sorted(name for name in sys.modules if name.startswith("fdg_schedule")),
     }
 
 
