@@ -205,8 +205,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     command = "python " + " ".join([os.path.relpath(__file__, ROOT), *(sys.argv[1:] if argv is None else argv)])
     started = time.monotonic()
-    result: dict[str, Any] = {"command": command, "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-                              "engine": throughput.engine_version(), "load_start": os.getloadavg()}  # fmt: skip
+    date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    result: dict[str, Any] = {"command": command, "date": date, "engine": throughput.engine_version(),
+                              "load_start": os.getloadavg()}  # fmt: skip
     # 1. links
     sizes = [4096, 65536, 1 << 20, 4 << 20]
     one_way = throughput.run_ranks(ping_pong_worker, 2, (sizes, 20), 600)[0]

@@ -179,7 +179,7 @@ def resnet_layers(name: str) -> list[Any]:
     if name not in builders:
         raise ValueError(f"unknown ResNet {name!r}; known: {sorted(builders)}")
     with torch.device("meta"):
-        m = builders[name]()
+        m: Any = builders[name]()
     stem = nn.Sequential(m.conv1, m.bn1, m.relu, m.maxpool)
     head = nn.Sequential(m.avgpool, nn.Flatten(), m.fc)
     return [stem, *m.layer1, *m.layer2, *m.layer3, *m.layer4, head]

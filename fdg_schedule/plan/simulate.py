@@ -119,11 +119,13 @@ class Timeline:
         slots = round(self.makespan / slot_s)
         rows = []
         for r in range(self.ranks):
-            cells = ["." * 1] * slots
+            cells = ["."] * slots
             for e in self.events:
                 if e.rank == r and e.action.op in ops and e.end > e.start:
                     for i in range(round(e.start / slot_s), round(e.end / slot_s)):
                         cells[i] = str(e.action)
+            while cells and cells[-1] == ".":  # idle after its last action: nothing to draw
+                cells.pop()
             rows.append(" ".join(c.ljust(width) for c in cells).rstrip())
         return rows
 
@@ -186,7 +188,7 @@ class _Simulation:
                 heapq.heappush(self.heap, (now, version, r))
                 continue
             self._execute(r, now)
-        stuck = [r for r in range(self.ranks) if self.pc[r] < len(self.streams[r])]
+        stuck = [r for r in range(self.ranks) if self.pc[r] < len(self.streams[r]) or r in self.offering]
         if stuck:
             raise Deadlock(self._grid(stuck))
         static = [sum(self.chunks[c].static_bytes for c in range(r, len(self.chunks), self.ranks))
@@ -343,7 +345,8 @@ class _Simulation:
     def _grid(self, stuck: list[int]) -> str:
         lines = ["the streams deadlock; each rank's next actions (>> marks where it is stuck):"]
         for r in range(self.ranks):
-            stream, pc = self.streams[r], self.pc[r]
+            # a rank blocked in a rendezvous send is stuck at that send
+            stream, pc = self.streams[r], self.pc[r] - (r in self.offering)
             done = " ".join(str(a) for a in stream[max(0, pc - 4) : pc])
             todo = " ".join(str(a) for a in stream[pc : pc + 4])
             mark = ">>" if r in stuck else "  "
