@@ -181,10 +181,33 @@ def measure(model: str, splits: dict[str, list[int]], repeats: int, out: Path) -
         "--parts", parts, "--out", str(out / f"throughput-{model}"),
     ])  # fmt: skip
     rows = report["models"][model]["variants"]
-    return {name: {"samples_per_s": row["samples_per_s"], "split": row["split"]} for name, row in rows.items()}
+    return {name: {"samples_per_s": row["samples_per_s"], "split": row["split"],
+                   "cpu_share": row["cpu_share_per_stage"]} for name, row in rows.items()}  # fmt: skip
 
 
-def splits_for(model: str, predicted: dict[str, dict[str, Any]]) -> dict[str, list[int]]:
+def in_situ_factor(profile: ModelProfile, measured: dict[str, Any]) -> float:
+    """Measured BP time per micro-batch over the sum of the layers timed alone (the one fitted constant per model).
+
+    Layers timed one at a time run from warm caches; the same layers chained in one backprop step
+    take longer. BP is measured in the same interleaved rounds as the pipelines but is not validated.
+    """
+    from fdg_schedule.plan.predict import backprop
+
+    return profile.micro_batch / measured["bp"]["samples_per_s"]["median"] / backprop(profile)
+
+
+def copy_bandwidth(megabytes: int = 16, repeats: int = 20) -> float:
+    """Bytes/s of ``tensor.clone()`` on this CPU (what a stashed weight copy costs)."""
+    x = torch.randn(megabytes * 2**18)
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.clone()
+        samples.append(time.perf_counter() - start)
+    return 2 * x.numel() * 4 / statistics.median(samples)  # read and write
+
+
+def splits_for(predicted: dict[str, dict[str, Any]]) -> dict[str, list[int]]:
     """throughput.py's split keys ("2" stored / 1F1B, "2r" recomputed) from the planner's choices."""
     return {"2": predicted["fdg_current_stored"]["split"], "2r": predicted["fdg_current_recomputed"]["split"]}
 
@@ -217,35 +240,41 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"link: latency {latency * 1e6:.0f} us, bandwidth {bandwidth / 1e9:.2f} GB/s", flush=True)
     # 2. calibration of the framework overheads on a tiny model
     tiny = measure_layers(args.calibration_model)
+    measured_tiny = measure(args.calibration_model, splits_for(predictions(tiny, cluster, CostModel())),
+                            args.repeats, out)  # fmt: skip
+    tiny = tiny.scaled(in_situ_factor(tiny, measured_tiny))
     bare = predictions(tiny, cluster, CostModel())
-    measured_tiny = measure(args.calibration_model, splits_for(args.calibration_model, bare), args.repeats, out)
     per_mb = {n: tiny.micro_batch / measured_tiny[n]["samples_per_s"]["median"] for n in measured_tiny}
     # 1F1B: every micro-batch passes one forward and one backward handler on each stage
     overhead_s = max(0.0, (per_mb["1f1b_m4"] - tiny.micro_batch / bare["1f1b_m4"]["samples_per_s"]) / 2)
     with_dispatch = predictions(tiny, cluster, CostModel(overhead_s=overhead_s))
-    tick_s = max(
-        0.0, per_mb["fdg_current_stored"] - tiny.micro_batch / with_dispatch["fdg_current_stored"]["samples_per_s"]
-    )
-    cost_model = CostModel(overhead_s=overhead_s, tick_overhead_s=tick_s)
+    fdg_predicted = tiny.micro_batch / with_dispatch["fdg_current_stored"]["samples_per_s"]
+    tick_s = max(0.0, per_mb["fdg_current_stored"] - fdg_predicted)
+    cost_model = CostModel(overhead_s=overhead_s, tick_overhead_s=tick_s, copy_bandwidth=copy_bandwidth())
     result["calibration"] = {"model": args.calibration_model, "overhead_s": overhead_s, "tick_overhead_s": tick_s,
-                             "measured": measured_tiny, "predicted_bare": bare}  # fmt: skip
+                             "copy_bandwidth": cost_model.copy_bandwidth, "measured": measured_tiny,
+                             "time_factor": tiny.meta["time_factor"]}  # fmt: skip
     print(
         f"calibration: {overhead_s * 1e3:.2f} ms per forward/backward, FDG {tick_s * 1e3:.2f} ms per tick", flush=True
     )
-    # 3. validation
+    # 3. validation: the layer timings, scaled by the model's own BP run, predict the pipelines
     result["models"] = {}
     for model in args.models.split(","):
-        profile = measure_layers(model)
+        raw = measure_layers(model)
+        measured = measure(model, splits_for(predictions(raw, cluster, cost_model)), args.repeats, out)
+        profile = raw.scaled(in_situ_factor(raw, measured))
         predicted = predictions(profile, cluster, cost_model)
-        measured = measure(model, splits_for(model, predicted), args.repeats, out)
+        unscaled = predictions(raw, cluster, cost_model)
         rows = {}
         for name in VARIANTS:
             p, m = predicted[name]["samples_per_s"], measured[name]["samples_per_s"]["median"]
-            rows[name] = {"predicted": p, "measured": m, "measured_min": measured[name]["samples_per_s"]["min"],
+            rows[name] = {"predicted": p, "predicted_unscaled": unscaled[name]["samples_per_s"], "measured": m,
+                          "measured_min": measured[name]["samples_per_s"]["min"],
                           "measured_max": measured[name]["samples_per_s"]["max"], "error": p / m - 1,
-                          "split": predicted[name]["split"]}  # fmt: skip
-        result["models"][model] = {"rows": rows, "profile_sum_ms": 1e3 * sum(
-            layer.forward_s + layer.backward_s + layer.step_s for layer in profile.layers)}  # fmt: skip
+                          "split": predicted[name]["split"], "cpu_share": measured[name]["cpu_share"]}  # fmt: skip
+        layers_ms = 1e3 * sum(layer.forward_s + layer.backward_s + layer.step_s for layer in raw.layers)
+        result["models"][model] = {"rows": rows, "time_factor": profile.meta["time_factor"],
+                                   "profile_sum_ms": layers_ms}  # fmt: skip
         print(markdown({**result, "models": {model: result["models"][model]}}), flush=True)
     result["load_end"] = os.getloadavg()
     result["seconds"] = time.monotonic() - started
@@ -266,13 +295,16 @@ def markdown(result: dict[str, Any]) -> str:
         "",
     ]
     for model, data in result.get("models", {}).items():
-        lines += [f"**{model}** (layers timed alone: {data['profile_sum_ms']:.1f} ms per micro-batch)", "",
-                  "| variant | split | predicted samples/s | measured median [min-max] | error |",
-                  "|---|---|---|---|---|"]  # fmt: skip
+        lines += [f"**{model}**: layers timed alone {data['profile_sum_ms']:.1f} ms per micro-batch; chained in "
+                  f"backprop {data['time_factor']:.3f}x that (the in-situ factor, fitted on the bp row)", "",
+                  "| variant | split | predicted samples/s | measured median [min-max] | error | CPU share per rank |",
+                  "|---|---|---|---|---|---|"]  # fmt: skip
         for name, row in data["rows"].items():
             split = "-" if row["split"] is None else ",".join(map(str, row["split"]))
+            error = "(fitted)" if name == "bp" else f"{row['error']:+.1%}"
+            share = " / ".join(f"{x:.2f}" for x in row["cpu_share"])
             lines.append(f"| {name} | {split} | {row['predicted']:.1f} | {row['measured']:.1f} "
-                         f"[{row['measured_min']:.1f}-{row['measured_max']:.1f}] | {row['error']:+.1%} |")  # fmt: skip
+                         f"[{row['measured_min']:.1f}-{row['measured_max']:.1f}] | {error} | {share} |")  # fmt: skip
         lines.append("")
     return "\n".join(lines)
 

@@ -35,7 +35,7 @@ def test_the_module_runs_an_estimate_and_recommends(tmp_path: Path) -> None:
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert "| 4 | fdg current/stored |" in out.stdout and "| 2 | zb-h1 |" in out.stdout
-    assert "Recommendation (best throughput within 80.0 GB per device):" in out.stdout
+    assert "Recommendation (best throughput within 80.0 GB per device; within 2% of it, fewest devices):" in out.stdout
     saved = json.loads((tmp_path / "plan.json").read_text())
     assert len(saved["predictions"]) == 2 * 12  # 8 FDG variants + 4 others, at two K
     assert saved["recommendation"]["fits"] is True
@@ -84,7 +84,10 @@ def test_bad_flags_are_refused_naming_the_flag_and_the_fix(
         ([], r"give exactly one of --profile, --trace, --model \(got none\)"),
         (["--model", "resnet18", "--profile", "x.json"], r"give exactly one of .* \(got \['--profile', '--model'\]\)"),
         (["--model", "resnet18"], r"--model resnet18 needs --gpu \(one of \["),
-        (["--model", "vgg16", "--gpu", "A100"], r"--model 'vgg16' is unknown; known: resnet18.*or measure it"),
+        (
+            ["--model", "vgg16", "--gpu", "A100"],
+            r"--model 'vgg16' is unknown; known: resnet20.*resnet101.*gpt-1.3b.*or measure it",
+        ),
         (["--model", "resnet18", "--gpu", "TPU"], r"unknown GPU 'TPU' in --gpu; known: \["),
         (["--model", "resnet18", "--gpu", "A100", "--efficiency", "2"], r"--efficiency .* must be in \(0, 1\]"),
         (["--profile", "/nonexistent/profile.json"], r"no profile at /nonexistent/profile.json"),

@@ -5,6 +5,7 @@ Pure: no process group. Costs are unit-like numbers so the expected values are e
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -248,6 +249,12 @@ def test_1f1b_holds_k_minus_k_and_gpipe_m(stages: int, micro_batches: int) -> No
 
 
 @pytest.mark.parametrize("stages", [2, 3, 5])
-def test_zb_h1_peak_is_1f1bs_stage_0(stages: int) -> None:
-    timeline = simulate(st.zbh1_streams(stages, 3 * stages), chain([1.0] * stages, [2.0] * stages))
-    assert max(timeline.peak_bytes) == stages == timeline.peak_bytes[0]
+@pytest.mark.parametrize("factor", [1, 3])
+def test_zb_h1_holds_1f1bs_micro_batches_plus_what_deferred_w_passes_need(stages: int, factor: int) -> None:
+    # Stage k defers k weight-gradient passes; each keeps w of a micro-batch's activations after I.
+    a, w = 10.0, 4.0
+    costs = [dataclasses.replace(c, held_bytes=a, weight_grad_bytes=0.0 if k == 0 else w)
+             for k, c in enumerate(chain([1.0] * stages, [2.0] * stages))]  # fmt: skip
+    timeline = simulate(st.zbh1_streams(stages, factor * stages), costs)
+    assert timeline.peak_bytes == [(stages - k) * a + k * w for k in range(stages)]
+    assert max(timeline.peak_bytes) == stages * a  # the paper: ZB-H1's peak is 1F1B's

@@ -25,9 +25,10 @@ from fdg_schedule.plan.cluster import CLUSTERS, Cluster, parse_bandwidth, parse_
 from fdg_schedule.plan.flops import GPUS, TRANSFORMERS, Efficiency, estimate_resnet, estimate_transformer, gpu_named
 from fdg_schedule.plan.predict import SCHEDULES, CostModel, Variant
 from fdg_schedule.plan.recommend import OBJECTIVES, plan, plot, table
+from fdg_schedule.zoo import resnet as resnet_zoo
 
 DEFAULT_STAGES = "2,3,4,6,8,12,16,24,32,48,64"
-RESNETS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "wide_resnet50_2")
+RESNETS = tuple(resnet_zoo.MODELS)  # CIFAR ResNets, WRNs, torchvision ResNets
 FDG_MODES = ("current/stored", "current/recomputed", "stashed/stored", "stashed/recomputed")
 
 
@@ -41,7 +42,7 @@ def parser() -> argparse.ArgumentParser:
     src.add_argument("--gpu", help=f"with --model: {', '.join(GPUS)}")
     src.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     src.add_argument("--micro-batch", type=int, default=None, help="with --model: samples per micro-batch")
-    src.add_argument("--image", type=int, default=224, help="with a ResNet: image side in pixels")
+    src.add_argument("--image", type=int, default=None, help="with a ResNet: image side (default 32 CIFAR, 224)")
     src.add_argument("--efficiency", type=float, default=Efficiency.compute, help="fraction of peak FLOP/s reached")
     src.add_argument("--memory-efficiency", type=float, default=Efficiency.memory, help="fraction of memory bandwidth")
     src.add_argument("--activation-bytes", default="", help="with --trace: each stage's output bytes, comma-separated")
@@ -65,6 +66,11 @@ def parser() -> argparse.ArgumentParser:
     job.add_argument("--chunks", type=int, default=2, help="interleaved 1F1B: model chunks per device")
     job.add_argument("--bytes-per-param", type=float, default=CostModel.bytes_per_param,
                      help="weights + gradients + optimizer state per parameter")  # fmt: skip
+    job.add_argument(
+        "--copy-bandwidth",
+        default=None,
+        help="device memory bandwidth for FDG's stashed weight copies (default: the --gpu's, or 1TB/s)",
+    )
     job.add_argument("--objective", default="throughput", choices=OBJECTIVES)
     out = p.add_argument_group("output")
     out.add_argument("--json", help="write every prediction and the recommendation to this JSON")
@@ -178,12 +184,21 @@ def model_profile(args: argparse.Namespace) -> costs.ModelProfile:
                          f"{args.memory_efficiency}")  # fmt: skip
     eff = Efficiency(compute=args.efficiency, memory=args.memory_efficiency)
     if args.model in RESNETS:
-        micro = args.micro_batch or 32
-        return estimate_resnet(args.model, micro, gpu, args.dtype, args.image, eff)
+        return estimate_resnet(args.model, args.micro_batch or 32, gpu, args.dtype, args.image, eff)
     if args.model in TRANSFORMERS:
         return estimate_transformer(TRANSFORMERS[args.model], args.micro_batch or 1, gpu, args.dtype, eff)
     raise UsageError(f"--model {args.model!r} is unknown; known: {', '.join(RESNETS + tuple(TRANSFORMERS))} "
                      "(or measure it and pass --profile)")  # fmt: skip
+
+
+def copy_bandwidth(args: argparse.Namespace, profile: costs.ModelProfile) -> float:
+    """``--copy-bandwidth``, else the estimated GPU's memory bandwidth at its efficiency, else the default."""
+    if args.copy_bandwidth is not None:
+        return parse_bandwidth(args.copy_bandwidth, "--copy-bandwidth")
+    gpu, eff = profile.meta.get("gpu"), profile.meta.get("efficiency")
+    if gpu and eff:
+        return float(gpu["memory_bandwidth"]) * float(eff["memory"])
+    return CostModel.copy_bandwidth
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -207,7 +222,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.trace and max(stages) > len(profile.layers):
         stages = [k for k in stages if k <= len(profile.layers)]
         print(f"a trace gives one layer per traced stage: planning K in {stages} only", file=sys.stderr)
-    model = CostModel(bytes_per_param=args.bytes_per_param)
+    try:
+        model = CostModel(bytes_per_param=args.bytes_per_param, copy_bandwidth=copy_bandwidth(args, profile))
+    except ValueError as error:
+        p.error(str(error))
     result = plan(profile, net, stages, chosen, args.dp, micro_batches, limit, model, args.gpus, args.objective)
     print(table(result))
     if args.json:

@@ -8,10 +8,10 @@ convolutions take ``flops / (peak * efficiency)``; every other operator is memor
 
 Two model families:
 
-* torchvision ResNets (``resnet18`` ... ``resnet152``, ``wide_resnet50_2``): built on the meta device
-  and run once, layer by layer (stem, every residual block, head), under a dispatch mode that counts
-  each operator's FLOPs (PyTorch's own ``flop_counter`` formulas) or bytes, and saved-tensor hooks
-  that count what autograd keeps. Nothing is allocated.
+* any DeepSpeed layer list (:func:`estimate_layers`), e.g. the ResNets of :mod:`fdg_schedule.zoo.resnet`
+  (CIFAR ResNets, WRNs, torchvision ResNets): built on the meta device and run once, layer by layer,
+  under a dispatch mode that counts each operator's FLOPs (PyTorch's own ``flop_counter`` formulas)
+  or bytes, and saved-tensor hooks that count what autograd keeps. Nothing is allocated.
 * decoder transformers (GPT/LLaMA shapes), by the standard formulas: per layer forward FLOPs
   ``24 b s h^2 + 4 b s^2 h`` (Narayanan et al. 2021) for a 4h MLP, and saved activations per
   Korthikanti et al. 2022 ("Reducing Activation Recomputation") with flash attention (no ``s^2``
@@ -22,7 +22,8 @@ Two model families:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import math
+from collections.abc import Sequence
 from typing import Any
 
 from fdg_schedule.plan.costs import DTYPE_BYTES, LayerCost, ModelProfile
@@ -166,52 +167,38 @@ def estimate_transformer(
 # ResNets: counted on the meta device
 
 
-def resnet_layers(name: str) -> list[Any]:
-    """A torchvision ResNet on the meta device as pipeline layers: stem, every block, head."""
-    import torch
-    import torchvision
-    from torch import nn
-
-    builders: dict[str, Callable[..., nn.Module]] = {
-        n: getattr(torchvision.models, n)
-        for n in ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "wide_resnet50_2")
-    }
-    if name not in builders:
-        raise ValueError(f"unknown ResNet {name!r}; known: {sorted(builders)}")
-    with torch.device("meta"):
-        m: Any = builders[name]()
-    stem = nn.Sequential(m.conv1, m.bn1, m.relu, m.maxpool)
-    head = nn.Sequential(m.avgpool, nn.Flatten(), m.fc)
-    return [stem, *m.layer1, *m.layer2, *m.layer3, *m.layer4, head]
-
-
-def estimate_resnet(
-    name: str,
-    micro_batch: int,
+def estimate_layers(
+    layers: Sequence[Any],
+    input_shape: Sequence[int],
     gpu: GPU,
     dtype: str = "bfloat16",
-    image: int = 224,
     eff: Efficiency | None = None,
+    meta: dict[str, Any] | None = None,
 ) -> ModelProfile:
-    """Per-layer costs of torchvision's ``name`` on ``image``-pixel inputs, counted operator by operator."""
+    """Per-layer costs of a DeepSpeed layer list (``LayerSpec``s or modules), counted operator by operator.
+
+    The layers are built and run on the meta device: nothing is allocated. ``input_shape`` is one
+    micro-batch's input (its first entry is the micro-batch size).
+    """
     import torch
+    from deepspeed.pipe import LayerSpec
 
     eff = eff or Efficiency()
     torch_dtype = getattr(torch, dtype)
     flop_s = gpu.peak(dtype) * eff.compute
     byte_s = gpu.memory_bandwidth * eff.memory
-    x = torch.empty(micro_batch, 3, image, image, device="meta", dtype=torch_dtype)
-    layers = []
-    modules = resnet_layers(name)
-    for i, module in enumerate(modules):
-        module = module.to(torch_dtype)
+    x = torch.empty(*input_shape, device="meta", dtype=torch_dtype)
+    out = []
+    for i, layer in enumerate(layers):
+        with torch.device("meta"):
+            module = layer.build() if isinstance(layer, LayerSpec) else layer
+        module = module.to(device="meta", dtype=torch_dtype)
         params = sum(p.numel() for p in module.parameters())
-        x_in = x.detach().requires_grad_(i > 0)
-        counts = _count(module, x_in)
+        counts = _count(module, x.detach().requires_grad_(i > 0))
         y = counts.pop("output")
-        layers.append(
+        out.append(
             LayerCost(
-                name="Stem" if i == 0 else "Head" if i == len(modules) - 1 else f"Block{i}",
+                name=f"{type(module).__name__}{i}",
                 forward_s=counts["fwd_flops"] / flop_s + counts["fwd_bytes"] / byte_s,
                 backward_s=counts["bwd_flops"] / flop_s + counts["bwd_bytes"] / byte_s,
                 recompute_s=counts["fwd_flops"] / flop_s + counts["fwd_bytes"] / byte_s,
@@ -223,19 +210,35 @@ def estimate_resnet(
         )
         x = y.detach()
     return ModelProfile(
-        layers=tuple(layers),
-        micro_batch=micro_batch,
+        layers=tuple(out),
+        micro_batch=int(input_shape[0]),
         device=gpu.name,
         dtype=dtype,
-        input_bytes=micro_batch * 3 * image * image * DTYPE_BYTES[dtype],
-        meta={
-            "source": "flops",
-            "model": name,
-            "image": image,
-            "gpu": dataclasses.asdict(gpu),
-            "efficiency": dataclasses.asdict(eff),
-        },  # fmt: skip
+        input_bytes=math.prod(input_shape) * DTYPE_BYTES[dtype],
+        meta={"source": "flops", **(meta or {}), "gpu": dataclasses.asdict(gpu), "efficiency": dataclasses.asdict(eff)},
     )
+
+
+def estimate_resnet(
+    name: str,
+    micro_batch: int,
+    gpu: GPU,
+    dtype: str = "bfloat16",
+    image: int | None = None,
+    eff: Efficiency | None = None,
+) -> ModelProfile:
+    """A ResNet of :mod:`fdg_schedule.zoo.resnet` (CIFAR ResNets, WRNs, torchvision ResNets) as layers.
+
+    CIFAR models default to 32-pixel images and 10 classes, torchvision ones to 224 pixels and 1000.
+    """
+    from fdg_schedule.zoo import resnet
+
+    if name not in resnet.MODELS:
+        raise ValueError(f"unknown ResNet {name!r}; known: {sorted(resnet.MODELS)}")
+    imagenet = name in resnet.TORCHVISION_BLOCKS
+    side = image or (224 if imagenet else 32)
+    layers = resnet.resnet_layers(name, 1000 if imagenet else 10, 3)
+    return estimate_layers(layers, (micro_batch, 3, side, side), gpu, dtype, eff, {"model": name, "image": side})
 
 
 def _count(module: Any, x: Any) -> dict[str, Any]:

@@ -12,7 +12,7 @@ step seconds, ``A`` what autograd saves, ``I`` its input and ``W`` its parameter
     FDG recomputed             r         f + b             I (+ A while its backward runs) (+ W)
     FDG, last stage            f         b                 A, freed in the same tick
     1F1B, GPipe, interleaved   f         b                 A
-    ZB-H1                      f         I: q b, W: (1-q) b  A, freed by W   (q = input_fraction)
+    ZB-H1                      f         I: q b, W: (1-q) b  A; I frees all but w A, W the rest
 
 ``"stashed"`` also copies W at each forward and twice at each backward (in and out of the
 parameters) at ``copy_bandwidth``. Every stage also holds ``bytes_per_param`` per parameter
@@ -90,6 +90,9 @@ class CostModel:
     """Static memory per parameter: weights, gradients, optimizer state (16 = Adam in mixed precision)."""
     input_fraction: float = 0.5
     """ZB-H1: share of a backward that is the input gradient (the rest is the weight gradient)."""
+    weight_grad_fraction: float = 0.4
+    """ZB-H1: share of the saved activations the weight gradient still needs after the input gradient
+    (the inputs of the matrix products: 14 of a transformer layer's 34 s b h bytes, Korthikanti et al.)."""
     copy_bandwidth: float = 1e12
     """Bytes/s of the weight copies of ``weights: "stashed"`` (device memory bandwidth)."""
     overhead_s: float = 0.0
@@ -233,6 +236,7 @@ def chunk_costs(
                 allreduce_s=placement.allreduce_s(rank, span.param_bytes),
                 backward_input_s=(backward + model.overhead_s) * input_fraction,
                 held_bytes=held,
+                weight_grad_bytes=held * (0.0 if c == 0 else model.weight_grad_fraction),
                 backward_extra_bytes=extra,
                 static_bytes=span.param_bytes / profile.dtype_bytes * model.bytes_per_param,
                 to_next=None if last else _link(placement, rank, (c + 1) % K, span.output_bytes),
@@ -253,19 +257,28 @@ def _link(placement: Placement, src: int, dst: int, nbytes: float) -> Link:
 # Splitting
 
 
-def stage_work(profile: ModelProfile, variant: Variant, stages: int, micro_batches: int) -> Any:
-    """The per-micro-batch work of layers ``[a, b)`` as stage ``k`` (what the split balances)."""
+def stage_work(
+    profile: ModelProfile, variant: Variant, stages: int, micro_batches: int, placement: Placement | None = None
+) -> Any:
+    """The per-micro-batch time of layers ``[a, b)`` as stage ``k`` (what the split balances).
+
+    Compute, plus (given a placement) the transfer of the stage's output when it leaves the node:
+    a cut between nodes costs most where activations are large, so the split moves it elsewhere.
+    """
     prefix = _Prefix(profile)
     accumulate = variant.accumulate or micro_batches
     chunks = stages * (variant.chunks if variant.schedule == "interleaved" else 1)
 
     def work(a: int, b: int, k: int) -> float:
         s = prefix.span(a, b)
-        if variant.schedule != "fdg":
-            return s.forward_s + s.backward_s
-        total = s.forward_s + s.backward_s + s.step_s / accumulate
-        if variant.activations == "recomputed" and k < chunks - 1:
-            total += s.recompute_s
+        total = s.forward_s + s.backward_s
+        if variant.schedule == "fdg":
+            total += s.step_s / accumulate
+            if variant.activations == "recomputed" and k < chunks - 1:
+                total += s.recompute_s
+        if placement is not None and k < chunks - 1 and chunks == stages and placement.crosses_nodes(k, k + 1):
+            occupancy, latency, _ = placement.transfer_s(k, k + 1, s.output_bytes)
+            total += occupancy + latency
         return total
 
     return work
@@ -292,8 +305,9 @@ def stage_memory(
             return static + d * per + (s.saved_bytes if recompute else 0.0)
         if variant.schedule == "gpipe":
             return static + micro_batches * s.saved_bytes
-        if variant.schedule == "zbh1":
-            return static + min(stages, micro_batches) * s.saved_bytes
+        if variant.schedule == "zbh1":  # k + 1 micro-batches wait for W, K - k for I (1F1B's)
+            w = 0.0 if k == 0 else model.weight_grad_fraction
+            return static + min(stages - k, micro_batches) * s.saved_bytes + min(k, micro_batches) * w * s.saved_bytes
         if variant.schedule == "interleaved":
             return static  # per-chunk memory depends on the interleaving; the simulation checks it
         return static + min(stages - k, micro_batches) * s.saved_bytes
@@ -354,7 +368,7 @@ def predict(
         raise Infeasible(f"{variant.name} at K={stages} needs {chunks} chunks but the model has {layers} layers")
     if bounds is None:
         memory = stage_memory(profile, variant, chunks, micro_batches, model)
-        work = stage_work(profile, variant, stages, micro_batches)
+        work = stage_work(profile, variant, stages, micro_batches, placement)
         found = best_split(layers, chunks, work, memory, limit)
         if found is None:
             found = best_split(layers, chunks, work)  # report it anyway: memory shows by how much it misses

@@ -96,17 +96,24 @@ def plan(
     )
 
 
-def recommend(predictions: Sequence[Prediction], objective: str = "throughput") -> Prediction | None:
-    """The prediction that fits with the best objective; ties go to fewer devices, then less memory."""
+def recommend(
+    predictions: Sequence[Prediction], objective: str = "throughput", tolerance: float = 0.02
+) -> Prediction | None:
+    """The fitting prediction with the best objective, or the one on fewest devices within ``tolerance`` of it.
+
+    Predictions within 2% of the best are ties (the model is not more precise than that); among
+    them fewer devices win, then the higher objective, then less memory.
+    """
     fitting = [p for p in predictions if p.fits]
     if not fitting:
         return None
 
-    def score(p: Prediction) -> tuple[float, float, float]:
-        value = p.samples_per_s if objective == "throughput" else p.samples_per_s / p.gpus
-        return (round(value, 6), -p.gpus, -p.peak_memory)
+    def value(p: Prediction) -> float:
+        return p.samples_per_s if objective == "throughput" else p.samples_per_s / p.gpus
 
-    return max(fitting, key=score)
+    best = max(value(p) for p in fitting)
+    close = [p for p in fitting if value(p) >= (1 - tolerance) * best]
+    return min(close, key=lambda p: (p.gpus, -value(p), p.peak_memory))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -141,7 +148,7 @@ def table(result: Plan) -> str:
         split = ",".join(map(str, p.bounds)) if len(p.bounds) <= 9 else f"{len(p.bounds) - 1} cuts"
         lines.append(
             f"| {p.stages} | {p.variant.name} | {split} | {_seconds(p.time_per_micro_batch_s)} | {_seconds(p.step_s)} "
-            f"| {p.samples_per_s:.1f} | {result.speedup(p):.2f} | {p.idle_fraction:.1%} | {_bytes(p.peak_memory)} "
+            f"| {rate(p.samples_per_s)} | {result.speedup(p):.2f} | {p.idle_fraction:.1%} | {_bytes(p.peak_memory)} "
             f"| {'yes' if p.fits else 'NO'} | {_bytes(p.p2p_bytes_per_micro_batch)} "
             f"| {_bytes(p.inter_node_bytes_per_micro_batch)} | {_bytes(p.allreduce_bytes_per_micro_batch)} |"
         )
@@ -152,14 +159,20 @@ def table(result: Plan) -> str:
     return "\n".join(lines)
 
 
+def rate(samples_per_s: float) -> str:
+    """Samples/s with three significant figures at least (a 8B model trains a few samples per second)."""
+    return f"{samples_per_s:,.0f}" if samples_per_s >= 100 else f"{samples_per_s:.3g}"
+
+
 def describe(p: Prediction | None, result: Plan) -> str:
     if p is None:
         return (f"Recommendation: none of the planned configurations fits {_bytes(result.memory_limit)} per device; "
                 "raise --memory-limit, use more stages, or FDG's recomputed activations.")  # fmt: skip
     per = "throughput" if result.objective == "throughput" else "throughput per device"
     return (
-        f"Recommendation (best {per} within {_bytes(result.memory_limit)} per device): {p.variant.name} at "
-        f"K={p.stages} x dp={p.dp} ({p.gpus} devices), split {p.bounds}: {p.samples_per_s:.1f} samples/s "
+        f"Recommendation (best {per} within {_bytes(result.memory_limit)} per device; within 2% of it, fewest "
+        f"devices): {p.variant.name} at K={p.stages} x dp={p.dp} ({p.gpus} devices), split {p.bounds}: "
+        f"{rate(p.samples_per_s)} samples/s "
         f"({result.speedup(p):.2f}x backprop on {p.dp} device{'s' if p.dp > 1 else ''}), peak "
         f"{_bytes(p.peak_memory)} per device."
     )

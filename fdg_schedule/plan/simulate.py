@@ -46,7 +46,8 @@ class ChunkCosts:
     step_s: float = 0.0
     allreduce_s: float = 0.0
     backward_input_s: float = 0.0  # ZB's I; the weight part is backward_s - backward_input_s
-    held_bytes: float = 0.0  # kept from the forward until the backward (or W) frees it
+    held_bytes: float = 0.0  # kept from the forward until the backward (or I and W) frees it
+    weight_grad_bytes: float = 0.0  # of held_bytes, what a split backward keeps from I until W
     backward_extra_bytes: float = 0.0  # held only while the backward runs (a recomputed forward)
     static_bytes: float = 0.0  # weights, gradients, optimizer state: always there
     to_next: Link | None = None  # the activation to chunk + 1
@@ -265,8 +266,9 @@ class _Simulation:
             self.held[r] -= costs.held_bytes
         elif op is Op.BACKWARD_INPUT:
             self.peak[r] = max(self.peak[r], self.held[r] + costs.backward_extra_bytes)
+            self.held[r] -= costs.held_bytes - costs.weight_grad_bytes
         elif op is Op.BACKWARD_WEIGHT:
-            self.held[r] -= costs.held_bytes
+            self.held[r] -= costs.weight_grad_bytes
 
     def _send(self, r: int, action: Action, start: float) -> None:
         key = self._send_key(action)
