@@ -27,6 +27,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from fdg_schedule import ticks
 from fdg_schedule.plan import streams as st
 from fdg_schedule.plan.cluster import Cluster, Placement
 from fdg_schedule.plan.costs import ModelProfile
@@ -199,10 +200,6 @@ class _Prefix:
         )
 
 
-def _fdg_delay(stages: int, stage: int) -> int:
-    return 2 * (stages - 1 - stage)
-
-
 def chunk_costs(
     profile: ModelProfile,
     bounds: Sequence[int],
@@ -297,7 +294,7 @@ def stage_memory(
         if variant.schedule == "fdg":
             if last:
                 return static + s.saved_bytes
-            d = _fdg_delay(stages, k)
+            d = ticks.delay(stages, k)
             recompute = variant.activations == "recomputed"
             per = (s.input_bytes if recompute else s.saved_bytes) + (
                 s.param_bytes if variant.weights == "stashed" else 0.0
