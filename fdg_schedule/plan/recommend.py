@@ -186,10 +186,14 @@ def plot(result: Plan, path: str | Path, title: str = "") -> Path:
     import matplotlib.pyplot as plt
 
     names = sorted({p.variant.name for p in result.predictions}, key=_order)
+    bases = sorted({n.split(" acc=")[0] for n in names}, key=_order)
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(13, 4.8))
-    for i, name in enumerate(names):
+    for name in names:
+        base = name.split(" acc=")[0]
         rows = sorted((p for p in result.predictions if p.variant.name == name), key=lambda p: p.stages)
-        style = {"color": plt.get_cmap("tab20")(i % 20), "marker": "o", "markersize": 3, "linewidth": 1.3}
+        # one colour per schedule; FDG with accumulation dashed in its mode's colour
+        style = {"color": plt.get_cmap("tab10")(bases.index(base) % 10), "marker": "o", "markersize": 3,
+                 "linewidth": 1.3, "linestyle": "--" if " acc=" in name else "-"}  # fmt: skip
         ks = [p.stages for p in rows]
         ax_t.plot(ks, [p.samples_per_s for p in rows], label=name, **style)
         ax_m.plot(ks, [p.peak_memory / 1e9 for p in rows], label=name, **style)
@@ -199,8 +203,11 @@ def plot(result: Plan, path: str | Path, title: str = "") -> Path:
                 ax.scatter(*zip(*bad), marker="x", color=style["color"], s=30, zorder=3)
     ax_m.axhline(result.memory_limit / 1e9, color="black", linestyle=":", linewidth=1)
     ax_m.text(min(p.stages for p in result.predictions), result.memory_limit / 1e9, " memory limit", va="bottom")
+    from matplotlib.ticker import ScalarFormatter
+
     for ax, label in ((ax_t, "samples/s (whole job)"), (ax_m, "peak memory per device (GB)")):
         ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(ScalarFormatter())
         ax.set_xlabel("pipeline stages K")
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
