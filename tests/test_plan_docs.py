@@ -1,0 +1,63 @@
+"""The generators behind docs/scaling.md: link fitting, the calibration table, the per-setting sections.
+
+Pure and fast: a small plan of identical layers stands in for the three settings, which
+``python benchmarks/scaling.py`` plans in full.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from plan_helpers import uniform_profile
+
+from fdg_schedule.plan import Cluster, Variant
+from fdg_schedule.plan.recommend import plan
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load(name: str) -> ModuleType:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_fit_link_recovers_latency_and_bandwidth() -> None:
+    calibration = load("plan_calibration")
+    one_way = {str(size): 100e-6 + size / 3e9 for size in (4096, 65536, 1 << 20, 4 << 20)}
+    latency, bandwidth = calibration.fit_link(one_way)
+    assert latency == pytest.approx(100e-6) and bandwidth == pytest.approx(3e9)
+
+
+def test_the_stored_calibration_renders_every_variant() -> None:
+    calibration = load("plan_calibration")
+    result = json.loads((ROOT / "docs" / "plan_calibration.json").read_text())
+    text = calibration.markdown(result)
+    for model in ("resnet32", "transformer"):
+        assert f"**{model}**" in text
+    for variant in calibration.VARIANTS:
+        assert f"| {variant} |" in text
+
+
+def test_a_setting_section_states_break_even_and_reading() -> None:
+    scaling = load("scaling")
+    profile = uniform_profile(8, step=0.1)
+    setting = scaling.Setting("toy", "toy", "a toy model", lambda: profile, "A100", "h100-ib", 2, [2, 4])
+    variants = [Variant("fdg"), Variant("fdg", accumulate=None), Variant("1f1b"), Variant("zbh1")]
+    result = plan(profile, Cluster(gpus_per_node=4), [2, 4], variants, dp=2)
+    scaling.SHOWN[:] = [v.name for v in variants]
+    text = "\n".join(scaling.setting_section(setting, result) + scaling.reading(result))
+    assert "Break-even: the best FDG mode that fits is ahead at K =" in text
+    assert "| 4 |" in text and "FDG's throughput reaches 95% of its maximum" in text
+    assert "With 2 data-parallel replicas, FDG with a step per micro-batch all-reduces" in text
+    summary = "\n".join(scaling.summary([setting], {"toy": result}))
+    assert summary.startswith("- **toy**: FDG's best fitting mode is ahead")
