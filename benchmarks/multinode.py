@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -51,6 +50,8 @@ os.environ["OMP_NUM_THREADS"] = "1"  # one thread per rank, before torch is impo
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
+
+from fdg_schedule.launch import free_port  # noqa: E402
 
 IN, HIDDEN, CLASSES, BLOCKS = 16, 32, 4, 7  # the MLP: 7 (linear, tanh) blocks and a linear head: 8 layers
 MICRO, GAS, CALLS = 4, 4, 3  # per data-parallel rank; 12 micro-batches, then a drain
@@ -170,12 +171,6 @@ def worker(args: argparse.Namespace) -> None:
 # The driver: launch, compare
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_launchers(commands: list[list[str]], deadline_s: float, log: Path) -> None:
     """Run the launcher invocations at once (one per node); all must exit 0 before the deadline."""
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -232,16 +227,31 @@ def run_case(
     world = case["stages"] * case["dp"]
     hostfile = workdir / f"{name}-hostfile"
     hostfile.write_text(f"node0 slots={case['per_node']}\nnode1 slots={case['per_node']}\n")
-    commands, records = {}, {}
+    commands, records, ports = {}, {}, {}
     for label, nodes in (("one_node", 1), ("two_nodes", 2)):
         out = workdir / f"{name}-{label}"
         script = [str(Path(__file__).resolve()), "--worker", "--stages", str(case["stages"]), "--weights", weights,
                   "--activations", activations, "--out", str(out)]  # fmt: skip
-        prefixes = launch_commands(launcher, nodes, world // nodes, free_port(), hostfile)
+        port = ports[label] = free_port()
+        prefixes = launch_commands(launcher, nodes, world // nodes, port, hostfile)
         commands[label] = [prefix + script for prefix in prefixes]
-        run_launchers(commands[label], deadline_s, workdir / f"{name}-{label}")
+        try:
+            run_launchers(commands[label], deadline_s, workdir / f"{name}-{label}")
+        finally:
+            remove_shared_memory(port)
         records[label] = load_records(out, world)
-    return {**records, "commands": commands, "hostfile": hostfile.read_text()}
+    return {**records, "commands": commands, "ports": ports, "hostfile": hostfile.read_text()}
+
+
+def remove_shared_memory(port: int) -> None:
+    """Delete the shared-memory buffers DeepSpeed's CPU backend made for a rendezvous on 127.0.0.1:``port``.
+
+    Every rank creates ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>`` (~70 MB) and
+    never removes it. :mod:`fdg_schedule.launch` avoids the pile-up with a fixed port, but a launcher's
+    rendezvous binds a real TCP port, so each launch here takes a free one and removes its own buffers.
+    """
+    for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_*"):
+        path.unlink(missing_ok=True)
 
 
 def load_records(directory: Path, world: int) -> list[dict[str, Any]]:

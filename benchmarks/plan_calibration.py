@@ -9,7 +9,7 @@
    ``transformer_tiny`` (a few ms of compute) as measured time minus the planner's prediction
    without overheads: DeepSpeed's per-instruction dispatch (from 1F1B m = 4) and FDG's per-tick
    bookkeeping (from FDG current/stored, after the former).
-3. Validation: ResNet-32 and the 4-block transformer of benchmarks/throughput.py. Each layer is
+3. Validation: ResNet-32 and the 4-block transformer of benchmarks/throughput_variants.py. Each layer is
    timed alone (median of 15 after 3 warm-up rounds, one thread): forward, backward, recompute
    (no-grad forward), SGD step, and its sizes; the planner picks each schedule's split from those
    numbers, predicts samples/s, and throughput.py's interleaved rounds measure the same variants
@@ -38,10 +38,12 @@ for path in (ROOT, ROOT / "benchmarks"):
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ["OMP_NUM_THREADS"] = "1"
 
-import throughput  # noqa: E402  (benchmarks/throughput.py: models, splits, interleaved timing)
+import throughput  # noqa: E402  (benchmarks/throughput.py: interleaved timing of the variants)
+import throughput_variants as variants  # noqa: E402  (its models and optimizer settings)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from fdg_schedule.launch import run  # noqa: E402
 from fdg_schedule.plan import CLUSTERS, CostModel, LayerCost, ModelProfile, Variant, predict  # noqa: E402
 
 VARIANTS = {  # throughput.py name -> planner variant
@@ -66,12 +68,12 @@ def measure_layers(model: str, warmup: int = 3, repeats: int = 15) -> ModelProfi
     """
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    layers = [spec.build() for spec in throughput.model_layers(model)]
-    x0 = throughput.fixed_data(model, 1)[0][0]
+    layers = [spec.build() for spec in variants.model_layers(model)]
+    x0 = variants.fixed_data(model, 1)[0][0]
     out, h = [], x0
     for layer in layers:
         params = [p for p in layer.parameters() if p.requires_grad]
-        opt = torch.optim.SGD(params, lr=throughput.LR, momentum=throughput.MOMENTUM) if params else None
+        opt = torch.optim.SGD(params, lr=variants.LR, momentum=variants.MOMENTUM) if params else None
         times: dict[str, list[float]] = {"forward_s": [], "backward_s": [], "recompute_s": [], "step_s": []}
         saved = [0]
         storages = {t.untyped_storage().data_ptr() for t in (*layer.parameters(), *layer.buffers())}
@@ -112,7 +114,7 @@ def measure_layers(model: str, warmup: int = 3, repeats: int = 15) -> ModelProfi
         h = y.detach()
     return ModelProfile(
         layers=tuple(out),
-        micro_batch=throughput.MODELS[model]["micro"],
+        micro_batch=variants.MODELS[model]["micro"],
         device="cpu",
         dtype="float32",
         input_bytes=x0.numel() * x0.element_size(),
@@ -233,7 +235,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               "load_start": os.getloadavg()}  # fmt: skip
     # 1. links
     sizes = [4096, 65536, 1 << 20, 4 << 20]
-    one_way = throughput.run_ranks(ping_pong_worker, 2, (sizes, 20), 600)[0]
+    one_way = run(ping_pong_worker, 2, sizes, 20, deadline_s=600)[0]
     latency, bandwidth = fit_link(one_way)
     cluster = CLUSTERS["cpu-gloo"].__class__(64, bandwidth, latency, bandwidth, latency, 24e9, "this machine")
     result["link"] = {"one_way_s": one_way, "latency_s": latency, "bandwidth_Bps": bandwidth}

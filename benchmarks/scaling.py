@@ -483,6 +483,7 @@ def render(settings: list[Setting], results: dict[str, Plan], paper: dict[str, A
         "",
         "```python",
         "from fdg_schedule.plan import CLUSTERS, GPUS, Variant, estimate_resnet, predict",
+        "",
         'profile = estimate_resnet("resnet101", 32, GPUS["A100"])',
         'p = predict(profile, Variant("fdg", "current", "recomputed"), stages=8, cluster=CLUSTERS["a100-100gbe"])',
         "print(p.samples_per_s, p.bounds, p.memory_bytes)",

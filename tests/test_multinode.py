@@ -60,6 +60,10 @@ def test_the_two_node_commands_use_deepspeeds_launcher_without_ssh(runs: dict[st
         assert command[command.index("--node_rank") + 1] == str(node)
         assert "--no_ssh" in command and command[command.index("--master_addr") + 1] == "127.0.0.1"
     assert runs["k4"]["hostfile"] == "node0 slots=2\nnode1 slots=2\n"
+    # each launch's ~70 MB shared-memory buffers per rank are removed (a free port per launch)
+    left = [p.name for case in runs.values() for port in case["ports"].values()
+            for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*")]  # fmt: skip
+    assert not left, left
 
 
 def test_an_unknown_case_is_refused_with_the_known_ones(capsys: pytest.CaptureFixture[str]) -> None:

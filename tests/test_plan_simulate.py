@@ -10,6 +10,7 @@ import random
 
 import pytest
 
+from fdg_schedule import schedule as fdg_schedule
 from fdg_schedule import ticks
 from fdg_schedule.plan import streams as st
 from fdg_schedule.plan.predict import fdg_window
@@ -204,6 +205,12 @@ def test_fdg_streams_follow_the_engines_generator() -> None:
     ]
     # accumulate=2: the all-reduce and step follow every second backward (and the drain's last)
     assert st.render(st.fdg_streams(2, 3, accumulate=2))[1] == "ra0 F0 B0 sg0 ra1 F1 B1 R S sg1 ra2 F2 B2 R S sg2"
+
+
+def test_every_fdg_instruction_kind_is_translated() -> None:
+    # A new instruction in schedule.OPS must be taught to the planner, not skipped or crashed on mid-plan.
+    known = set(st._FDG_OPS) | {fdg_schedule.Exchange}
+    assert set(fdg_schedule.OPS) == known, set(fdg_schedule.OPS) ^ known
 
 
 def test_interleaved_streams_name_their_chunks() -> None:

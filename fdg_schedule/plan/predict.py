@@ -261,6 +261,7 @@ def stage_work(
 
     Compute, plus (given a placement) the transfer of the stage's output when it leaves the node:
     a cut between nodes costs most where activations are large, so the split moves it elsewhere.
+    ``k`` is a chunk (a virtual stage, on rank ``k % stages``) for interleaved schedules.
     """
     prefix = _Prefix(profile)
     accumulate = variant.accumulate or micro_batches
@@ -273,8 +274,11 @@ def stage_work(
             total += s.step_s / accumulate
             if variant.activations == "recomputed" and k < chunks - 1:
                 total += s.recompute_s
-        if placement is not None and k < chunks - 1 and chunks == stages and placement.crosses_nodes(k, k + 1):
-            occupancy, latency, _ = placement.transfer_s(k, k + 1, s.output_bytes)
+        # chunk k runs on rank k % K: interleaving's extra cuts, and its wrap from rank K-1 to rank 0,
+        # cross nodes too, so they also move to where activations are small
+        src, dst = k % stages, (k + 1) % stages
+        if placement is not None and k < chunks - 1 and placement.crosses_nodes(src, dst):
+            occupancy, latency, _ = placement.transfer_s(src, dst, s.output_bytes)
             total += occupancy + latency
         return total
 

@@ -22,9 +22,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from deepspeed.runtime.pipe import schedule as ds
+
+from fdg_schedule import schedule as fdg
+from fdg_schedule.schedule import FDGTrainSchedule
 
 
 class Op(enum.Enum):
@@ -98,45 +101,49 @@ def fdg_thread_streams(stages: int, micro_batches: int, accumulate: int = 1) -> 
 
 
 def _fdg_ticks(stages: int, stage: int, micro_batches: int, accumulate: int, drain: bool) -> Iterator[Stream]:
-    from fdg_schedule.schedule import FDGTrainSchedule
-
     calls = [FDGTrainSchedule(micro_batches, stages, stage, accumulate=accumulate)]
     if drain and stages > 1:
         calls.append(FDGTrainSchedule(2 * (stages - 1), stages, stage, micro_batches, accumulate, drain=True))
     for schedule in calls:
-        for tick in schedule.steps():
+        for tick in schedule.steps():  # each tick is produced lazily; _fdg_tick reads it once
             yield _fdg_tick(tick, stage)
 
 
-def _fdg_tick(tick: list[ds.PipeInstruction], stage: int) -> Stream:
-    # Instruction kinds are read by class name so a move of the classes (e.g. into an enum-keyed
-    # module) does not break the planner; an unknown instruction is an error, not a silent skip.
+# FDG instruction -> planner action; the schedule's loads and tick ends cost nothing here.
+_FDG_OPS: dict[type[ds.PipeInstruction], Op | None] = {
+    fdg.WaitGrad: Op.RECV_GRAD,
+    fdg.WaitActivation: Op.RECV_ACTIVATION,
+    fdg.FDGForward: Op.FORWARD,
+    fdg.FDGBackward: Op.BACKWARD,
+    ds.ReduceGrads: Op.ALLREDUCE,
+    fdg.LocalOptimizerStep: Op.STEP,
+    fdg.FDGLoad: None,
+    fdg.AdvanceTick: None,
+}
+
+
+def _fdg_tick(tick: Iterable[ds.PipeInstruction], stage: int) -> Stream:
     out: Stream = []
     forwarded = backpropagated = None
     for cmd in tick:
-        kind = type(cmd).__name__
-        mb = getattr(cmd, "micro_batch", None)
-        if kind == "WaitGrad":
-            out.append(Action(Op.RECV_GRAD, mb, stage))
-        elif kind == "WaitActivation":
-            out.append(Action(Op.RECV_ACTIVATION, mb, stage))
-        elif kind == "FDGForward":
-            out.append(Action(Op.FORWARD, mb, stage))
-            forwarded = mb
-        elif kind == "FDGBackward":
-            out.append(Action(Op.BACKWARD, mb, stage))
-            backpropagated = mb
-        elif kind == "ReduceGrads":
-            out.append(Action(Op.ALLREDUCE, None, stage))
-        elif kind == "LocalOptimizerStep":
-            out.append(Action(Op.STEP, None, stage))
-        elif kind == "Exchange":
+        if isinstance(cmd, fdg.Exchange):
+            # the non-blocking sends of what this tick produced (a gradient leaves after the forward)
             if cmd.send_activation is not None:
                 out.append(Action(Op.SEND_ACTIVATION, forwarded, stage))
             if cmd.send_grad is not None:
                 out.append(Action(Op.SEND_GRAD, backpropagated, stage))
-        elif kind not in ("FDGLoad", "AdvanceTick"):
-            raise ValueError(f"the planner does not know FDG instruction {kind} ({cmd}); teach plan/streams.py")
+            continue
+        if type(cmd) not in _FDG_OPS:
+            raise ValueError(f"the planner does not know FDG instruction {type(cmd).__name__}; teach plan/streams.py")
+        op = _FDG_OPS[type(cmd)]
+        if op is None:
+            continue
+        micro_batch = getattr(cmd, "micro_batch", None)
+        out.append(Action(op, micro_batch, stage))
+        if op is Op.FORWARD:
+            forwarded = micro_batch
+        elif op is Op.BACKWARD:
+            backpropagated = micro_batch
     return out
 
 
