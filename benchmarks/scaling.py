@@ -32,6 +32,7 @@ from fdg_schedule.plan import (  # noqa: E402
     CostModel,
     Efficiency,
     ModelProfile,
+    Placement,
     Variant,
     default_variants,
     estimate_resnet,
@@ -197,7 +198,8 @@ def setting_section(setting: Setting, result: Plan) -> list[str]:
         "",
         f"![throughput and memory against K](scaling_{setting.key}.png)",
         "",
-        "Samples/s of the whole job (✗: over the memory limit with any split):",
+        "Samples/s of the whole job (✗: over the memory limit with any split; for interleaved, with the split "
+        "balanced for speed):",
         "",
         "| K | " + " | ".join(SHOWN) + " |",
         "|---" * (len(SHOWN) + 1) + "|",
@@ -349,11 +351,74 @@ def reading(result: Plan) -> list[str]:
             f"{_gb(one_f.peak_memory)} GB, FDG recomputed at {_gb(recomputed.peak_memory)} GB (stage 0 holds "
             f"2(K-1) = {2 * (k - 1)} micro-batches under FDG, K = {k} under 1F1B)."
         )
+    lines += falls(result)
     unfit = [k for k in ks if ("fdg current/stored", k) in by and not by[("fdg current/stored", k)].fits
              and ("fdg current/recomputed", k) in by and by[("fdg current/recomputed", k)].fits]  # fmt: skip
     if unfit:
         lines.append(f"- At K = {_list(unfit)} FDG's stored activations exceed {_gb(result.memory_limit)} GB where "
                      "recomputed ones fit: recomputation is what lets FDG go that deep.")  # fmt: skip
+    return lines
+
+
+def busiest_port_s(result: Plan, p: Any) -> float:
+    """Seconds per micro-batch that the busiest node's port spends sending (activations out, gradients back).
+
+    Chunk c runs on rank c % K; its output goes to chunk c + 1 and the gradient of its input to c - 1.
+    """
+    placement = Placement(result.cluster, p.stages, p.dp)
+    layers, chunks = result.profile.layers, len(p.bounds) - 1
+    sent: dict[int, float] = {}
+    for c in range(chunks - 1):  # the cut between chunk c and c + 1
+        src, dst = c % p.stages, (c + 1) % p.stages
+        if placement.crosses_nodes(src, dst):
+            nbytes = layers[p.bounds[c + 1] - 1].activation_bytes
+            for node in (placement.node(src), placement.node(dst)):  # the activation one way, its gradient back
+                sent[node] = sent.get(node, 0.0) + nbytes * placement.senders_sharing_nic(src)
+    return max(sent.values(), default=0.0) / result.cluster.inter_bandwidth
+
+
+def falls(result: Plan) -> list[str]:
+    """Where a schedule gets slower with more stages, and why (every case is a new node boundary here)."""
+    by = {(p.variant.name, p.stages): p for p in result.predictions}
+    ks = sorted({p.stages for p in result.predictions})
+    groups: dict[tuple[int, int], list[tuple[Any, Any]]] = {}
+    for name in SHOWN:
+        computed = [by[(name, k)] for k in ks if (name, k) in by]
+        for before, after in zip(computed, computed[1:]):
+            if after.samples_per_s < 0.99 * before.samples_per_s:
+                groups.setdefault((before.stages, after.stages), []).append((before, after))
+    lines = []
+    link = f"{result.cluster.inter_bandwidth / 1e9:.0f} GB/s"
+    for (k0, k1), pairs in sorted(groups.items()):
+        n0, n1 = (Placement(result.cluster, k, result.dp).nodes for k in (k0, k1))
+        names = ", ".join(f"{b.variant.name} ({rate(a.samples_per_s)} → {rate(b.samples_per_s)})" for a, b in pairs)
+        text = f"- From K = {k0} to K = {k1} ({n0} → {n1} nodes) {names} fall"
+        if n1 == n0:
+            lines.append(text + ".")
+            continue
+        why = []
+        for a, b in pairs:
+            port0, port1 = busiest_port_s(result, a), busiest_port_s(result, b)
+            why.append(f"{b.variant.name}: {a.inter_node_bytes_per_micro_batch / 1e6:.1f} → "
+                       f"{b.inter_node_bytes_per_micro_batch / 1e6:.1f} MB per micro-batch between nodes, the busiest "
+                       f"port sends {port0 * 1e3:.2f} → {port1 * 1e3:.2f} ms of it per micro-batch, which takes "
+                       f"{a.time_per_micro_batch_s * 1e3:.2f} → {b.time_per_micro_batch_s * 1e3:.2f} ms")  # fmt: skip
+        text += (f": more of the cuts lie between nodes, where a message crosses a {link} port instead of the "
+                 f"node's {result.cluster.intra_bandwidth / 1e9:.0f} GB/s links ({'; '.join(why)}).")  # fmt: skip
+        schedules = {b.variant.schedule for _, b in pairs}
+        if "interleaved" in schedules:
+            text += (" Interleaving sends every micro-batch around the ranks twice, so it crosses between nodes "
+                     "at 2 x nodes - 1 cuts each way (one of them the wrap from the last rank back to the first), "
+                     "not nodes - 1.")  # fmt: skip
+        if "1f1b" in schedules:
+            text += (" DeepSpeed's 1F1B sends block until received, so a transfer between nodes stalls both "
+                     "neighbours, for the activation and again for the gradient.")  # fmt: skip
+        if "fdg" in schedules:
+            text += (" FDG's exchange is on the critical path of every tick (it is posted after the tick's compute "
+                     "and waited for at the start of the next), so a tick lasts at least as long as the busiest port "
+                     "sends; a node with neighbours on both sides sends an activation and a gradient through it "
+                     "every tick.")  # fmt: skip
+        lines.append(text)
     return lines
 
 
@@ -567,6 +632,10 @@ def render(settings: list[Setting], results: dict[str, Plan], paper: dict[str, A
         "this CPU machine: a fraction of a millisecond per instruction, negligible against GPU-sized stages).",
         "- Convergence: FDG's delayed gradients and 1F1B's large batches do not learn at the same rate per "
         "sample (docs/convergence.md); these pages compare samples per second only.",
+        "- Interleaved 1F1B's split balances time (and the transfers between nodes) but not memory: what a chunk "
+        "holds depends on the interleaving and is known only from the simulation, which then marks the split ✗ "
+        "if it exceeds the limit. For that schedule ✗ means the split balanced for speed does not fit, not that "
+        "no split would.",
         "- FLOP estimates are rooflines at a fixed efficiency; a profile measured on the target device "
         "(`fdg_schedule.profile`) replaces them and is the planner's intended input.",
         "",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -186,6 +187,22 @@ def test_fdg_at_k2_on_a_balanced_model_is_twice_backprop_without_communication()
     assert p.samples_per_s == pytest.approx(4 / 12.0)
     one_f_one_b = predict(profile, Variant("1f1b"), 2, cluster, micro_batches=4)
     assert one_f_one_b.step_s == pytest.approx((4 + 1) * 12.0)  # (m + K - 1) slots
+
+
+def test_interleaved_cuts_between_nodes_move_to_small_activations() -> None:
+    # 16 layers whose outputs are large except those of layers 2, 6, 10 and 14. K = 4 ranks on two
+    # nodes of 2, v = 2: chunk c runs on rank c % 4, so the cuts after chunks 1, 3 (the wrap from rank
+    # 3 to rank 0) and 5 cross between nodes; a cut there must carry a small activation.
+    small = {2, 6, 10, 14}
+    base = uniform_profile(16, act=1.0)
+    layers = tuple(dataclasses.replace(layer, activation_bytes=1.0 if i in small else 1000.0)
+                   for i, layer in enumerate(base.layers))  # fmt: skip
+    profile = dataclasses.replace(base, layers=layers)
+    cluster = Cluster(gpus_per_node=2, intra_bandwidth=1e9, intra_latency=0.0, inter_bandwidth=100.0, inter_latency=0.0)
+    p = predict(profile, Variant("interleaved"), 4, cluster, micro_batches=8)
+    crossing = [p.bounds[c + 1] - 1 for c in (1, 3, 5)]  # the last layer before each such cut
+    assert set(crossing) <= small, p.bounds
+    assert p.inter_node_bytes_per_micro_batch == pytest.approx(2 * 3 * 1.0)  # 3 cuts, activation and gradient
 
 
 def test_memory_in_a_prediction_is_static_plus_held() -> None:

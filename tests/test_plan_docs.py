@@ -61,3 +61,19 @@ def test_a_setting_section_states_break_even_and_reading() -> None:
     assert "With 2 data-parallel replicas, FDG with a step per micro-batch all-reduces" in text
     summary = "\n".join(scaling.summary([setting], {"toy": result}))
     assert summary.startswith("- **toy**: FDG's best fitting mode is ahead")
+
+
+def test_a_fall_at_a_new_node_boundary_is_explained() -> None:
+    scaling = load("scaling")
+    profile = uniform_profile(8, act=1000.0)  # a micro-batch's activation takes 10 s between nodes
+    cluster = Cluster(gpus_per_node=2, intra_bandwidth=1e9, intra_latency=0.0, inter_bandwidth=100.0)
+    variants = [Variant("fdg"), Variant("interleaved")]
+    result = plan(profile, cluster, [2, 4], variants)
+    scaling.SHOWN[:] = [v.name for v in variants]
+    text = "\n".join(scaling.falls(result))
+    assert text.startswith("- From K = 2 to K = 4 (1 → 2 nodes) fdg current/stored (")
+    assert "interleaved v=2" in text and "at 2 x nodes - 1 cuts each way" in text
+    # interleaved at K = 4 on two nodes: 3 cuts between nodes, 6 messages; each node's port sends 3 of them
+    four = next(p for p in result.predictions if p.variant.schedule == "interleaved" and p.stages == 4)
+    assert four.inter_node_bytes_per_micro_batch == pytest.approx(6 * 1000.0)
+    assert scaling.busiest_port_s(result, four) == pytest.approx(3 * 1000.0 / 100.0)

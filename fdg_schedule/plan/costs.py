@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fdg_schedule.schedule import Kind
+
 PROFILE_FORMAT = "fdg_schedule.profile/1"
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "float64": 8}
 
@@ -172,25 +174,26 @@ def profile_from_trace(
                          "`python -m fdg_schedule.timeline merge <dir>` first")  # fmt: skip
     stage_of = {int(rank): int(meta["stage_id"]) for rank, meta in ranks.items()}
     stages = max(stage_of.values()) + 1
+    timed = (Kind.FORWARD.value, Kind.BACKWARD.value, Kind.STEP.value)  # the trace's "cat" is the instruction's kind
     kinds: dict[tuple[int, str], list[float]] = {}
     for event in trace.get("traceEvents", []):
-        if event.get("ph") != "X" or event.get("cat") not in ("forward", "backward", "step"):
+        if event.get("ph") != "X" or event.get("cat") not in timed:
             continue
         key = (stage_of[int(event["pid"])], event["cat"])
         kinds.setdefault(key, []).append(event["dur"] * 1e-6)
     layers = []
     for k in range(stages):
-        missing = [kind for kind in ("forward", "backward") if (k, kind) not in kinds]
+        missing = [kind for kind in timed[:2] if (k, kind) not in kinds]
         if missing:
             raise ValueError(f"{source}: stage {k} has no {missing} events; trace a window of steady ticks")
-        median = {kind: statistics.median(kinds.get((k, kind), [0.0])) for kind in ("forward", "backward", "step")}
+        median = {kind: statistics.median(kinds.get((k, kind), [0.0])) for kind in timed}
         layers.append(
             LayerCost(
                 name=f"stage{k}",
-                forward_s=median["forward"],
-                backward_s=median["backward"],
-                recompute_s=median["forward"],
-                step_s=median["step"],
+                forward_s=median[Kind.FORWARD.value],
+                backward_s=median[Kind.BACKWARD.value],
+                recompute_s=median[Kind.FORWARD.value],
+                step_s=median[Kind.STEP.value],
                 param_bytes=param_bytes[k] if k < len(param_bytes) else 0,
                 activation_bytes=activation_bytes[k] if k < len(activation_bytes) else 0,
                 saved_bytes=0,
