@@ -352,6 +352,7 @@ def reading(result: Plan) -> list[str]:
             f"2(K-1) = {2 * (k - 1)} micro-batches under FDG, K = {k} under 1F1B)."
         )
     lines += falls(result)
+    lines += interleaving_behind(result)
     unfit = [k for k in ks if ("fdg current/stored", k) in by and not by[("fdg current/stored", k)].fits
              and ("fdg current/recomputed", k) in by and by[("fdg current/recomputed", k)].fits]  # fmt: skip
     if unfit:
@@ -378,7 +379,7 @@ def busiest_port_s(result: Plan, p: Any) -> float:
 
 
 def falls(result: Plan) -> list[str]:
-    """Where a schedule gets slower with more stages, and why (every case is a new node boundary here)."""
+    """Where a schedule gets slower with more stages, and why (here: more bytes cross between nodes)."""
     by = {(p.variant.name, p.stages): p for p in result.predictions}
     ks = sorted({p.stages for p in result.predictions})
     groups: dict[tuple[int, int], list[tuple[Any, Any]]] = {}
@@ -388,23 +389,25 @@ def falls(result: Plan) -> list[str]:
             if after.samples_per_s < 0.99 * before.samples_per_s:
                 groups.setdefault((before.stages, after.stages), []).append((before, after))
     lines = []
-    link = f"{result.cluster.inter_bandwidth / 1e9:.0f} GB/s"
     for (k0, k1), pairs in sorted(groups.items()):
         n0, n1 = (Placement(result.cluster, k, result.dp).nodes for k in (k0, k1))
-        names = ", ".join(f"{b.variant.name} ({rate(a.samples_per_s)} → {rate(b.samples_per_s)})" for a, b in pairs)
-        text = f"- From K = {k0} to K = {k1} ({n0} → {n1} nodes) {names} fall"
-        if n1 == n0:
-            lines.append(text + ".")
-            continue
-        why = []
+        names = ", ".join(f"{b.variant.name} {rate(a.samples_per_s)} → {rate(b.samples_per_s)}" for a, b in pairs)
+        text = f"- From K = {k0} to K = {k1} ({n0} → {n1} node{'s' if n1 > 1 else ''}) these fall: {names}."
+        # the same cuts give the same traffic: say it once per distinct (bytes, port time)
+        traffic: dict[tuple[str, str], list[str]] = {}
         for a, b in pairs:
-            port0, port1 = busiest_port_s(result, a), busiest_port_s(result, b)
-            why.append(f"{b.variant.name}: {a.inter_node_bytes_per_micro_batch / 1e6:.1f} → "
-                       f"{b.inter_node_bytes_per_micro_batch / 1e6:.1f} MB per micro-batch between nodes, the busiest "
-                       f"port sends {port0 * 1e3:.2f} → {port1 * 1e3:.2f} ms of it per micro-batch, which takes "
-                       f"{a.time_per_micro_batch_s * 1e3:.2f} → {b.time_per_micro_batch_s * 1e3:.2f} ms")  # fmt: skip
-        text += (f": more of the cuts lie between nodes, where a message crosses a {link} port instead of the "
-                 f"node's {result.cluster.intra_bandwidth / 1e9:.0f} GB/s links ({'; '.join(why)}).")  # fmt: skip
+            mb0, mb1 = (p.inter_node_bytes_per_micro_batch / 1e6 for p in (a, b))
+            key = (f"{mb0:.1f} → {mb1:.1f} MB",
+                   f"{busiest_port_s(result, a) * 1e3:.2f} → {busiest_port_s(result, b) * 1e3:.2f} ms")  # fmt: skip
+            traffic.setdefault(key, []).append(f"{b.variant.name} {a.time_per_micro_batch_s * 1e3:.2f} → "
+                                               f"{b.time_per_micro_batch_s * 1e3:.2f} ms")  # fmt: skip
+        if all(b.inter_node_bytes_per_micro_batch > a.inter_node_bytes_per_micro_batch for a, b in pairs):
+            parts = [f"{nbytes} per micro-batch cross between nodes, the busiest node's port sends for {port} of "
+                     f"each micro-batch (time per micro-batch: {'; '.join(times)})"
+                     for (nbytes, port), times in traffic.items()]  # fmt: skip
+            text += (f" More bytes cross between nodes, through a node's {result.cluster.inter_bandwidth / 1e9:.0f} "
+                     f"GB/s port rather than the {result.cluster.intra_bandwidth / 1e9:.0f} GB/s links inside it: "
+                     f"{'; '.join(parts)}.")  # fmt: skip
         schedules = {b.variant.schedule for _, b in pairs}
         if "interleaved" in schedules:
             text += (" Interleaving sends every micro-batch around the ranks twice, so it crosses between nodes "
@@ -414,12 +417,45 @@ def falls(result: Plan) -> list[str]:
             text += (" DeepSpeed's 1F1B sends block until received, so a transfer between nodes stalls both "
                      "neighbours, for the activation and again for the gradient.")  # fmt: skip
         if "fdg" in schedules:
-            text += (" FDG's exchange is on the critical path of every tick (it is posted after the tick's compute "
-                     "and waited for at the start of the next), so a tick lasts at least as long as the busiest port "
+            text += (" FDG's exchange is on the critical path of every tick (posted after the tick's compute, "
+                     "waited for at the start of the next), so a tick lasts at least as long as the busiest port "
                      "sends; a node with neighbours on both sides sends an activation and a gradient through it "
                      "every tick.")  # fmt: skip
         lines.append(text)
     return lines
+
+
+def busiest_rank_s(result: Plan, p: Any) -> float:
+    """Forward + backward seconds per micro-batch of the busiest rank (chunk c runs on rank c % K)."""
+    layers = result.profile.layers
+    chunk = [sum(lay.forward_s + lay.backward_s for lay in layers[a:b]) for a, b in zip(p.bounds, p.bounds[1:])]
+    return max(sum(chunk[r :: p.stages]) for r in range(p.stages))
+
+
+def interleaving_behind(result: Plan) -> list[str]:
+    """Where interleaved 1F1B is slower than plain 1F1B: the rank that holds the slowest chunk holds another too."""
+    by = {(p.variant.name, p.stages): p for p in result.predictions}
+    layers = result.profile.layers
+    behind = []
+    for k in sorted({p.stages for p in result.predictions}):
+        inter, plain = by.get(("interleaved v=2", k)), by.get(("deepspeed 1f1b", k))
+        if inter is None or plain is None or inter.samples_per_s >= plain.samples_per_s:
+            continue
+        behind.append((k, inter, plain, busiest_rank_s(result, inter), busiest_rank_s(result, plain)))
+    if not behind:
+        return []
+    heaviest = max(layers, key=lambda lay: lay.forward_s + lay.backward_s)
+    cases = "; ".join(f"K = {k}: {rate(i.samples_per_s)} vs {rate(p.samples_per_s)} samples/s, busiest rank "
+                      f"{li * 1e3:.2f} vs {lp * 1e3:.2f} ms of compute per micro-batch"
+                      for k, i, p, li, lp in behind)  # fmt: skip
+    return [
+        f"- Interleaved 1F1B is behind DeepSpeed's 1F1B at K = {_list([c[0] for c in behind])} ({cases}). Its 2K "
+        f"chunks are balanced chunk by chunk, but rank r runs chunks r and r + K: the chunk of the heaviest layer "
+        f"({heaviest.name}, {(heaviest.forward_s + heaviest.backward_s) * 1e3:.2f} ms, which cannot be cut) shares "
+        "its rank with another chunk, so the busiest rank does more than 1F1B's slowest stage, and the smaller "
+        "bubble does not make up for it. (Megatron-LM's interleaving by default puts equally many transformer "
+        "layers in every chunk and the head on the last, which balances such a model worse still.)"
+    ]
 
 
 def summary(settings: list[Setting], results: dict[str, Plan]) -> list[str]:

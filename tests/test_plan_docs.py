@@ -6,6 +6,7 @@ Pure and fast: a small plan of identical layers stands in for the three settings
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -71,9 +72,24 @@ def test_a_fall_at_a_new_node_boundary_is_explained() -> None:
     result = plan(profile, cluster, [2, 4], variants)
     scaling.SHOWN[:] = [v.name for v in variants]
     text = "\n".join(scaling.falls(result))
-    assert text.startswith("- From K = 2 to K = 4 (1 → 2 nodes) fdg current/stored (")
+    assert text.startswith("- From K = 2 to K = 4 (1 → 2 nodes) these fall: fdg current/stored ")
+    assert "More bytes cross between nodes, through a node's 0 GB/s port rather than the 1 GB/s links" in text
     assert "interleaved v=2" in text and "at 2 x nodes - 1 cuts each way" in text
     # interleaved at K = 4 on two nodes: 3 cuts between nodes, 6 messages; each node's port sends 3 of them
     four = next(p for p in result.predictions if p.variant.schedule == "interleaved" and p.stages == 4)
     assert four.inter_node_bytes_per_micro_batch == pytest.approx(6 * 1000.0)
     assert scaling.busiest_port_s(result, four) == pytest.approx(3 * 1000.0 / 100.0)
+
+
+def test_interleaving_behind_1f1b_is_explained_by_the_rank_holding_the_uncuttable_layer() -> None:
+    scaling = load("scaling")
+    base = uniform_profile(8, act=0.0)
+    heavy = dataclasses.replace(base.layers[-1], name="Head", forward_s=4.0, backward_s=8.0)
+    profile = dataclasses.replace(base, layers=(*base.layers[:-1], heavy))
+    variants = [Variant("1f1b"), Variant("interleaved")]
+    result = plan(profile, Cluster(gpus_per_node=8), [2], variants)
+    text = "\n".join(scaling.interleaving_behind(result))
+    # seconds: 7 layers of 3 and a head of 12. 1F1B cuts [0, 6, 8]: 18 and 15. Interleaved's 4 chunks
+    # [0, 3, 6, 7, 8] are 9, 9, 3, 12 (none over the head), but rank 1 runs chunks 1 and 3: 21
+    assert text.startswith("- Interleaved 1F1B is behind DeepSpeed's 1F1B at K = 2 (K = 2: ")
+    assert "busiest rank 21000.00 vs 18000.00 ms of compute" in text and "(Head, 12000.00 ms" in text
