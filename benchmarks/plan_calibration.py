@@ -1,7 +1,7 @@
 """Calibrate the planner on this machine, then check its K = 2 predictions against measured FDG and 1F1B runs.
 
     export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 PYTHONPATH=$PWD
-    /work/tools/quiet.sh python benchmarks/plan_calibration.py            # ~10 min on two idle cores
+    python benchmarks/plan_calibration.py                                 # ~10 min on two idle cores
     python benchmarks/plan_calibration.py --report-only                   # re-print from the JSON
 
 1. Links: ping-pong between two gloo ranks at 4 KiB ... 4 MiB, fitted to ``latency + bytes / bandwidth``.
