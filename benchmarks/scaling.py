@@ -417,10 +417,9 @@ def falls(result: Plan) -> list[str]:
             text += (" DeepSpeed's 1F1B sends block until received, so a transfer between nodes stalls both "
                      "neighbours, for the activation and again for the gradient.")  # fmt: skip
         if "fdg" in schedules:
-            text += (" FDG's exchange is on the critical path of every tick (posted after the tick's compute, "
-                     "waited for at the start of the next), so a tick lasts at least as long as the busiest port "
-                     "sends; a node with neighbours on both sides sends an activation and a gradient through it "
-                     "every tick.")  # fmt: skip
+            text += (" FDG sends an activation and a gradient across every cut at every tick, so a tick lasts at "
+                     "least as long as the busiest port takes to send its share; a node with neighbours on both "
+                     "sides sends both kinds through its one port.")  # fmt: skip
         lines.append(text)
     return lines
 
