@@ -1,4 +1,4 @@
-"""``PipelineModule(partition_method=...)`` values that split by measured time: ``"balanced:<profile>"`` and ``"parts:"``.
+"""``PipelineModule(partition_method=...)`` values that split by measured time: "balanced:<profile>", "parts:".
 
 DeepSpeed 0.19.8 knows ``"parameters"``, ``"uniform"`` and ``"type:<regex>"`` and raises
 NotImplementedError for any other value (``PipelineModule._partition_layers``). :func:`install`
@@ -58,7 +58,7 @@ def install() -> None:
                 current(self, method=method)
 
         _partition_layers._fdg_original = current  # type: ignore[attr-defined]
-        PipelineModule._partition_layers = _partition_layers  # type: ignore[method-assign]
+        PipelineModule._partition_layers = _partition_layers
 
 
 def uninstall() -> None:
@@ -66,7 +66,7 @@ def uninstall() -> None:
     with _lock:
         original = getattr(PipelineModule._partition_layers, "_fdg_original", None)
         if original is not None:
-            PipelineModule._partition_layers = original  # type: ignore[method-assign]
+            PipelineModule._partition_layers = original
 
 
 def is_ours(method: str) -> bool:

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import toy
 import torch
+import toy
 from dist_harness import run_ranks
 
 from fdg_schedule import pipe_partition
