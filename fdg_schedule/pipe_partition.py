@@ -32,10 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from deepspeed.runtime.pipe.module import PipelineModule
-from deepspeed.utils import logger
 
 from fdg_schedule.partition import Objective, Partition, balanced_partition, evaluate_partition, parameter_split
-from fdg_schedule.profile import ModelProfile, layer_name
+from fdg_schedule.profile import ModelProfile, cached_profile, layer_name, optimizer_from_ds_config
 
 BALANCED = "balanced"
 PARTS = "parts:"
@@ -100,6 +99,35 @@ def balanced_method(
     if memory_limit_mib is not None:
         query["memory_mib"] = memory_limit_mib
     return f"{BALANCED}:{profile}" + (f"?{urllib.parse.urlencode(query)}" if query else "")
+
+
+def profile_and_balance(
+    layers: Sequence[Any],
+    inputs: Any,
+    labels: Any,
+    loss_fn: Any,
+    ds_config: Mapping[str, Any],
+    cache_dir: str | Path,
+    memory_limit_mib: float | None = None,
+) -> str:
+    """Profile ``layers`` on one micro-batch (once: cached in ``cache_dir``) and return the ``"balanced:"``
+    method for ``ds_config``'s schedule. Every rank calls it; global rank 0 measures (see ``cached_profile``).
+
+    The step is timed with the config's optimizer type; weights and inputs in bf16 when the config says so.
+    """
+    import torch
+
+    bf16 = bool((ds_config.get("bf16") or {}).get("enabled"))
+    _, path = cached_profile(
+        layers,
+        inputs,
+        cache_dir,
+        labels=labels,
+        loss_fn=loss_fn,
+        optimizer=optimizer_from_ds_config(dict(ds_config)),
+        dtype=torch.bfloat16 if bf16 else None,
+    )
+    return balanced_method(path, ds_config, memory_limit_mib)
 
 
 def parse_balanced(method: str) -> tuple[Path, Objective]:
@@ -195,6 +223,6 @@ def _apply(module: PipelineModule, method: str) -> None:
     module.parts = parts
     module.partition_plan = plan
     if module.global_rank == 0:
-        logger.info(report)
+        print(report, flush=True)  # as DeepSpeed prints its own partition (its logger shows warnings only)
     stage_id = module._topo.get_coord(module.global_rank).pipe
     module._set_bounds(start=parts[stage_id], stop=parts[stage_id + 1])

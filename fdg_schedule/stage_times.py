@@ -5,10 +5,11 @@
     text = stage_report(engine, clock)  # every rank calls it (a gather); global rank 0 gets the table
 
 FDG engines count their own time per instruction kind (``engine.fdg_stats``) and their ticks;
-DeepSpeed's ``PipelineEngine`` does not, so the clock times its instruction handlers through a copy
-of the instruction map on the engine instance (the class and other engines are untouched) and counts
-its backward passes. Compute is forward + backward (+ the recomputed forward, which runs inside it)
-+ optimizer step + gradient all-reduce; wait is time blocked on a neighbour.
+DeepSpeed's ``PipelineEngine`` does not, so the clock times its instruction handlers during
+``train_batch()`` through a copy of the instruction map on the engine instance (the class and other
+engines are untouched) and counts its backward passes. Compute is forward + backward (+ the
+recomputed forward, which runs inside it) + optimizer step + gradient all-reduce; wait is time
+blocked on a neighbour.
 """
 
 from __future__ import annotations
@@ -23,15 +24,39 @@ COMPUTE = ("forward_s", "backward_s", "step_s", "reduce_s")
 
 
 class StageClock:
-    """Seconds per kind this rank's stage has spent since the clock was made, and micro-batches done."""
+    """Seconds per kind this rank's stage spends in ``train_batch()``, and micro-batches done, after a warm-up.
 
-    def __init__(self, engine: Any) -> None:
+    Counting starts after the first ``train_batch()`` call that ends with at least ``warmup``
+    micro-batches done (default ``2K``: FDG's pipeline has filled and first-call costs are past); a
+    shorter run is counted from the start.
+    """
+
+    def __init__(self, engine: Any, warmup: int | None = None) -> None:
         self.engine = engine
         self.fdg = hasattr(engine, "fdg_stats")
+        self.warmup = 2 * engine.num_stages if warmup is None else warmup
         self._stock: dict[str, float] = {}
+        self._training = [False]  # eval_batch() runs the same handlers: only train_batch() time counts
         if not self.fdg:
             self._time_stock_instructions()
-        self._start = self.totals()
+        self._start: dict[str, float] | None = None
+        train_batch = engine.train_batch
+
+        def counted_train_batch(*args: Any, **kwargs: Any) -> Any:
+            self._training[0] = True
+            try:
+                return train_batch(*args, **kwargs)
+            finally:
+                self._training[0] = False
+                if self._start is None and self.totals()["micro_batches"] >= self.warmup:
+                    self._start = self.totals()
+
+        engine.train_batch = counted_train_batch
+
+    @property
+    def counting(self) -> bool:
+        """True once the warm-up is over (the numbers exclude it)."""
+        return self._start is not None
 
     def totals(self) -> dict[str, float]:
         """Seconds per kind (``forward_s``, ``backward_s``, ``step_s``, ``reduce_s``, ``wait_s``) and
@@ -44,8 +69,8 @@ class StageClock:
         return dict(self._stock)
 
     def since_start(self) -> dict[str, float]:
-        now = self.totals()
-        return {key: now[key] - self._start.get(key, 0.0) for key in now}
+        now, start = self.totals(), self._start or {}
+        return {key: now[key] - start.get(key, 0.0) for key in now}
 
     def per_micro_batch(self) -> dict[str, float]:
         """``compute_s`` and ``wait_s`` (and each kind) per micro-batch since the clock was made."""
@@ -72,12 +97,16 @@ class StageClock:
         self._stock = {kind: 0.0 for kind in (*COMPUTE, "wait_s", "micro_batches")}
         table = dict(type(self.engine)._INSTRUCTION_MAP)
         for cls, kind in kinds.items():
-            table[cls] = _timed(table[cls], self._stock, kind, counts=cls is s.BackwardPass)
+            table[cls] = _timed(table[cls], self._stock, kind, cls is s.BackwardPass, self._training)
         self.engine._INSTRUCTION_MAP = table  # DeepSpeed's dispatch loop reads self._INSTRUCTION_MAP
 
 
-def _timed(fn: Callable[..., Any], stats: dict[str, float], kind: str, counts: bool) -> Callable[..., Any]:
+def _timed(
+    fn: Callable[..., Any], stats: dict[str, float], kind: str, counts: bool, training: list[bool]
+) -> Callable[..., Any]:
     def timed(self: Any, **kwargs: Any) -> Any:
+        if not training[0]:
+            return fn(self, **kwargs)
         start = time.perf_counter()
         try:
             return fn(self, **kwargs)
@@ -109,7 +138,7 @@ def stage_report(engine: Any, clock: StageClock) -> str | None:
     per_stage = sorted((r for r in rows if r["dp_rank"] == 0), key=lambda r: r["stage"])
     lines = [
         f"per-stage time per micro-batch ({'FDG, per tick' if clock.fdg else '1F1B'}; compute = forward + backward "
-        "+ step + all-reduce):",
+        f"+ step + all-reduce{'' if clock.counting else ', warm-up included: a short run'}):",
         "stage | layers | predicted ms | compute ms | error | wait ms",
     ]
     for r in per_stage:

@@ -111,8 +111,42 @@ def _partition_worker(rank: int, world: int, profile: str) -> dict[str, Any]:
         for weights in ("current", "stashed"):
             method = f"balanced:{profile}?activations={activations}&weights={weights}"
             out["held"][(weights, activations)] = _held_in_steady_state(method, world, weights, activations)
+    out["reports"] = {
+        schedule: _report_after_training(f"balanced:{profile}", world, schedule) for schedule in SCHEDULES
+    }
     del deepspeed
     return out
+
+
+SCHEDULES = ("fdg", "1f1b")
+
+
+def _report_after_training(method: str, stages: int, schedule: str) -> tuple[str | None, dict[str, float]]:
+    """Train 4 calls of GAS 3 with a StageClock (warm-up: the first 6 micro-batches); the report and counts."""
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+
+    from fdg_schedule.stage_times import StageClock, stage_report
+
+    torch.manual_seed(0)
+    module = PipelineModule(layers=toy.layers(), num_stages=stages, loss_fn=toy.loss_fn, partition_method=method)
+    config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3}
+    config["steps_per_print"] = 10**9
+    if schedule == "fdg":
+        config["pipeline"] = {"schedule": "fdg"}
+    engine, *_ = deepspeed.initialize(
+        model=module,
+        config=config,
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.01),
+        model_parameters=module.parameters(),
+    )
+    clock = StageClock(engine, warmup=6)
+    data = iter(toy.micro_batches(12, 4))
+    for call in range(4):
+        engine.train_batch(data)
+        if call == 1:  # evaluation between calls is not counted
+            engine.eval_batch(iter(toy.micro_batches(3, 4, seed=5)))
+    return stage_report(engine, clock), clock.since_start()
 
 
 def _held_in_steady_state(method: str, stages: int, weights: str, activations: str) -> tuple[list[int], int]:
@@ -154,3 +188,14 @@ def test_in_real_pipelines(tmp_path: Path, toy_profile: Path, stages: int) -> No
             assert parts == plan.parts
             assert held == plan.stages[rank].held_bytes, (weights, activations, rank)
         assert results[0]["held"][(weights, activations)][1] > 0  # stage 0 holds micro-batches in flight
+    plan = balanced_partition(profile, stages)
+    for schedule in SCHEDULES:
+        report, _ = results[0]["reports"][schedule]
+        rows = [line.split(" | ") for line in report.splitlines()[2:]]
+        assert [int(row[0]) for row in rows] == list(range(stages)), report
+        assert [row[1] for row in rows] == [f"{a}-{b - 1}" for a, b in zip(plan.parts, plan.parts[1:])]
+        assert [float(row[2]) for row in rows] == [round(s.time_s * 1e3, 2) for s in plan.stages]
+        assert all(float(row[3]) > 0 for row in rows) and "warm-up included" not in report
+        for result in results:
+            assert result["reports"][schedule][1]["micro_batches"] == 6  # calls 3 and 4: 2 x GAS 3, after warm-up
+            assert result["reports"][schedule][1]["forward_s"] > 0
