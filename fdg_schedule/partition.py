@@ -245,6 +245,7 @@ class _Costs:
         self.weights = _prefix(column("param_bytes"))
         self.static = _prefix(2 * column("param_bytes") + column("optimizer_state_bytes"))
         self.inputs = np.array([profile.input_bytes_of(i) for i in range(self.layers)] + [0], dtype=np.int64)
+        self._memory_lasts: list[np.ndarray] | None = None  # per stage, filled on the first reach()
 
     def recomputes(self, k: int) -> bool:
         return self.objective.recomputes and k < self.stages - 1
@@ -275,33 +276,36 @@ class _Costs:
         inputs = int(self.inputs[start])
         return a * saved + i * inputs + w * weights + static, held_a * saved + held_i * inputs + held_w * weights
 
-    def _ends(self, k: int, bottleneck: int, floor: int) -> tuple[np.ndarray, np.ndarray]:
-        """For every start i, the stops j of stage k with time in [floor, bottleneck] and memory in the limit.
-
-        They form the interval [first, last] (empty when first > last): a stage's time and memory
-        never fall as it takes more layers.
-        """
-        prefix = self.time_prefix(k)
-        first = np.maximum(np.searchsorted(prefix, prefix + floor, side="left"), np.arange(1, self.layers + 2))
-        last = np.searchsorted(prefix, prefix + bottleneck, side="right") - 1
+    def _memory_last(self, k: int) -> np.ndarray:
+        """For every start, the last stop of stage k within the memory limit and leaving a layer per later stage."""
+        cap = np.full(self.layers + 1, self.layers - (self.stages - 1 - k), dtype=np.int64)
         limit = self.objective.memory_limit
-        if limit is not None:
-            a, i, w, *_ = self._coefficients(k)
-            grows = a * self.saved + w * self.weights + self.static  # nondecreasing in the stop
-            allowed = limit + grows - i * self.inputs  # peak(start, stop) <= limit  <=>  grows[stop] <= allowed[start]
-            last = np.minimum(last, np.searchsorted(grows, allowed, side="right") - 1)
-        return first, np.minimum(last, self.layers - (self.stages - 1 - k))  # a layer for every later stage
+        if limit is None:
+            return cap
+        a, i, w, *_ = self._coefficients(k)
+        grows = a * self.saved + w * self.weights + self.static  # nondecreasing in the stop
+        allowed = limit + grows - i * self.inputs  # peak(start, stop) <= limit  <=>  grows[stop] <= allowed[start]
+        return np.minimum(cap, np.searchsorted(grows, allowed, side="right") - 1)
 
     def reach(self, bottleneck: int, floor: int = 0) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None:
         """Per stage: where it may start and its stop interval per start, if some split covers the model.
 
-        Every stage's time must lie in [floor, bottleneck]; None when no split does.
+        For a start i, stage k may stop at any j in [first[i], last[i]] (empty when first > last):
+        its time lies in [floor, bottleneck] and its memory fits (neither falls as a stage takes
+        more layers). None when no split covers the model.
         """
         n = self.layers
+        if self._memory_lasts is None:
+            self._memory_lasts = [self._memory_last(k) for k in range(self.stages)]
+        bounds = {}  # per time prefix (plain, recomputing): first and last stop within the time window
+        for prefix in {id(p): p for p in self.time_prefixes}.values():
+            first = np.maximum(np.searchsorted(prefix, prefix + floor, side="left"), np.arange(1, n + 2))
+            bounds[id(prefix)] = first, np.searchsorted(prefix, prefix + bottleneck, side="right") - 1
         starts = np.arange(n + 1) == 0
         history = []
         for k in range(self.stages):
-            first, last = self._ends(k, bottleneck, floor)
+            first, time_last = bounds[id(self.time_prefixes[k])]
+            last = np.minimum(time_last, self._memory_lasts[k])
             history.append((starts, first, last))
             usable = starts & (first <= last)
             # Stops some usable start reaches: +1 where its interval opens, -1 after it closes.
