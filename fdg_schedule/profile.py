@@ -318,7 +318,8 @@ def _profile_one(
             run(_clone(leaf))
         t4 = _now(device)
         if round_ >= warmup:
-            for key, value in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            step = t3 - t2 if opt is not None else 0.0  # no parameters: no step to take
+            for key, value in zip(times, (t1 - t0, t2 - t1, step, t4 - t3)):
                 times[key].append(value)
     param_list = list(module.parameters()) if module is not None else []
     state_bytes = sum(_nbytes(v) for s in (opt.state.values() if opt else ()) for v in s.values() if torch.is_tensor(v))

@@ -88,7 +88,14 @@ def _partition_worker(rank: int, world: int, profile: str) -> dict[str, Any]:
 
     import fdg_schedule  # noqa: F401  (installs the hook)
 
+    from fdg_schedule import profile as profiling
+
     out: dict[str, Any] = {"stock": {}}
+    # cached_profile: rank 0 measures, every rank gets the same profile and file; then it is cached.
+    x, y = toy.micro_batches(1, 4)[0]
+    cache = Path(profile).parent / "cache"
+    shared, path = profiling.cached_profile(toy.layers(), x, cache, y, toy.loss_fn, repeats=1, warmup=0)
+    out["shared"] = (shared.to_dict(), ModelProfile.load(path).to_dict())
     for method in ("parameters", "uniform", "type:SeededLinear", "TYPE:pair"):
         seen = {}
         for hooked in (False, True):
@@ -176,6 +183,7 @@ def _held_in_steady_state(method: str, stages: int, weights: str, activations: s
 @pytest.mark.parametrize("stages", [2, 3])
 def test_in_real_pipelines(tmp_path: Path, toy_profile: Path, stages: int) -> None:
     results = run_ranks(_partition_worker, stages, tmp_path, str(toy_profile), deadline_s=240)
+    assert all(r["shared"][0] == results[0]["shared"][0] == r["shared"][1] for r in results)
     for method, seen in results[0]["stock"].items():
         assert seen[False] == seen[True], method  # same boundaries, same printout, same type
     if stages == 2:
