@@ -12,8 +12,10 @@ on fixed micro-batches, holding its delay d = 2(K-1-k) micro-batches in flight. 
 is the backward of the oldest micro-batch (with a fixed gradient of the output's shape; under
 "recomputed" its forward is rerun first), the optimizer step, then the forward of the newest (without
 autograd under "recomputed"); the last stage runs forward, loss, backward and step. Nothing is sent.
-Measured = median tick time over ``--ticks`` ticks after the pipeline is full and ``--warmup`` more;
-error = measured / predicted - 1.
+All stages of a split are built at once and timed interleaved (``--rounds`` rounds, each running a
+few ticks of every stage in turn), so drift on this shared machine falls on all of them alike.
+Measured = median tick time over ``--ticks`` ticks per stage after the pipeline is full and
+``--warmup`` more; error = measured / predicted - 1.
 
 Writes ``<out>/stage_alone.json`` and ``<out>/stage_alone.md``.
 """
@@ -24,6 +26,7 @@ import argparse
 import collections
 import copy
 import datetime
+import gc
 import json
 import os
 import platform
@@ -152,27 +155,40 @@ def stage_inputs(layers: list[Any], data: list[tuple[Any, Any]], start: int) -> 
     return out
 
 
-def measure_stage(
-    model: str, layers: list[Any], start: int, stop: int, stages: int, stage_id: int, recompute: bool, args: Any
-) -> list[float]:
-    """Tick times of stage ``stage_id`` (layers ``start:stop``) alone, after the fill and the warm-up."""
+def measure_stages(model: str, layers: list[Any], parts: list[int], recompute: bool, args: Any) -> list[list[float]]:
+    """Tick times of every stage of the split ``parts``, each alone, interleaved.
+
+    All stages are built, filled (d ticks) and warmed up; then ``--rounds`` rounds each run
+    ``--ticks`` / ``--rounds`` ticks of every stage in turn (the order rotates per round), so a slow
+    minute on this machine falls on all stages alike.
+    """
     data = bench_models.fixed_data(model)
-    last = stage_id == stages - 1
-    stage = StageAlone(
-        layers[start:stop],
-        stage_inputs(layers, data, start),
-        [y for _, y in data],
-        bench_models.loss_fn(model) if last else None,
-        delay=2 * (stages - 1 - stage_id),
-        recompute=recompute and not last,
-    )
-    for _ in range(stage.delay + args.warmup):
-        stage.tick()
-    times = []
-    for _ in range(args.ticks):
-        start_s = time.perf_counter()
-        stage.tick()
-        times.append(time.perf_counter() - start_s)
+    stages = len(parts) - 1
+    built = []
+    for k, (start, stop) in enumerate(zip(parts, parts[1:])):
+        last = k == stages - 1
+        stage = StageAlone(
+            layers[start:stop],
+            stage_inputs(layers, data, start),
+            [y for _, y in data],
+            bench_models.loss_fn(model) if last else None,
+            delay=2 * (stages - 1 - k),
+            recompute=recompute and not last,
+        )
+        for _ in range(stage.delay + args.warmup):
+            stage.tick()
+        built.append(stage)
+    times: list[list[float]] = [[] for _ in built]
+    per_round = max(1, args.ticks // args.rounds)
+    for r in range(args.rounds):
+        order = list(range(stages))
+        for k in order[r % stages :] + order[: r % stages]:
+            for _ in range(per_round):
+                start_s = time.perf_counter()
+                built[k].tick()
+                times[k].append(time.perf_counter() - start_s)
+    del built
+    gc.collect()  # the next split starts with these layers and held activations freed
     return times
 
 
@@ -182,6 +198,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--stages", default="3,4")
     parser.add_argument("--activations", default="stored,recomputed")
     parser.add_argument("--ticks", type=int, default=15, help="timed ticks per stage")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds the timed ticks are spread over")
     parser.add_argument("--warmup", type=int, default=3, help="ticks after the pipeline is full, not timed")
     parser.add_argument("--profile-repeats", type=int, default=7)
     parser.add_argument("--out", default=str(ROOT / "out" / "stage_alone"))
@@ -204,19 +221,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for stages in [int(k) for k in args.stages.split(",")]:
             for activations in args.activations.split(","):
                 plan = balanced_partition(profile, stages, Objective(activations=activations))
-                for s in plan.stages:
-                    times = measure_stage(model, layers, s.start, s.stop, stages, s.stage_id,
-                                          activations == "recomputed", args)  # fmt: skip
-                    measured = statistics.median(times)
+                load = os.getloadavg()[0]
+                measured = measure_stages(model, layers, plan.parts, activations == "recomputed", args)
+                for s, times in zip(plan.stages, measured):
+                    median = statistics.median(times)
                     row = {
                         "model": model, "stages": stages, "activations": activations, "stage": s.stage_id,
-                        "parts": plan.parts, "predicted_s": s.time_s, "measured_s": measured,
+                        "parts": plan.parts, "predicted_s": s.time_s, "measured_s": median,
                         "measured_min_s": min(times), "measured_max_s": max(times),
-                        "error": measured / s.time_s - 1,
+                        "error": median / s.time_s - 1, "load_avg_1min": load,
                     }  # fmt: skip
                     report["rows"].append(row)
                     print(f"  {model} K={stages} {activations} stage {s.stage_id} layers {s.start}-{s.stop - 1}: "
-                          f"predicted {s.time_s * 1e3:.1f} ms, measured {measured * 1e3:.1f} ms "
+                          f"predicted {s.time_s * 1e3:.1f} ms, measured {median * 1e3:.1f} ms "
                           f"({row['error']:+.1%})", flush=True)  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
