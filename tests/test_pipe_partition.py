@@ -87,7 +87,6 @@ def _partition_worker(rank: int, world: int, profile: str) -> dict[str, Any]:
     from deepspeed.pipe import PipelineModule
 
     import fdg_schedule  # noqa: F401  (installs the hook)
-
     from fdg_schedule import profile as profiling
 
     out: dict[str, Any] = {"stock": {}}
