@@ -1,6 +1,8 @@
 """The models the balance and throughput benchmarks split: flat layer lists and fixed synthetic micro-batches.
 
     resnet32, resnet56    CIFAR ResNets from the zoo (stem, 15 / 27 blocks, pool, linear), 32x32 RGB
+    transformer           4 pre-norm encoder blocks (width 256, 4 heads), mean pool, linear; 64-token
+                          sequences of synthetic embeddings
     gpt2                  the zoo's HF GPT-2 "small" preset (embedding, 6 blocks of width 384, head with
                           a vocabulary of 8192), as DeepSpeed layers; 128-token sequences
     convstack             a plain stack of 3x3 conv + batch norm + ReLU layers whose width doubles as the
@@ -24,9 +26,11 @@ CLASSES = 10
 MODELS: dict[str, dict[str, Any]] = {
     "resnet32": dict(kind="resnet", depth=32, micro=32, image=32),
     "resnet56": dict(kind="resnet", depth=56, micro=32, image=32),
+    "transformer": dict(kind="transformer", blocks=4, width=256, heads=4, seq=64, micro=16),
     "gpt2": dict(kind="gpt2", size="small", vocab=8192, seq=128, micro=8),
     "convstack": dict(kind="conv", widths=(32, 64, 128), per_group=6, micro=32, image=32),
     "resnet8_tiny": dict(kind="resnet", depth=8, micro=8, image=16),
+    "transformer_tiny": dict(kind="transformer", blocks=2, width=64, heads=4, seq=16, micro=8),
     "gpt2_tiny": dict(kind="gpt2", size="tiny", vocab=256, seq=16, micro=4),
     "convstack_tiny": dict(kind="conv", widths=(8, 16), per_group=2, micro=8, image=16),
 }
@@ -54,6 +58,18 @@ class PoolLinear(nn.Module):
         return self.fc(x.mean(dim=(2, 3)))
 
 
+class MeanPoolHead(nn.Module):
+    """LayerNorm, mean over the sequence, linear classifier: (batch, seq, width) -> (batch, classes)."""
+
+    def __init__(self, width: int, classes: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.norm(x).mean(dim=1))
+
+
 def model_layers(model: str) -> list[Any]:
     """The layer list of ``model`` (the same list on every call)."""
     from deepspeed.pipe import LayerSpec
@@ -71,12 +87,28 @@ def model_layers(model: str) -> list[Any]:
                 layers.append(LayerSpec(ConvBlock, channels, width, 2 if group > 0 and block == 0 else 1))
                 channels = width
         return [*layers, LayerSpec(PoolLinear, channels, CLASSES)]
+    if cfg["kind"] == "transformer":
+        width = cfg["width"]
+        blocks = [
+            LayerSpec(
+                nn.TransformerEncoderLayer, width, cfg["heads"], 4 * width, 0.0, batch_first=True, norm_first=True
+            )
+            for _ in range(cfg["blocks"])
+        ]
+        return [*blocks, LayerSpec(MeanPoolHead, width, CLASSES)]
     from fdg_schedule.zoo import hf_lm
 
     with torch.random.fork_rng():
         torch.manual_seed(0)
         config = hf_lm.build_config("gpt2", cfg["size"], cfg["vocab"], cfg["seq"])
         return list(hf_lm.pipeline_layers(hf_lm.build_model(config)))
+
+
+def build_layers(model: str) -> list[nn.Module]:
+    """The layers of ``model`` as modules (``LayerSpec``s built), for a plain ``nn.Sequential``."""
+    from deepspeed.pipe import LayerSpec
+
+    return [layer.build() if isinstance(layer, LayerSpec) else layer for layer in model_layers(model)]
 
 
 def loss_fn(model: str) -> Any:
@@ -95,7 +127,10 @@ def fixed_data(model: str, count: int = 4) -> list[tuple[torch.Tensor, torch.Ten
     if cfg["kind"] == "gpt2":
         ids = [torch.randint(0, cfg["vocab"], (cfg["micro"], cfg["seq"]), generator=g) for _ in range(count)]
         return [(x, x) for x in ids]
-    shape = (cfg["micro"], 3, cfg["image"], cfg["image"])
+    if cfg["kind"] == "transformer":
+        shape: tuple[int, ...] = (cfg["micro"], cfg["seq"], cfg["width"])
+    else:
+        shape = (cfg["micro"], 3, cfg["image"], cfg["image"])
     return [
         (torch.randn(shape, generator=g), torch.randint(0, CLASSES, (cfg["micro"],), generator=g)) for _ in range(count)
     ]
