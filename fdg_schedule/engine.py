@@ -67,6 +67,7 @@ class FDGPipelineEngine(PipelineEngine):
         # Counters, and seconds spent per kind of instruction ("<kind>_s", see schedule.Kind).
         self.fdg_stats: dict[str, float] = {"ticks": 0, "steps": 0, "skipped": 0, **{f"{k.value}_s": 0.0 for k in Kind}}
         self.observers = observe.observers_from_config(self, self._config._param_dict)
+        self._reduce_is_identity = optim.reduce_is_identity(self)
 
     # -- public ---------------------------------------------------------------------------------
 
@@ -351,6 +352,11 @@ class FDGPipelineEngine(PipelineEngine):
         for key in ("inputs", "outputs", "labels"):
             self.pipe_buffers[key][buffer_id] = None
 
+    def _exec_reduce_grads(self) -> None:
+        # Note [gradient reduce with one data-parallel rank]: skip the identity all-reduce every tick.
+        if not (self._reduce_is_identity and optim.fill_missing_grads(self.module)):
+            super()._exec_reduce_grads()
+
     def _exec_local_optimizer_step(self) -> None:
         wrapped = self.bfloat16_enabled() or self.zero_optimization()
         self._force_grad_boundary = True
@@ -404,6 +410,7 @@ class FDGPipelineEngine(PipelineEngine):
         schedule.WaitGrad: _exec_wait_grad,
         schedule.FDGForward: _exec_fdg_forward,
         schedule.FDGBackward: _exec_fdg_backward,
+        schedule.ReduceGrads: _exec_reduce_grads,
         schedule.LocalOptimizerStep: _exec_local_optimizer_step,
         schedule.Exchange: _exec_exchange,
         schedule.AdvanceTick: _exec_advance_tick,

@@ -36,6 +36,8 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 from tqdm import tqdm
 
 import fdg_schedule  # noqa: F401  (installs the FDG pipeline engine before deepspeed.initialize)
+from fdg_schedule import pipe_partition
+from fdg_schedule.stage_times import StageClock, stage_report
 from fdg_schedule.zoo import resnet, vision_data
 
 # -----------------------------------------------------------------------------
@@ -46,7 +48,10 @@ epochs = 3
 train_subset = None  # use only this many training images (a fixed random subset)
 test_subset = None
 max_steps = None  # stop after this many train_batch calls in total
-partition = "paper"  # the FDG paper's split, or a partition_method: "parameters", "uniform", "parts:0,5,12"
+partition = (
+    "balanced"  # measured layer times; or "paper" (the FDG paper's split), "parameters", "uniform", "parts:0,5,12"
+)
+profile_dir = "runs/profiles"  # layer profiles for "balanced", measured once per model / micro-batch / machine
 lr_decay = 0.1
 lr_decay_at = (0.5, 0.75, 0.9167)  # fractions of the run: the paper's epochs 150, 225, 275 of 300
 checkpoint_every = 0  # epochs; 0 = never
@@ -67,6 +72,7 @@ parser.add_argument("--test-subset", type=int, default=test_subset)
 parser.add_argument("--max-steps", type=int, default=max_steps)
 parser.add_argument("--pipeline-parallel-size", type=int, default=None, help="stages K (default: world size)")
 parser.add_argument("--partition", default=partition)
+parser.add_argument("--profile-dir", default=profile_dir, help="where --partition balanced caches layer timings")
 parser.add_argument("--lr-decay-epochs", type=int, nargs="*", default=None, help="default: the paper's, scaled")
 parser.add_argument("--num-workers", type=int, default=0, help="DataLoader workers (0 keeps the CPU for the model)")
 parser.add_argument("--checkpoint-dir", default=None, help="default: checkpoints/<model>_<config name>")
@@ -107,6 +113,23 @@ os.environ.setdefault("MASTER_PORT", "29511")
 
 deepspeed.init_distributed()
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+input_dtype = torch.bfloat16 if ds_config.get("bf16", {}).get("enabled") else torch.float32  # inputs match weights
+if args.partition == "balanced" and stages > 1:
+    # Time every layer on one real micro-batch (rank 0, once per model and machine: cached), then split.
+    micro = ds_config.get("train_micro_batch_size_per_gpu") or ds_config["train_batch_size"] // (
+        ds_config.get("gradient_accumulation_steps", 1) * (world_size // stages)
+    )
+    sample_x, sample_y = next(iter(DataLoader(data.train, micro)))
+    args.partition = pipe_partition.profile_and_balance(
+        resnet.resnet_layers(args.model, data.num_classes, data.in_channels),
+        sample_x.to(input_dtype),
+        sample_y,
+        F.cross_entropy,
+        ds_config,
+        args.profile_dir,
+    )
+elif args.partition == "balanced":
+    args.partition = "uniform"  # one stage: nothing to balance
 set_random_seed(args.seed)
 net = resnet.build_pipeline(
     args.model,
@@ -125,7 +148,7 @@ logging_rank = rank == 0  # DeepSpeed's monitors also write from global rank 0
 first, last = engine.is_first_stage(), engine.is_last_stage()
 dp_rank, dp_size = engine.grid.get_data_parallel_rank(), engine.grid.get_data_parallel_world_size()
 micro_batch, accumulation = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-input_dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float32  # inputs must match the weights
+clock = StageClock(engine)  # per-stage compute and wait, reported against the split's prediction at the end
 schedule = engine._config.pipeline.get("schedule", "1f1b")
 
 # Data: the first stage reads images; the last stage reads the labels of the same items in the same order.
@@ -262,7 +285,9 @@ for epoch in range(start_epoch, args.epochs):
         break
 
 trained_samples = step * samples_per_step
+report = stage_report(engine, clock)
 if logging_rank:
+    print(report, flush=True)
     print(
         f"final: test_acc {test_acc:.2%} test_loss {test_loss:.4f} | "
         f"{trained_samples / max(train_time, 1e-9):.1f} samples/s | wall {time.time() - wall_start:.1f} s | "

@@ -202,7 +202,10 @@ def test_no_collective_across_stages_in_steady_state(tmp_path, extra: dict[str, 
     for trace in traces:
         for name, ranks in trace["seen"]:
             assert set(ranks) <= set(trace["dp_group"]), f"stage {trace['stage_id']}: {name} over ranks {ranks}"
-    if not extra:  # the tracer does see DeepSpeed's own cross-stage collectives under 1F1B
+    if not extra:
+        # Note [gradient reduce with one data-parallel rank]: no collective at all, not even a one-rank reduce.
+        assert all(trace["seen"] == [] for trace in traces), [trace["seen"] for trace in traces]
+        # The tracer does see DeepSpeed's own cross-stage collectives under 1F1B.
         stock = run_ranks(engine_workers.trace_collectives, world, tmp_path, {**case, "schedule": "1f1b"})
         assert any(set(ranks) == {0, 1} for _, ranks in stock[0]["seen"])
 

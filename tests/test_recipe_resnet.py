@@ -125,12 +125,16 @@ def test_fdg_k2_trains_on_fashion_mnist(tmp_path: Path) -> None:
         2,
         "--deepspeed_config", str(tmp_path / "fdg_k2.json"),
         "--epochs", "2", "--train-subset", "2048", "--test-subset", "1000",
+        "--profile-dir", str(tmp_path / "profiles"),  # measured afresh, not read from an earlier run's cache
         cwd=ROOT,  # the recipe caches the unpacked data set in ROOT/data (git-ignored)
         timeout=400,
     )  # fmt: skip
     epochs = re.findall(r"epoch (\d)/2: train_loss ([\d.]+) test_loss ([\d.]+) test_acc ([\d.]+)%", output)
     assert len(epochs) == 2, output[-3000:]
-    assert "schedule fdg" in output and "partition [0, 5, 12]" in output
+    assert "schedule fdg" in output
+    # --partition balanced (the default): the layers are profiled, split, and the split's prediction reported
+    assert "balanced partition of 12 layers into 2 stages" in output, output[-3000:]
+    assert re.search(r"^1 \| \d+-11 \| [\d.]+ \| [\d.]+ \| [+-][\d.]+% \|", output, re.MULTILINE), output[-3000:]
     (_, loss1, _, _), (_, loss2, test_loss, test_acc) = epochs
     assert float(loss2) < float(loss1), "training loss did not decrease"
     assert float(test_loss) < 2.30, "test loss not below a uniform guess (ln 10)"

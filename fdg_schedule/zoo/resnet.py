@@ -50,6 +50,8 @@ import torchvision
 from deepspeed.pipe import LayerSpec, PipelineModule
 from torch import nn
 
+from fdg_schedule.pipe_partition import parse_parts
+
 Layer: TypeAlias = LayerSpec | nn.Module
 
 # Blocks per group of the torchvision ResNets (the torchvision constructors know them too, but
@@ -288,22 +290,6 @@ def paper_split(name: str, stages: int) -> list[int]:
 def parts_method(parts: Sequence[int]) -> str:
     """The ``partition_method`` string that makes `SplitPipelineModule` use these exact boundaries."""
     return "parts:" + ",".join(str(p) for p in parts)
-
-
-def parse_parts(method: str, stages: int, layers: int) -> list[int]:
-    """Boundaries from ``"parts:0,5,12"``, checked against the stage and layer counts."""
-    try:
-        parts = [int(p) for p in method.split(":", 1)[1].split(",")]
-    except ValueError:
-        raise ValueError(f"partition_method {method!r} must be 'parts:' then comma-separated integers") from None
-    if len(parts) != stages + 1 or parts[0] != 0 or parts[-1] != layers:
-        raise ValueError(
-            f"partition_method {method!r} must list {stages + 1} boundaries from 0 to {layers} "
-            f"({stages} stages, {layers} layers)"
-        )
-    if any(b <= a for a, b in zip(parts, parts[1:], strict=False)):
-        raise ValueError(f"partition_method {method!r}: every stage needs at least one layer (strictly increasing)")
-    return parts
 
 
 class SplitPipelineModule(PipelineModule):
