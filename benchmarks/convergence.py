@@ -145,16 +145,16 @@ def parse_variant(spec):
 
 
 def variants():
-    """(name, stages, config changes, recipe arguments) of every run, BP and 1F1B first."""
+    """(name, stages, config changes, recipe arguments, --variant spec) of every run, BP and 1F1B first."""
     if args.variant:
-        yield from (parse_variant(spec) for spec in args.variant)
+        yield from ((*parse_variant(spec), spec) for spec in args.variant)
         return
     if not args.fdg_only:
-        yield from BASELINES
+        yield from ((*baseline, baseline[0]) for baseline in BASELINES)
     for stages in args.stages:
         for weights in args.weights:
             for beta in args.betas:
-                yield fdg_variant(stages, beta, weights)
+                yield (*fdg_variant(stages, beta, weights), f"fdg:{stages}:{beta:g}:{weights}")
 
 
 class RunFailed(Exception):
@@ -265,11 +265,12 @@ def final_error(run):
 
 jobs = []  # (result entry, name, stages, config changes, recipe arguments, seed), in the planned order
 by_name = {result["name"]: result for result in results}
-for name, stages, changes, extra in planned:
+for name, stages, changes, extra, spec in planned:
     if name not in by_name:
         by_name[name] = {"name": name, "stages": stages, "runs": []}
         results.append(by_name[name])
     entry = by_name[name]
+    entry["spec"] = spec  # what --variant reruns it
     entry.pop("skipped", None)
     if stages > args.max_ranks:
         if not entry["runs"]:

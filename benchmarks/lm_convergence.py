@@ -15,9 +15,11 @@ same stage-local clipping); a K=2 reference run checks that the reference tracks
 Run names say what runs (any combination; the table in docs/staleness.md):
 
     bp[_s<seed>]                                  BP, a DeepSpeed job of the recipe
-    fdg_k<K>_b<beta>[_s<seed>]                    FDG on the DeepSpeed engine (K ranks)
-    ref_k<K>_b<beta>[_dlr<T>][_p<gamma>][_s<seed>] FDG with fdg_reference in one process, with the
-                                                  staleness corrections delay_lr_ticks T and predict_decay gamma
+    fdg_k<K>_b<beta>[_stashed][_s<seed>]          FDG on the DeepSpeed engine (K ranks)
+    ref_k<K>_b<beta>[_stashed][_dlr<T>][_p<gamma>][_s<seed>]
+                                                  FDG with fdg_reference in one process: weights "stashed"
+                                                  (default "current"), the staleness corrections
+                                                  delay_lr_ticks T and predict_decay gamma
 
 The seed (default 1234) draws the initial weights and the data order. A run whose metrics are already
 in the output folder is skipped, so the same command resumes a stopped queue.
@@ -42,7 +44,8 @@ GAS = 4  # ticks per train_batch call in the FDG configs (lm_fdg_k2.json)
 
 RUNS = "bp,fdg_k2_b0.5,fdg_k2_b1.0,ref_k2_b0.5,ref_k3_b0.5,ref_k3_b1.0"  # the docs/lm_convergence.md runs
 NAME = re.compile(
-    r"^(?:bp|(?P<kind>fdg|ref)_k(?P<K>\d+)_b(?P<beta>[\d.]+)(?:_dlr(?P<T>\d+))?(?:_p(?P<gamma>[\d.]+))?)(?:_s(?P<seed>\d+))?$"
+    r"^(?:bp|(?P<kind>fdg|ref)_k(?P<K>\d+)_b(?P<beta>[\d.]+)(?:_(?P<weights>stashed))?"
+    r"(?:_dlr(?P<T>\d+))?(?:_p(?P<gamma>[\d.]+))?)(?:_s(?P<seed>\d+))?$"
 )
 
 
@@ -54,6 +57,7 @@ class Run:
     kind: str  # "deepspeed" or "reference"
     stages: int
     grad_shrink: float
+    weights: str
     delay_lr_ticks: int
     predict_decay: float | None
     seed: int
@@ -73,7 +77,8 @@ def parse_run(name: str) -> Run:
     if kind == "deepspeed" and (T or gamma is not None):
         raise SystemExit(f"lm_convergence.py: error: {name}: the engine does not apply delay_lr/predict yet; use ref_")
     stages = int(match["K"] or 1)
-    return Run(name, kind, stages, float(match["beta"] or 1.0), T, gamma, int(match["seed"] or 1234))
+    weights = match["weights"] or "current"
+    return Run(name, kind, stages, float(match["beta"] or 1.0), weights, T, gamma, int(match["seed"] or 1234))
 
 
 def run_deepspeed(run: Run, micro_batches: int, eval_every: int) -> None:
@@ -84,6 +89,7 @@ def run_deepspeed(run: Run, micro_batches: int, eval_every: int) -> None:
     config = json.loads((ROOT / "ds_configs" / base).read_text())
     if stages > 1:
         config["pipeline"]["fdg"]["grad_shrink"] = run.grad_shrink
+        config["pipeline"]["fdg"]["weights"] = run.weights
         config["pipeline"]["fdg"]["timeout"] = 36000  # an experiment paused by quiet.sh must not time out
     (out / "ds_config.json").write_text(json.dumps(config, indent=2))
     per_call = 1 if stages == 1 else GAS
@@ -173,7 +179,10 @@ def run_reference(run: Run, micro_batches: int, eval_every: int) -> None:
         batches,
         hf_lm.lm_loss,
         config=FDGConfig(
-            grad_shrink=run.grad_shrink, delay_lr_ticks=run.delay_lr_ticks, predict_decay=run.predict_decay
+            grad_shrink=run.grad_shrink,
+            weights=run.weights,
+            delay_lr_ticks=run.delay_lr_ticks,
+            predict_decay=run.predict_decay,
         ),
         drain=True,
         clip_grad_norm=float(ds_config["gradient_clipping"]),  # stage-local, as the engine does
