@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "train_resnet.py"
@@ -192,13 +193,15 @@ def run(stages, changes, extra, seed, workdir):
         launcher = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(stages)]
         command = [*launcher, "--master_port", str(free_port()), str(RECIPE), *common]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
+    # The run stays in this process group, so pausing the group (SIGSTOP to a paused experiment) reaches
+    # its ranks too; at the timeout the whole tree (launcher and ranks) is killed by hand.
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         output, _ = proc.communicate(timeout=args.timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            child.kill()
+        proc.kill()
         output, _ = proc.communicate()
     errors = [1 - float(acc) / 100 for acc in re.findall(r"^epoch \d+/\d+: .* test_acc ([\d.]+)%", output, re.M)]
     speed = re.search(r"^final: .* \| ([\d.]+) samples/s", output, re.M)
