@@ -5,7 +5,7 @@ It runs K stage modules in one process, tick by tick, exactly as the paper descr
 tick. It shares no code with the engine's delayed-backward machinery, so the two agree only if
 both implement the same math.
 
-    losses = fdg_reference(stages, optimizers, micro_batches, loss_fn, grad_shrink=0.5)
+    losses = fdg_reference(stages, optimizers, micro_batches, loss_fn, FDGConfig(grad_shrink=0.5))
 
 Note [current weights]: with ``weights="current"`` and ``activations="stored"`` the backward uses
 the stored activations but reads every saved weight at its value at backward time. Autograd
