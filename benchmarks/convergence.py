@@ -261,6 +261,11 @@ def save_json():
     return wall
 
 
+def killed(run):
+    """A run that a signal stopped (the OOM killer, a timeout): not a result of the method."""
+    return bool(re.fullmatch(r"exit code -\d+", run.get("failed", "")))
+
+
 def final_error(run):
     """The final test error of a finished run: on the whole test set when it was measured there."""
     return run.get("full_test_error", run["test_error"][-1])
@@ -274,6 +279,8 @@ for name, stages, changes, extra, spec in planned:
         results.append(by_name[name])
     entry = by_name[name]
     entry["spec"] = spec  # what --variant reruns it
+    if not args.report_only:  # a run killed from outside (e.g. out of memory) is no result: run it again
+        entry["runs"] = [r for r in entry["runs"] if not killed(r)]
     entry.pop("skipped", None)
     if stages > args.max_ranks:
         if not entry["runs"]:

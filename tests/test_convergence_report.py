@@ -89,3 +89,27 @@ def test_correction_variants_are_refused_on_the_engine(tmp_path: Path) -> None:
     assert done.returncode != 0 and "add --backend reference" in done.stderr
     done = subprocess.run([*command, "--variant", "fdg:2:1:stashed:speed=9"], capture_output=True, text=True)
     assert done.returncode != 0 and "unknown option 'speed=9'" in done.stderr
+
+
+def test_reuse_runs_again_what_a_signal_killed(tmp_path: Path) -> None:
+    """A diverged run is a result and is kept; one the OOM killer stopped (exit code -9) is planned again."""
+    results = [
+        {
+            "name": "FDG K=2 β=0.2 current",
+            "stages": 2,
+            "runs": [
+                {"seed": 0, "failed": "FloatingPointError: non-finite loss"},
+                {"seed": 1, "failed": "exit code -9"},
+            ],
+        }
+    ]
+    out = tmp_path / "conv"
+    out.with_suffix(".json").write_text(
+        json.dumps({"args": {**SETTINGS, "micro_batch": 32}, "wall_s": 1, "results": results})
+    )
+    command = [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--epochs", "4", "--seeds", "0", "1"]
+    command += ["--variant", "fdg:2:0.2:current", f"--out={out}", "--reuse", "--max-ranks", "1"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)  # K=2 > 1 rank: nothing runs
+    assert done.returncode == 0, done.stderr[-2000:]
+    runs = json.loads(out.with_suffix(".json").read_text())["results"][0]["runs"]
+    assert runs == [{"seed": 0, "failed": "FloatingPointError: non-finite loss"}]
