@@ -34,8 +34,10 @@ grid() {  # grid NAME MODEL SEEDS... -- VARIANTS...
   local variants=(); for v in "$@"; do variants+=(--variant "$v"); done
   mkdir -p "$OUT/$name"
   echo "$(date '+%F %T') $name: $(( ${#variants[@]} / 2 )) variants x seeds ${seeds[*]}"
-  "$PYTHON" benchmarks/convergence.py --model "$model" "${protocol[@]}" --seeds "${seeds[@]}" \
-    --out "$OUT/$name/convergence" "${variants[@]}" >> "$OUT/$name/log.txt" 2>&1
+  for attempt in 1 2; do  # the second call runs again what a signal (the OOM killer) stopped, if anything
+    "$PYTHON" benchmarks/convergence.py --model "$model" "${protocol[@]}" --seeds "${seeds[@]}" \
+      --out "$OUT/$name/convergence" "${variants[@]}" >> "$OUT/$name/log.txt" 2>&1
+  done
 }
 
 best() {  # best NAME K: the --variant spec of the K-stage row with the lowest mean final test error
