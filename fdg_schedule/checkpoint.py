@@ -4,7 +4,8 @@ DeepSpeed saves weights (per layer), optimizer, LR scheduler and counters per st
 stage and data-parallel rank, ``<save_dir>/<tag>/fdg_stage{k:02d}_dp{r:03d}.pt``: what
 :meth:`fdg_schedule.stage_state.StageState.capture` returns (the micro-batches in flight, the
 messages received for the next tick, the labels the last stage holds, the segment tick, the data
-position and this rank's RNG state), with the layout and modes it was saved under. A run that saves
+position, this rank's RNG state, the tick count and the weight-prediction delta), with the layout
+and modes it was saved under. A run that saves
 at tick T and resumes from the checkpoint computes, from tick T on, bit for bit what it would have
 computed without stopping -- given its data iterators restart at micro-batch T, as in stock DeepSpeed.
 
@@ -128,6 +129,19 @@ def load(load_dir: str, tag: str, stage_id: int, dp_id: int, expected: dict[str,
         dropped = len(torch.load(first, weights_only=False)["in_flight"]) if os.path.exists(first) else 0
         logger.warning(
             f"fdg_schedule: dropped {dropped} in-flight micro-batches from checkpoint {tag} ({reason}); "
-            "the pipeline fills again from the next train_batch()"
+            "the pipeline fills again from the next train_batch() and weight prediction "
+            "(pipeline.fdg.predict_decay) starts again from delta = 0"
         )
     return None
+
+
+def saved_tick(load_dir: str, tag: str) -> int:
+    """The tick count an FDG checkpoint was saved at (the same on every stage), 0 for one without FDG state.
+
+    Read when the in-flight state cannot continue (another number of stages, other modes): the tick
+    counts training, not the pipeline's layout, so the staleness corrections' t goes on.
+    """
+    path = state_path(load_dir, tag, 0, 0)
+    if not os.path.exists(path):
+        return 0
+    return int(torch.load(path, weights_only=False, mmap=True).get("tick", 0))

@@ -11,6 +11,7 @@ The public keys::
         "accumulate": 1,              # backward passes per optimizer step, >= 1
         "delay_lr_ticks": 0,          # T: delayed stages start at a lower learning rate, full at tick T; 0 = off
         "predict_decay": null,        # gamma in [0, 1): forwards run on predicted weights; null = off
+        "staleness_every": 100,       # measure ||w_fwd - w_bwd|| / ||w|| every N ticks; 0 = off
         "nonfinite": "error",         # "error" | "skip": a non-finite loss or gradient on a stage
         "timeout": 60,                # seconds a stage waits for a neighbour before failing
         "trace": null                 # {"start_tick": 0, "ticks": 64, "dir": "fdg_trace"}: a timeline
@@ -71,6 +72,12 @@ class FDGConfig:
     every forward on ``w + (delay_k / accumulate) * delta``. In [0, 1); None turns it off. Costs one
     parameter-sized tensor per stage."""
 
+    staleness_every: int = 100
+    """N: every N ticks each delayed stage measures its staleness, the relative distance
+    ``||w_fwd - w_bwd|| / ||w_bwd||`` between the weights the forward of the micro-batch entering it
+    at that tick used and the weights that micro-batch's gradient is applied to (measured at its
+    backward). Reported in ``engine.fdg_stats["staleness"]``, W&B and the trace; 0 turns it off."""
+
     nonfinite: str = "error"
     """A non-finite loss or gradient on a stage: ``"error"`` stops with an error naming the stage and
     tick; ``"skip"`` drops that stage's optimizer step (counted in ``engine.fdg_stats["skipped"]``)."""
@@ -111,6 +118,12 @@ class FDGConfig:
                     f"predict_decay must be in [0, 1) or null, got {self.predict_decay!r} "
                     "(pipeline.fdg.predict_decay in ds_config); null turns weight prediction off"
                 )
+        _check_number("staleness_every", self.staleness_every, int, "; e.g. 100, or 0 for off")
+        if self.staleness_every < 0:
+            raise FDGConfigError(
+                f"staleness_every must be an integer >= 0, got {self.staleness_every!r} "
+                "(pipeline.fdg.staleness_every in ds_config); 0 turns the staleness metric off"
+            )
         _check_choice("nonfinite", self.nonfinite, NONFINITE)
         _check_number("timeout", self.timeout, float)
         if not self.timeout > 0:
