@@ -75,6 +75,7 @@ class FDGPipelineEngine(PipelineEngine):
         # latest staleness measured (NaN until then; the last stage's is 0 by definition).
         self.fdg_stats: dict[str, float] = {"ticks": 0, "steps": 0, "skipped": 0, **{f"{k.value}_s": 0.0 for k in Kind}}
         self.fdg_stats["staleness"] = 0.0 if every and not delayed else math.nan
+        self.fdg_stats["staleness_tick"] = math.nan  # the tick of the backward it was measured at
         self._staleness_read = 0  # measurements already copied into fdg_stats
         self.observers = observe.observers_from_config(self, self._config._param_dict)
 
@@ -206,8 +207,11 @@ class FDGPipelineEngine(PipelineEngine):
         dp_id, log = self.grid.data_parallel_id, self.global_rank == 0
         saved = checkpoint.load(load_dir, tag, self.stage_id, dp_id, self._identity(), log=log)
         self.fdg_state.reset()
-        if saved is None:  # delta stays zero; the tick count goes on if the checkpoint has one
-            self.fdg_state.tick = checkpoint.saved_tick(load_dir, tag)
+        if saved is None:  # Note [what a layout change keeps] in fdg_schedule.checkpoint
+            tick, delta = checkpoint.carried(load_dir, tag, self.stage_id, self.num_stages)
+            self.fdg_state.tick = tick
+            if not self.fdg_state.corrections.restore(delta, strict=False):
+                logger.warning(f"{self._where()}: the checkpoint's prediction delta does not fit; it starts at 0")
             return
         self._reserve_pipe_buffers(ticks.num_buffers(self.num_stages, self.stage_id))
         if self.training_data is not None and (self.is_first_stage() or self.is_last_stage()):
@@ -243,6 +247,7 @@ class FDGPipelineEngine(PipelineEngine):
         if meter.count != self._staleness_read:  # the call's one host read of the metric, if it measured
             self._staleness_read = meter.count
             self.fdg_stats["staleness"] = meter.read()
+            self.fdg_stats["staleness_tick"] = float(meter.tick if meter.tick is not None else math.nan)
         data_ended = self.fdg_state.segment_over()
         self.agg_train_loss = self._mean_call_loss()
         elapsed = time.perf_counter() - start

@@ -120,18 +120,25 @@ class Corrections:
         """delta, for a checkpoint (None without prediction)."""
         return None if self.delta is None else [d.detach().clone() for d in self.delta]
 
-    def restore(self, saved: list[Tensor] | None) -> None:
-        """delta from :meth:`capture` of the same stage; zero if the checkpoint has none (prediction was off)."""
+    def restore(self, saved: list[Tensor] | None, strict: bool = True) -> bool:
+        """delta from :meth:`capture` of the same stage; zero if the checkpoint has none (prediction was off).
+
+        Other shapes (the stage holds other parameters) raise ValueError, or with ``strict=False``
+        leave delta at zero and return False.
+        """
         self.reset()
         if self.delta is None or saved is None:
-            return
+            return True
         if [tuple(s.shape) for s in saved] != [tuple(d.shape) for d in self.delta]:
+            if not strict:
+                return False
             raise ValueError(
                 "the checkpoint's weight-prediction delta does not have this stage's parameter shapes: "
                 f"{[tuple(s.shape) for s in saved]} against {[tuple(d.shape) for d in self.delta]}"
             )
         with torch.no_grad():
             torch._foreach_copy_(self.delta, [s.to(d.device) for s, d in zip(saved, self.delta)])
+        return True
 
 
 class StalenessMeter:

@@ -15,7 +15,6 @@ import torch.distributed as dist
 import toy
 from deepspeed.pipe import PipelineModule
 
-
 # The pipeline.fdg keys a test case may set (the same keys build the reference's FDGConfig).
 FDG_KEYS = ("grad_shrink", "weights", "activations", "accumulate", "delay_lr_ticks", "predict_decay", "staleness_every")
 

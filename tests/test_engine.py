@@ -156,13 +156,16 @@ def _cases(stages: int, gas: int, calls: int, **extra: Any) -> list[dict[str, An
 
 
 def _corrected(stages: int, gas: int, calls: int, **extra: Any) -> list[dict[str, Any]]:
-    """Every mode with each correction (Note [staleness corrections]), SGD and Adam in turn."""
-    base = {"stages": stages, "n": 64, "gas": gas, "calls": calls, "grad_shrink": 0.5}
-    return [
-        {**base, "weights": w, "activations": a, "optimizer": ("sgd", "adam")[(i + j) % 2], **c, **extra}
+    """Every mode with both corrections (Note [staleness corrections]), then each correction alone
+    in one mode; SGD and Adam in turn."""
+    base = {"stages": stages, "n": 64, "gas": gas, "calls": calls, "grad_shrink": 0.5, **extra}
+    cases = [
+        {**base, "weights": w, "activations": a, "optimizer": ("sgd", "adam")[i % 2], **BOTH}
         for i, (w, a) in enumerate(MODES)
-        for j, c in enumerate(CORRECTIONS)
     ]
+    alone = zip(CORRECTIONS[:-1], (("current", "recomputed"), ("stashed", "stored")), ("adam", "sgd"))
+    cases += [{**base, "weights": w, "activations": a, "optimizer": opt, **c} for c, (w, a), opt in alone]
+    return cases
 
 
 def test_two_stages_all_modes_sgd_and_adam(tmp_path) -> None:

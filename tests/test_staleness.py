@@ -67,10 +67,11 @@ def test_delta_follows_taken_steps_only() -> None:
                 p.add_(m)
         return True
 
+    before = [p.detach().clone() for p in params]
     corrections.step(torch.optim.SGD(params, lr=0.1), 0, move)
     assert corrections.delta is not None
-    for d, m in zip(corrections.delta, moves):  # 0.75 * 0 + 0.25 * move, as the reference computes it
-        assert torch.equal(d, torch.zeros_like(m).mul_(0.75).add_(m, alpha=0.25))
+    for d, p, b in zip(corrections.delta, params, before):  # 0.75 * 0 + 0.25 * (w_after - w_before)
+        assert torch.equal(d, torch.zeros_like(b).mul_(0.75).add_(p.detach() - b, alpha=0.25))
     kept = corrections.capture()
     assert kept is not None
     assert not corrections.step(torch.optim.SGD(params, lr=0.1), 1, lambda: False)  # skipped: no step
@@ -105,12 +106,14 @@ def test_bf16_weights_keep_an_fp32_delta() -> None:
             params[0].add_(1.0)
         return True
 
+    before = params[0].detach().clone()
     corrections.step(torch.optim.SGD(params, lr=0.1), 0, move)
-    assert torch.equal(corrections.delta[0], torch.full((4, 3), 0.5))
+    moved = params[0].detach().float() - before.float()  # the bf16 weights' own step, not the 1.0 asked for
+    assert torch.equal(corrections.delta[0], 0.5 * moved)
     w = params[0].detach().clone()
-    with corrections.predicted():
+    with corrections.predicted():  # h = 2: w + 2 * delta, added in fp32 and rounded once to bf16
         assert params[0].dtype == torch.bfloat16
-        assert torch.equal(params[0], (w.float() + 2 * 0.5).bfloat16())
+        assert torch.equal(params[0], (w.float() + 2 * corrections.delta[0]).bfloat16())
     assert torch.equal(params[0], w)
 
 
