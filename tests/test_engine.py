@@ -191,15 +191,42 @@ def test_two_stages_all_modes_sgd_and_adam(tmp_path) -> None:
         {"stages": 2, "n": 64, "gas": 3, "calls": 3, "wall_clock": True, "grad_shrink": 0.5, "drain": True},
         # the corrections with accumulate 2 (h = 1), a per-tick warm-up, clipping; the DeepSpeed-built
         # optimizer; ZeRO-1 (delta over the all-gathered weights); batch norm (buffers not predicted)
-        dict(stages=2, n=64, gas=3, calls=3, accumulate=2, warmup=5, lr=0.1, clip=0.5, drain=True, grad_shrink=0.8,
-             weights="stashed", **BOTH),  # fmt: skip
+        dict(
+            stages=2,
+            n=64,
+            gas=3,
+            calls=3,
+            accumulate=2,
+            warmup=5,
+            lr=0.1,
+            clip=0.5,
+            drain=True,
+            grad_shrink=0.8,
+            weights="stashed",
+            **BOTH,
+        ),  # fmt: skip
         {"stages": 2, "n": 64, "gas": 2, "calls": 3, "ds_optimizer": True, "weights": "current", **BOTH},
         {"stages": 2, "n": 64, "gas": 3, "calls": 3, "zero": 1, "grad_shrink": 0.5, "weights": "stashed", **BOTH},
-        {"stages": 2, "n": 64, "gas": 3, "calls": 3, "batch_norm": True, "weights": "stashed",
-         "activations": "recomputed", **BOTH},  # fmt: skip
+        {
+            "stages": 2,
+            "n": 64,
+            "gas": 3,
+            "calls": 3,
+            "batch_norm": True,
+            "weights": "stashed",
+            "activations": "recomputed",
+            **BOTH,
+        },  # fmt: skip
         # t counts every tick since the start, across drains (not the segment's tick)
-        {"stages": 2, "n": 64, "gas": 3, "calls": 3, "drain_each_call": True, "delay_lr_ticks": 20,
-         "predict_decay": 0.5},  # fmt: skip
+        {
+            "stages": 2,
+            "n": 64,
+            "gas": 3,
+            "calls": 3,
+            "drain_each_call": True,
+            "delay_lr_ticks": 20,
+            "predict_decay": 0.5,
+        },  # fmt: skip
     ]
     results = run_ranks(engine_workers.train, 2, tmp_path, cases, deadline_s=300)
     check_against_reference(results, cases)

@@ -26,7 +26,7 @@ def test_lr_factor_per_stage_and_tick() -> None:
     config = FDGConfig(delay_lr_ticks=8)
     stage0 = Corrections([], 3, 0, config)  # K = 3: delay 4, tau 4
     assert [stage0.lr_factor(t) for t in (0, 4, 8, 100)] == [0.25, 0.5, 1.0, 1.0]
-    assert Corrections([], 3, 1, config).lr_factor(4) == 2 ** -0.5  # delay 2
+    assert Corrections([], 3, 1, config).lr_factor(4) == 2**-0.5  # delay 2
     assert Corrections([], 3, 2, config).lr_factor(0) == 1.0  # the last stage: tau 1
     accumulated = Corrections([], 3, 1, FDGConfig(delay_lr_ticks=8, accumulate=4))
     assert accumulated.h == 0.5 and accumulated.lr_factor(0) == 1.0  # tau = max(1, 2/4)
