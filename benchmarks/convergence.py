@@ -137,11 +137,6 @@ def parse_variant(spec):
     except (ValueError, AssertionError):
         parser.error(f"--variant {spec!r}: expected BP, 1F1B or fdg:K:beta:weights[:options] (weights current|stashed)")
     options = parse_options(spec, more[0] if more else "")
-    if args.backend == "engine" and set(options) & {"delay_lr", "predict"}:
-        parser.error(
-            f"--variant {spec!r}: the engine does not apply delay_lr/predict yet (fdg_reference does); "
-            "add --backend reference"
-        )
     return fdg_variant(int(stages), float(beta), weights, options)
 
 

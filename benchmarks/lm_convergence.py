@@ -15,11 +15,12 @@ same stage-local clipping); a K=2 reference run checks that the reference tracks
 Run names say what runs (any combination; the table in docs/staleness.md):
 
     bp[_s<seed>]                                  BP, a DeepSpeed job of the recipe
-    fdg_k<K>_b<beta>[_stashed][_s<seed>]          FDG on the DeepSpeed engine (K ranks)
-    ref_k<K>_b<beta>[_stashed][_dlr<T>][_p<gamma>][_s<seed>]
-                                                  FDG with fdg_reference in one process: weights "stashed"
+    fdg_k<K>_b<beta>[_stashed][_dlr<T>][_p<gamma>][_s<seed>]
+                                                  FDG on the DeepSpeed engine (K ranks): weights "stashed"
                                                   (default "current"), the staleness corrections
                                                   delay_lr_ticks T and predict_decay gamma
+    ref_k<K>_b<beta>[_stashed][_dlr<T>][_p<gamma>][_s<seed>]
+                                                  the same with fdg_reference in one process
 
 The seed (default 1234) draws the initial weights and the data order. A run whose metrics are already
 in the output folder is skipped, so the same command resumes a stopped queue.
@@ -74,8 +75,6 @@ def parse_run(name: str) -> Run:
         raise SystemExit(f"lm_convergence.py: error: run name {name!r} does not read as {NAME.pattern}")
     kind = "reference" if match["kind"] == "ref" else "deepspeed"
     T, gamma = int(match["T"] or 0), float(match["gamma"]) if match["gamma"] else None
-    if kind == "deepspeed" and (T or gamma is not None):
-        raise SystemExit(f"lm_convergence.py: error: {name}: the engine does not apply delay_lr/predict yet; use ref_")
     stages = int(match["K"] or 1)
     weights = match["weights"] or "current"
     return Run(name, kind, stages, float(match["beta"] or 1.0), weights, T, gamma, int(match["seed"] or 1234))
@@ -90,6 +89,8 @@ def run_deepspeed(run: Run, micro_batches: int, eval_every: int) -> None:
     if stages > 1:
         config["pipeline"]["fdg"]["grad_shrink"] = run.grad_shrink
         config["pipeline"]["fdg"]["weights"] = run.weights
+        config["pipeline"]["fdg"]["delay_lr_ticks"] = run.delay_lr_ticks
+        config["pipeline"]["fdg"]["predict_decay"] = run.predict_decay
         config["pipeline"]["fdg"]["timeout"] = 36000  # an experiment paused by quiet.sh must not time out
     (out / "ds_config.json").write_text(json.dumps(config, indent=2))
     per_call = 1 if stages == 1 else GAS

@@ -29,6 +29,7 @@ EXPECTED = {
     "resnet_fdg_k2_bf16",
     "resnet_1f1b_bf16",
     "resnet_fdg_k2_wandb",
+    "resnet_fdg_k4_warmuplr",
 }
 
 
