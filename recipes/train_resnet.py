@@ -20,8 +20,9 @@ with "type": "WarmupLR" or "WarmupDecayLR" (FDG steps it once per tick, so warmu
 ticks) replaces the step decay.
 
 FDG's gradient shrinking factor beta ("grad_shrink") in ds_configs: 0.2 at K=2 (the paper's best for
-ResNet-20 at K=2); 0.5 at K=3 and K=4 (the paper's K=2 value for ResNet-56/110; we have no paper
-number for ResNet-20 at K>2).
+ResNet-20 at K=2). At K=3 and K=4 the configs carry the staleness corrections (docs/staleness.md):
+"stashed" weights, beta 1, delay_lr_ticks 1024, predict_decay 0.9, meant with --warmup-epochs 2
+(resnet_fdg_k4_warmuplr.json: DeepSpeed's WarmupLR instead); at lr 0.1 "current" weights diverge there.
 """
 
 import argparse
