@@ -37,6 +37,7 @@ from fdg_schedule.errors import DataExhausted, FDGRuntimeError
 from fdg_schedule.report import report_call, stop_backward_timers
 from fdg_schedule.schedule import OPS, FDGTrainSchedule, Kind
 from fdg_schedule.stage_state import StageState
+from fdg_schedule.staleness import Corrections, StalenessMeter
 from fdg_schedule.tensors import as_tuple, describe, floating, input_grads, to_device
 
 Field = int | None  # an Exchange field: a buffer_id, or the segment's micro-batch count for send_end; or None
@@ -61,11 +62,21 @@ class FDGPipelineEngine(PipelineEngine):
             rank(self.stage_id - 1), rank(self.stage_id + 1), self.device, self.dynamic_shape, self.stage_id,
             timeout_s=fdg_config.timeout, plan=self._plan,
         )  # fmt: skip
-        self._delayed = DelayedBackward(self.module, fdg_config, delayed=not self.is_last_stage())
-        self.fdg_state = StageState(self.num_stages, self._exchange, self.pipe_buffers)
+        delayed = not self.is_last_stage()
+        self._delayed = DelayedBackward(self.module, fdg_config, delayed=delayed)
+        params, every = self._delayed.params, fdg_config.staleness_every
+        self.fdg_state = StageState(
+            self.num_stages, self._exchange, self.pipe_buffers,
+            corrections=Corrections(params, self.num_stages, self.stage_id, fdg_config),
+            meter=StalenessMeter(params, every, delayed),
+        )  # fmt: skip
         self._running: FDGTrainSchedule | None = None  # the call in progress: told when the data ends
-        # Counters, and seconds spent per kind of instruction ("<kind>_s", see schedule.Kind).
+        # Counters, seconds spent per kind of instruction ("<kind>_s", see schedule.Kind), and the
+        # latest staleness measured (NaN until then; the last stage's is 0 by definition).
         self.fdg_stats: dict[str, float] = {"ticks": 0, "steps": 0, "skipped": 0, **{f"{k.value}_s": 0.0 for k in Kind}}
+        self.fdg_stats["staleness"] = 0.0 if every and not delayed else math.nan
+        self.fdg_stats["staleness_tick"] = math.nan  # the tick of the backward it was measured at
+        self._staleness_read = 0  # measurements already copied into fdg_stats
         self.observers = observe.observers_from_config(self, self._config._param_dict)
         self._reduce_is_identity = optim.reduce_is_identity(self)
 
@@ -197,7 +208,11 @@ class FDGPipelineEngine(PipelineEngine):
         dp_id, log = self.grid.data_parallel_id, self.global_rank == 0
         saved = checkpoint.load(load_dir, tag, self.stage_id, dp_id, self._identity(), log=log)
         self.fdg_state.reset()
-        if saved is None:
+        if saved is None:  # Note [what a layout change keeps] in fdg_schedule.checkpoint
+            tick, delta = checkpoint.carried(load_dir, tag, self.stage_id, self.num_stages)
+            self.fdg_state.tick = tick
+            if not self.fdg_state.corrections.restore(delta, strict=False):
+                logger.warning(f"{self._where()}: the checkpoint's prediction delta does not fit; it starts at 0")
             return
         self._reserve_pipe_buffers(ticks.num_buffers(self.num_stages, self.stage_id))
         if self.training_data is not None and (self.is_first_stage() or self.is_last_stage()):
@@ -229,6 +244,11 @@ class FDGPipelineEngine(PipelineEngine):
         wait_start = time.perf_counter()
         self._exchange.complete()
         self.fdg_stats["wait_s"] += time.perf_counter() - wait_start
+        meter = self.fdg_state.meter
+        if meter.count != self._staleness_read:  # the call's one host read of the metric, if it measured
+            self._staleness_read = meter.count
+            self.fdg_stats["staleness"] = meter.read()
+            self.fdg_stats["staleness_tick"] = float(meter.tick if meter.tick is not None else math.nan)
         data_ended = self.fdg_state.segment_over()
         self.agg_train_loss = self._mean_call_loss()
         elapsed = time.perf_counter() - start
@@ -300,8 +320,11 @@ class FDGPipelineEngine(PipelineEngine):
         self.fdg_state.received[buffer_id] = self._exchange.wait_grad()
 
     def _exec_fdg_forward(self, buffer_id: int, micro_batch: int) -> None:
-        inputs = self.pipe_buffers["inputs"][buffer_id]
-        outputs, held = self._delayed.forward(lambda: self._stage_forward(inputs))
+        inputs, state = self.pipe_buffers["inputs"][buffer_id], self.fdg_state
+        with state.corrections.predicted():  # Note [predicted weights in place]
+            outputs, held = self._delayed.forward(lambda: self._stage_forward(inputs))
+            if held is not None:
+                state.meter.after_forward(state.tick, buffer_id, held.weights)
         self.pipe_buffers["outputs"][buffer_id] = outputs
         if held is not None:
             self.fdg_state.held[buffer_id] = held
@@ -344,6 +367,7 @@ class FDGPipelineEngine(PipelineEngine):
                 grads = tuple(g.mul_(self.fdg_config.grad_shrink) for g in grads)
             inputs, held = self.pipe_buffers["inputs"][buffer_id], self.fdg_state.held.pop(buffer_id)
             stored = self.pipe_buffers["outputs"][buffer_id]
+            self.fdg_state.meter.before_backward(self.fdg_state.tick, buffer_id)  # the live weights are w_bwd
             with self._delayed.backward(held, stored, lambda: self._stage_forward(inputs)) as outputs:
                 self._autograd_backward(floating(outputs), grads)
         self.fdg_state.call_losses.append(carried)
@@ -363,11 +387,8 @@ class FDGPipelineEngine(PipelineEngine):
         try:
             # The bf16 and ZeRO wrappers check (and skip) non-finite steps themselves.
             finite = wrapped or optim.clip_stage_local(self.module.parameters(), self.gradient_clipping())
-            if finite:
-                self._start_timers(self.engine_timers.step_timers)
-                self.optimizer.step()
-                self._stop_timers(self.engine_timers.step_timers)
-                finite = not getattr(self.optimizer, "overflow", False)
+            if finite:  # with the delay-aware lr; delta follows the step (fdg_schedule.staleness)
+                finite = self.fdg_state.corrections.step(self.optimizer, self.fdg_state.tick, self._optimizer_step)
             self.optimizer.zero_grad() if wrapped else self.zero_grad()
         finally:
             self._force_grad_boundary = False
@@ -375,6 +396,13 @@ class FDGPipelineEngine(PipelineEngine):
             self.fdg_stats["steps"] += 1
         else:
             self._non_finite("gradient")
+
+    def _optimizer_step(self) -> bool:
+        """One step of the optimizer DeepSpeed built; False when it skipped it (a wrapper's overflow check)."""
+        self._start_timers(self.engine_timers.step_timers)
+        self.optimizer.step()
+        self._stop_timers(self.engine_timers.step_timers)
+        return not getattr(self.optimizer, "overflow", False)
 
     def _exec_exchange(
         self, send_activation: Field, send_grad: Field, recv_activation: Field, recv_grad: Field, send_end: Field
@@ -395,6 +423,7 @@ class FDGPipelineEngine(PipelineEngine):
         )
 
     def _exec_advance_tick(self, entered: bool) -> None:
+        self.fdg_state.tick += 1
         self.fdg_state.segment_tick += 1
         self.global_steps += 1
         if entered:

@@ -5,6 +5,9 @@ The engine's instruction handlers read and write a :class:`StageState`; checkpoi
 keeps work in flight between ticks. What it holds, and how long each piece lives:
 
     field               written by                  read by                      lives
+    tick                AdvanceTick                 the corrections, the meter   the run (t of the corrections)
+    corrections.delta   LocalOptimizerStep          FDGForward (prediction)      the run
+    meter.probes[b]     FDGForward (every N ticks)  FDGBackward (the metric)     delay ticks
     segment_tick        AdvanceTick                 the next call's schedule     until the segment ends
     segment_limit       the handler that learns     the next call's schedule     from the end of the data
                         the end of the data                                      to the segment's last tick
@@ -19,7 +22,8 @@ keeps work in flight between ticks. What it holds, and how long each piece lives
     micro_batches_read  FDGLoad                     checkpoints (data position)  the run
     exchange            Exchange                    WaitActivation / WaitGrad    one tick (next tick's messages)
 
-Only what lives across ticks is captured; within-tick fields are empty between calls. A new piece
+Only what lives across ticks is captured (the meter's kept weights are not: a measurement is
+skipped across a checkpoint); within-tick fields are empty between calls. A new piece
 of per-stage state (an optimizer-side tensor, a counter) gets a field here and a line in
 :meth:`capture` / :meth:`restore`.
 """
@@ -35,7 +39,9 @@ from torch import Tensor
 
 from fdg_schedule import ticks
 from fdg_schedule.comm import Meta, NeighbourExchange
+from fdg_schedule.config import FDGConfig
 from fdg_schedule.delayed import Held
+from fdg_schedule.staleness import Corrections, StalenessMeter
 from fdg_schedule.tensors import detached, leaves, nbytes
 
 Message = tuple[tuple[Tensor, ...], Tensor]  # gradients and the loss carried with them
@@ -49,12 +55,24 @@ class StageState:
         exchange: this stage's exchange; it keeps the messages that arrived for the next tick.
         buffers: DeepSpeed's pipe buffers (``inputs``, ``outputs``, ``labels`` by ``buffer_id``),
             shared with the engine (its ``pipe_buffers``).
+        corrections: the stage's staleness corrections (:mod:`fdg_schedule.staleness`); none by default.
+        meter: the stage's staleness metric; off by default.
     """
 
-    def __init__(self, stages: int, exchange: NeighbourExchange, buffers: dict[str, list[Any]]) -> None:
+    def __init__(
+        self,
+        stages: int,
+        exchange: NeighbourExchange,
+        buffers: dict[str, list[Any]],
+        corrections: Corrections | None = None,
+        meter: StalenessMeter | None = None,
+    ) -> None:
         self.stages = stages
         self.exchange = exchange
         self.buffers = buffers
+        self.corrections = corrections or Corrections([], stages, stages - 1, FDGConfig())  # off
+        self.meter = meter or StalenessMeter([], every=0, delayed=False)
+        self.tick = 0  # ticks since the start of training (fill and drain included): t of the corrections
         self.segment_tick = 0  # ticks since the pipeline last filled (micro-batch 0 of the segment)
         self.segment_limit: int | None = None  # micro-batches in this segment, once the data has ended
         self.held: dict[int, Held] = {}  # buffer -> what its delayed backward needs
@@ -90,7 +108,10 @@ class StageState:
         return True
 
     def reset(self) -> None:
-        """Forget all in-flight work (before loading a checkpoint)."""
+        """Forget everything carried (before loading a checkpoint): the in-flight work, the tick, delta."""
+        self.tick = 0
+        self.corrections.reset()
+        self.meter.reset()
         for store in (self.held, self.received, self.to_send, self.losses, self.sent_meta):
             store.clear()
         self.labels_in_flight.clear()
@@ -112,6 +133,8 @@ class StageState:
             for buffer_id, held in self.held.items()
         }
         return {
+            "tick": self.tick,
+            "delta": self.corrections.capture(),
             "segment_tick": self.segment_tick,
             "in_flight": in_flight,
             "received": self.exchange.received(),
@@ -127,6 +150,8 @@ class StageState:
         ``needs_grad``: the stage inputs are leaves that require gradients. The RNG state is set last.
         """
         self.reset()
+        self.tick = saved.get("tick", 0)  # absent from checkpoints of earlier versions
+        self.corrections.restore(saved.get("delta"))
         self.segment_tick = saved["segment_tick"]
         for buffer_id, record in sorted(saved["in_flight"].items()):
             inputs = leaves(record["inputs"], needs_grad)

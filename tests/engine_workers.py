@@ -15,6 +15,9 @@ import torch.distributed as dist
 import toy
 from deepspeed.pipe import PipelineModule
 
+# The pipeline.fdg keys a test case may set (the same keys build the reference's FDGConfig).
+FDG_KEYS = ("grad_shrink", "weights", "activations", "accumulate", "delay_lr_ticks", "predict_decay", "staleness_every")
+
 
 def ds_config(case: dict[str, Any]) -> dict[str, Any]:
     cfg: dict[str, Any] = {
@@ -25,7 +28,7 @@ def ds_config(case: dict[str, Any]) -> dict[str, Any]:
         "zero_allow_untested_optimizer": True,
     }
     if case.get("schedule", "fdg") == "fdg":
-        fdg = {k: case[k] for k in ("grad_shrink", "weights", "activations", "accumulate") if k in case}
+        fdg = {k: case[k] for k in FDG_KEYS if k in case}
         cfg["pipeline"] = {"schedule": "fdg", "fdg": fdg}
     elif case.get("schedule") == "1f1b":
         cfg["pipeline"] = {"schedule": "1f1b"}
@@ -109,13 +112,16 @@ def train(rank: int, world: int, cases: list[dict[str, Any]], import_fdg: bool =
         torch.manual_seed(1234)
         engine, model, data = build(case, world, import_fdg)
         it = iter(data)
-        states, losses = [], []
+        states, losses, staleness = [], [], []
         for call in range(case["calls"]):
             if case.get("training_data"):
                 losses.append(engine.train_batch().item())
             else:
                 losses.append(engine.train_batch(it).item())
+            if case.get("drain_each_call"):
+                engine.drain()
             states.append(_state(model))
+            staleness.append(getattr(engine, "fdg_stats", {}).get("staleness"))
             if case.get("eval_between") and call == 1:
                 engine.eval_batch(iter(toy.micro_batches(case.get("gas", 3), 4 * (world // case["stages"]), seed=9)))
         if case.get("drain"):
@@ -129,6 +135,7 @@ def train(rank: int, world: int, cases: list[dict[str, Any]], import_fdg: bool =
                 "dp_id": model._grid.data_parallel_id,
                 "states": states,
                 "losses": losses,
+                "staleness": staleness,
                 "global_steps": engine.global_steps,
                 "global_samples": engine.global_samples,
                 "lr": engine.get_lr()[0] if engine.lr_scheduler is not None else None,
@@ -240,7 +247,10 @@ def swap(rank: int, world: int, case: dict[str, Any], save_dir: str, phase: str)
         for _ in range(2):
             engine.train_batch(it)
         engine.save_checkpoint(save_dir)
-        return {"state": _state(model), "engine": type(engine).__name__}
+        fdg_state = getattr(engine, "fdg_state", None)
+        return {"state": _state(model), "engine": type(engine).__name__,
+                "tick": None if fdg_state is None else fdg_state.tick,
+                "delta": None if fdg_state is None else fdg_state.corrections.capture()}  # fmt: skip
     error = None
     try:
         engine.load_checkpoint(save_dir)
@@ -248,8 +258,12 @@ def swap(rank: int, world: int, case: dict[str, Any], save_dir: str, phase: str)
         error = str(err)
         engine.load_checkpoint(save_dir, load_optimizer_states=False, load_lr_scheduler_states=False)
     state = _state(model)
+    fdg_state = getattr(engine, "fdg_state", None)  # what an FDG job continues with: tick and delta
+    tick = None if fdg_state is None else fdg_state.tick
+    delta = None if fdg_state is None else fdg_state.corrections.capture()
     engine.train_batch(it)  # and it trains on
-    return {"state": state, "error": error, "engine": type(engine).__name__, "stage_id": engine.stage_id}
+    return {"state": state, "error": error, "engine": type(engine).__name__, "stage_id": engine.stage_id,
+            "tick": tick, "delta": delta}  # fmt: skip
 
 
 # -- failures -------------------------------------------------------------------------------------
