@@ -476,9 +476,10 @@ class FDGPipelineEngine(PipelineEngine):
             i = no_grad[0]
             raise FDGRuntimeError(
                 f"{self._where()}: floating output {i} of the stage ({describe(outputs[i])}) does not require grad, "
-                "so the gradient the next stage sends back cannot flow through it (the stage has no trainable "
-                "parameter it depends on); put a layer with parameters on this stage (e.g. "
-                "PipelineModule(partition_method='parameters')), or pass the tensor on as an integer tensor"
+                "so the gradient the next stage sends back cannot flow through it (no trainable parameter of the "
+                "stage, and no input that requires grad, leads to it: frozen or parameter-free layers); put a layer "
+                "with trainable parameters on this stage (e.g. PipelineModule(partition_method='parameters')), or "
+                "pass the tensor on as an integer tensor"
             )
         bf16 = isinstance(self.optimizer, BF16_Optimizer)
         if bf16:  # as DeepSpeed's pipeline backward: we do not go through optimizer.backward()

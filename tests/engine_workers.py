@@ -350,8 +350,9 @@ def bad_input(rank: int, world: int, kind: str) -> dict[str, Any]:
         layers = toy.layers()
         if kind == "more_stages_than_layers":
             layers = [toy.SeededLinear(toy.IN, toy.CLASSES, 1)]
-        if kind == "no_grad_activation":  # stage 0 holds only parameter-free functions
-            layers = [torch.tanh, torch.tanh, toy.SeededLinear(toy.IN, toy.CLASSES, 1)]
+        if kind == "no_grad_activation":  # stage 0 holds a frozen layer: its output does not require grad
+            frozen = toy.SeededLinear(toy.IN, toy.HIDDEN, 1).requires_grad_(False)
+            layers = [frozen, torch.tanh, toy.SeededLinear(toy.HIDDEN, toy.CLASSES, 2)]
         if kind == "batch_size_mismatch":
             cfg["train_batch_size"] = 16
         model = PipelineModule(layers=layers, num_stages=2, loss_fn=toy.loss_fn, partition_method="uniform")
