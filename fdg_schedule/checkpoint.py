@@ -115,10 +115,15 @@ def save(path: str, expected: dict[str, Any], captured: dict[str, Any]) -> None:
     atomic_save({"format": FORMAT, **expected, **captured}, path)
 
 
-def load(load_dir: str, tag: str, stage_id: int, dp_id: int, expected: dict[str, Any], log: bool) -> dict | None:
-    """This rank's saved state if it can continue in this job, else None (``log``: say how much is dropped)."""
+def load(
+    load_dir: str, tag: str, stage_id: int, dp_id: int, expected: dict[str, Any], log: bool, device: torch.device
+) -> dict | None:
+    """This rank's saved state, its tensors on ``device``, if it can continue in this job, else None.
+
+    ``log``: say how many in-flight micro-batches are dropped (this rank's; stage 0 holds the most).
+    """
     path = state_path(load_dir, tag, stage_id, dp_id)
-    state = torch.load(path, weights_only=False) if os.path.exists(path) else None
+    state = torch.load(path, map_location=device, weights_only=False) if os.path.exists(path) else None
     if state is None:
         reason: str | None = "it holds no FDG state for this stage (a 1F1B checkpoint or another layout)"
     else:
@@ -126,8 +131,7 @@ def load(load_dir: str, tag: str, stage_id: int, dp_id: int, expected: dict[str,
     if reason is None:
         return state
     if log:
-        first = state_path(load_dir, tag, 0, 0)
-        dropped = len(torch.load(first, weights_only=False)["in_flight"]) if os.path.exists(first) else 0
+        dropped = 0 if state is None else len(state.get("in_flight", ()))
         logger.warning(
             f"fdg_schedule: dropped {dropped} in-flight micro-batches from checkpoint {tag} ({reason}); "
             "the pipeline fills again from the next train_batch(); the tick count and, with the same "

@@ -186,6 +186,7 @@ def check_deepspeed_config(ds_config: Mapping[str, Any]) -> None:
         )
     if (ds_config.get("amp") or {}).get("enabled", False):
         raise FDGConfigError('amp.enabled=true is not supported with pipeline.schedule="fdg"; use bf16 or fp32')
+    _check_autocast(ds_config.get("torch_autocast") or {})
     stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
     if stage not in (0, 1):
         raise FDGConfigError(
@@ -200,6 +201,31 @@ def check_deepspeed_config(ds_config: Mapping[str, Any]) -> None:
                 f"data_types.gradient_accumulation_dtype={dtype!r} is not supported with FDG; "
                 "remove it (fp32 accumulation)"
             )
+
+
+def _check_autocast(autocast: Mapping[str, Any]) -> None:
+    """Note [no autocast]: DeepSpeed's ``torch_autocast`` cannot train FDG correctly, in either dtype.
+
+    fp16: DeepSpeed scales the last stage's loss with a ``GradScaler`` and unscales only in its own
+    optimizer step, which FDG's stage-local step does not run, so every stage would train on
+    gradients times the scale. bf16: autocast caches a low-precision copy of each weight at forward
+    time and autograd saves that copy, so the delayed backward of ``weights="current"`` would read
+    forward-time weights, not current ones. DeepSpeed's ``bf16`` mode (bf16 weights, fp32 master
+    copy) has neither problem.
+    """
+    if not autocast.get("enabled", False):
+        return
+    dtype = autocast.get("dtype", "bfloat16")
+    why = (
+        "DeepSpeed scales the last stage's loss and unscales it only in its own optimizer step, so every stage "
+        "would train on scaled gradients"
+        if str(dtype) in ("fp16", "float16", "torch.float16", "half")
+        else "autocast's forward-time weight casts are what the delayed backward would read, not the current weights"
+    )
+    raise FDGConfigError(
+        f'torch_autocast.enabled=true (dtype {dtype!r}) is not supported with pipeline.schedule="fdg": {why}; '
+        'remove torch_autocast and use bf16 ("bf16": {"enabled": true}, first-stage inputs in bf16) or fp32'
+    )
 
 
 def _check_trace(trace: Any) -> dict[str, Any]:

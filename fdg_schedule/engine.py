@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -111,9 +111,13 @@ class FDGPipelineEngine(PipelineEngine):
         state = self.fdg_state
         if state.segment_tick == 0:  # every stage agrees: nothing is in flight
             return torch.tensor(math.nan, device=self.device)
-        if state.segment_limit is not None:  # the data already ended: finish that segment
-            return self._run(self._schedule(state.ticks_left()))
-        loss = self._run(self._schedule(ticks.drain_ticks(self.num_stages), drain=True))
+        try:
+            if state.segment_limit is not None:  # the data already ended: finish that segment
+                return self._run(self._schedule(state.ticks_left()))
+            # (if stage 0's data ended and this stage does not know yet, it learns it during the drain)
+            loss = self._run(self._schedule(ticks.drain_ticks(self.num_stages), drain=True))
+        except DataExhausted as ended:  # the data had ended: the drain ends that segment, on every rank
+            return cast(Tensor, ended.loss)
         state.segment_tick = 0
         return loss
 
@@ -160,7 +164,10 @@ class FDGPipelineEngine(PipelineEngine):
             self.drain()
         tag = str(tag if tag is not None else f"global_step{self.global_steps}")
         path = checkpoint.state_path(save_dir, tag, self.stage_id, self.grid.data_parallel_id)
-        checkpoint.save(path, self._identity(), self.fdg_state.capture())
+        captured = self.fdg_state.capture()
+        if self.fdg_config.accumulate > 1:  # Note [a partial accumulation in a checkpoint]
+            captured["accumulated"] = optim.capture_accumulated(self.optimizer, self._delayed.params)
+        checkpoint.save(path, self._identity(), captured)
         frozen = exclude_frozen_parameters
         saved = super().save_checkpoint(save_dir, tag, client_state or {}, False, exclude_frozen_parameters=frozen)
         if save_latest:  # only once every rank has written every file
@@ -187,18 +194,31 @@ class FDGPipelineEngine(PipelineEngine):
         resolved = checkpoint.resolve_tag(load_dir, tag)
         per_stage = not load_module_only and (load_optimizer_states or load_lr_scheduler_states)
         other_stages = checkpoint.other_stages(load_dir, resolved, self.num_stages, per_stage_state=per_stage)
+        bf16_from_zero_files = load_optimizer_states and self._bf16_without_zero()
         load_path, client_state = super().load_checkpoint(
-            load_dir, tag=resolved, load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
+            load_dir, tag=resolved, load_module_strict=load_module_strict,
+            load_optimizer_states=load_optimizer_states and not bf16_from_zero_files,
             load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
             custom_load_fn=custom_load_fn,
         )  # fmt: skip
         if load_path is None or resolved is None:
             return load_path, client_state
+        if load_module_only:  # weights only: no in-flight work, RNG state or data position
+            return load_path, client_state
+        if bf16_from_zero_files:
+            self._load_zero_checkpoint(load_dir, resolved, load_optimizer_states=True)
         if other_stages:
             logger.warning(f"stage {self.stage_id}: client_state dropped: it belongs to another pipeline layout")
             client_state = {}
         self._restore_in_flight(load_dir, resolved)
         return load_path, client_state
+
+    def _bf16_without_zero(self) -> bool:
+        """Note [bf16 optimizer state]: DeepSpeed 0.19.8 saves the state of its bf16 wrapper without ZeRO
+        in the ZeRO optimizer files (``bf16_zero_pp_rank_*``), one per data-parallel rank, but loads it from
+        the model-states file, where the wrapper cannot read it (``KeyError: 0``, also under 1F1B). FDG
+        loads it from the ZeRO files, as DeepSpeed does under ZeRO."""
+        return isinstance(self.optimizer, BF16_Optimizer) and not self.zero_optimization()
 
     def _identity(self) -> dict[str, Any]:
         return checkpoint.identity(self.num_stages, self.dp_world_size, self.fdg_config)
@@ -206,7 +226,7 @@ class FDGPipelineEngine(PipelineEngine):
     def _restore_in_flight(self, load_dir: str, tag: str) -> None:
         """This rank's in-flight state from the checkpoint, or an empty pipeline when it cannot continue."""
         dp_id, log = self.grid.data_parallel_id, self.global_rank == 0
-        saved = checkpoint.load(load_dir, tag, self.stage_id, dp_id, self._identity(), log=log)
+        saved = checkpoint.load(load_dir, tag, self.stage_id, dp_id, self._identity(), log=log, device=self.device)
         self.fdg_state.reset()
         if saved is None:  # Note [what a layout change keeps] in fdg_schedule.checkpoint
             tick, delta = checkpoint.carried(load_dir, tag, self.stage_id, self.num_stages)
@@ -220,6 +240,8 @@ class FDGPipelineEngine(PipelineEngine):
             self._build_data_iter(self.training_data)
             for _ in range(saved["micro_batches_read"]):
                 self._next_batch()
+        if saved.get("accumulated") is not None:  # after DeepSpeed loaded the optimizer
+            optim.restore_accumulated(self.optimizer, self._delayed.params, saved["accumulated"], self.device)
         needs_grad = not self.is_first_stage() or self._reentrant_activation_checkpointing()
         rebuild = lambda held, inputs: self._delayed.rebuild(held, functools.partial(self._stage_forward, inputs))
         self.fdg_state.restore(saved, rebuild, needs_grad)
@@ -386,15 +408,22 @@ class FDGPipelineEngine(PipelineEngine):
         self._force_grad_boundary = True
         try:
             # The bf16 and ZeRO wrappers check (and skip) non-finite steps themselves.
-            finite = wrapped or optim.clip_stage_local(self.module.parameters(), self.gradient_clipping())
+            finite = True
+            if not wrapped:
+                norm = optim.clip_stage_local(self.module.parameters(), self.gradient_clipping())
+                finite = guards.finite(norm)
+                self._global_grad_norm = norm.item()  # get_global_grad_norm(): this stage's own, as DeepSpeed's
             if finite:  # with the delay-aware lr; delta follows the step (fdg_schedule.staleness)
                 finite = self.fdg_state.corrections.step(self.optimizer, self.fdg_state.tick, self._optimizer_step)
             self.optimizer.zero_grad() if wrapped else self.zero_grad()
         finally:
             self._force_grad_boundary = False
+        if wrapped:  # the wrapper's norm, computed stage-locally (optim.decouple_from_other_stages)
+            self._global_grad_norm = getattr(self.optimizer, "_global_grad_norm", 0.0)
         if finite:
             self.fdg_stats["steps"] += 1
         else:
+            self.skipped_steps += 1  # as DeepSpeed counts an overflow step
             self._non_finite("gradient")
 
     def _optimizer_step(self) -> bool:
@@ -423,13 +452,14 @@ class FDGPipelineEngine(PipelineEngine):
         )
 
     def _exec_advance_tick(self, entered: bool) -> None:
+        self._print_flops_profile()
         self.fdg_state.tick += 1
         self.fdg_state.segment_tick += 1
         self.global_steps += 1
         if entered:
             self.global_samples += self.train_micro_batch_size_per_gpu() * self.dp_world_size
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
+        if self.lr_scheduler is not None and ticks.scheduler_steps_after(self.global_steps, self.fdg_config.accumulate):
+            self.lr_scheduler.step()  # Note [learning rate per optimizer step]
         self.fdg_stats["ticks"] += 1
 
     _INSTRUCTION_MAP = {
@@ -446,6 +476,19 @@ class FDGPipelineEngine(PipelineEngine):
     }
 
     # -- helpers --------------------------------------------------------------------------------
+
+    def _print_flops_profile(self) -> None:
+        """DeepSpeed's flops profiler: its forwards profile tick ``profile_step`` (global rank 0, stage 0, as
+        under 1F1B); the profile is printed at the end of that tick, where DeepSpeed prints it after its step."""
+        profiler = getattr(self, "flops_profiler", None)
+        if profiler is None or not profiler.started or self.global_steps != self.flops_profiler_profile_step():
+            return
+        profiler.print_model_profile(
+            profile_step=self.global_steps, module_depth=self.flops_profiler_module_depth(),
+            top_modules=self.flops_profiler_top_modules(), detailed=self.flops_profiler_detailed(),
+            output_file=self.flops_profiler_output_file(),
+        )  # fmt: skip
+        profiler.end_profile()
 
     def _non_finite(self, what: str, micro_batch: int | None = None) -> None:
         """pipeline.fdg.nonfinite: stop with an error naming the stage and tick, or count a skipped step."""
@@ -464,6 +507,16 @@ class FDGPipelineEngine(PipelineEngine):
     def _autograd_backward(self, outputs: list[Tensor], grads: tuple[Tensor, ...]) -> None:
         if len(outputs) != len(grads):
             raise FDGRuntimeError(f"{self._where()}: {len(outputs)} floating output tensors but {len(grads)} gradients")
+        no_grad = [i for i, t in enumerate(outputs) if not t.requires_grad]
+        if no_grad:
+            i = no_grad[0]
+            raise FDGRuntimeError(
+                f"{self._where()}: floating output {i} of the stage ({describe(outputs[i])}) does not require grad, "
+                "so the gradient the next stage sends back cannot flow through it (no trainable parameter of the "
+                "stage, and no input that requires grad, leads to it: frozen or parameter-free layers); put a layer "
+                "with trainable parameters on this stage (e.g. PipelineModule(partition_method='parameters')), or "
+                "pass the tensor on as an integer tensor"
+            )
         bf16 = isinstance(self.optimizer, BF16_Optimizer)
         if bf16:  # as DeepSpeed's pipeline backward: we do not go through optimizer.backward()
             self.optimizer.clear_lp_grads()

@@ -87,7 +87,7 @@ def fdg_reference(
     Args:
         drain: after the last micro-batch entered, run ``2(K-1)`` more ticks so every micro-batch
             is back-propagated (and a partial accumulation is stepped).
-        schedulers: stepped once per tick, fill and drain ticks included.
+        schedulers: stepped once every ``accumulate`` ticks, fill and drain ticks included.
         clip_grad_norm: stage-local gradient clipping before each step (0 = off).
         after_tick: called with the tick number (of this call) at the end of each tick.
         state: the tick count and prediction deltas to continue from; updated in place. A fresh
@@ -140,8 +140,9 @@ def fdg_reference(
                 in_flight[k][fwd] = record
                 next_activation[k + 1] = (fwd, _detached(_forward_outputs(stage, record, config)))
         activation_msg, grad_msg = next_activation, next_grad
-        for scheduler in schedulers:
-            scheduler.step()
+        if ticks.scheduler_steps_after(tick + 1, config.accumulate):  # Note [learning rate per optimizer step]
+            for scheduler in schedulers:
+                scheduler.step()
         if after_tick is not None:
             after_tick(tick)
     state.tick += n + (ticks.drain_ticks(K) if drain else 0)

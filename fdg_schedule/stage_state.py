@@ -42,7 +42,7 @@ from fdg_schedule.comm import Meta, NeighbourExchange
 from fdg_schedule.config import FDGConfig
 from fdg_schedule.delayed import Held
 from fdg_schedule.staleness import Corrections, StalenessMeter
-from fdg_schedule.tensors import detached, leaves, nbytes
+from fdg_schedule.tensors import detached, leaves, nbytes, on_cpu
 
 Message = tuple[tuple[Tensor, ...], Tensor]  # gradients and the loss carried with them
 
@@ -117,6 +117,7 @@ class StageState:
         self.labels_in_flight.clear()
         self.exchange.restore_received(None)
         self.segment_tick = 0
+        self.segment_limit = None
         for buffers in self.buffers.values():
             buffers[:] = [None] * len(buffers)
 
@@ -140,11 +141,14 @@ class StageState:
             "received": self.exchange.received(),
             "labels_in_flight": list(self.labels_in_flight),
             "micro_batches_read": self.micro_batches_read,
+            "segment_limit": self.segment_limit,  # Note [end of data]: known here, maybe not yet downstream
             "rng": rng_state(),
         }
 
     def restore(self, saved: dict[str, Any], rebuild: Callable[[Held, Any], Any], needs_grad: bool) -> None:
         """Undo :meth:`capture` in a new process; the buffers must have their slots reserved.
+
+        ``saved`` was loaded onto this stage's device; RNG states go back to the CPU, where torch keeps them.
 
         ``rebuild(held, inputs)`` rebuilds a stored forward's outputs (Note [rebuilding a stored graph]);
         ``needs_grad``: the stage inputs are leaves that require gradients. The RNG state is set last.
@@ -157,13 +161,14 @@ class StageState:
             inputs = leaves(record["inputs"], needs_grad)
             self.buffers["inputs"][buffer_id] = inputs
             self.sent_meta[buffer_id] = record["sent_meta"]
-            held = Held(weights=record["weights"], rng_state=record["rng_state"], saved=record["saved"])
+            held = Held(weights=record["weights"], rng_state=on_cpu(record["rng_state"]), saved=record["saved"])
             self.held[buffer_id] = held
             self.buffers["outputs"][buffer_id] = rebuild(held, inputs)
         self.exchange.restore_received(saved["received"])
         self.labels_in_flight.extend(saved["labels_in_flight"])
         self.micro_batches_read = saved["micro_batches_read"]
-        set_rng_state(saved["rng"])
+        self.segment_limit = saved.get("segment_limit")
+        set_rng_state(on_cpu(saved["rng"]))
 
 
 def rng_state() -> dict[str, Any]:

@@ -39,6 +39,8 @@ def ds_config(case: dict[str, Any]) -> dict[str, Any]:
     if case.get("wall_clock"):  # DeepSpeed's timers: started by its output hooks, printed every step
         cfg["wall_clock_breakdown"] = True
         cfg["steps_per_print"] = 1
+    if case.get("flops_file"):  # DeepSpeed's flops profiler, at one tick
+        cfg["flops_profiler"] = {"enabled": True, "profile_step": 4, "output_file": case["flops_file"]}
     if case.get("warmup"):
         cfg["scheduler"] = {
             "type": "WarmupLR",
@@ -68,7 +70,7 @@ def build(case: dict[str, Any], world: int, import_fdg: bool = True):
     initialize = deepspeed.initialize if import_fdg else stock
     stages = case["stages"]
     model = PipelineModule(
-        layers=toy.layers(batch_norm=case.get("batch_norm", False)),
+        layers=toy.layers(batch_norm=case.get("batch_norm", False), dropout=case.get("dropout", 0.0)),
         num_stages=stages,
         loss_fn=toy.loss_fn,
         partition_method="uniform",
@@ -140,6 +142,7 @@ def train(rank: int, world: int, cases: list[dict[str, Any]], import_fdg: bool =
                 "global_samples": engine.global_samples,
                 "lr": engine.get_lr()[0] if engine.lr_scheduler is not None else None,
                 "in_flight": getattr(engine, "in_flight", lambda: None)(),
+                "grad_norm": engine.get_global_grad_norm(),
                 "running_timers": [n for n in engine.engine_timers.active_timers() if engine.timers(n).started_],
             }
         )
@@ -209,12 +212,16 @@ def bad_config(rank: int, world: int, case: dict[str, Any], tied_layers: bool = 
 def resume(rank: int, world: int, cases: list[dict[str, Any]], root: str, phase: str) -> list[dict[str, Any]]:
     """phase "straight": train, save at tick T without draining, keep training.
     phase "resumed": a new process loads the checkpoint, restarts the data at micro-batch T, trains."""
+    from fdg_schedule import DataExhausted
+
     out = []
     for i, case in enumerate(cases):
         torch.manual_seed(1234)
         engine, model, data = build(case, world)
+        data = data[: case.get("limit", len(data))]  # "limit": the data ends after that many micro-batches
         save_dir = f"{root}/case{i}"
-        before, after, gas = case["calls_before"], case["calls_after"], case.get("gas", 3)
+        before, after = case["calls_before"], case["calls_after"]
+        module_only: dict[str, Any] = {}
         if phase == "straight":
             it = iter(data)
             for _ in range(before):
@@ -222,17 +229,29 @@ def resume(rank: int, world: int, cases: list[dict[str, Any]], root: str, phase:
             engine.save_checkpoint(save_dir, drain=case.get("drain_save", False))
         else:
             torch.manual_seed(999)  # the resumed run must not depend on the process's own RNG
+            if case.get("module_only_first"):  # weights only: nothing in flight, RNG and data untouched
+                rng = torch.get_rng_state()
+                engine.load_checkpoint(save_dir, load_module_only=True)
+                rng_kept = torch.equal(rng, torch.get_rng_state())
+                module_only = {"state": _state(model), "in_flight": engine.in_flight(),
+                               "read": engine.micro_batches_read, "rng_kept": rng_kept}  # fmt: skip
             engine.load_checkpoint(save_dir)
-            ticks_done = before * gas
-            it = iter(data[ticks_done:])  # the user restarts the data at micro-batch T
-        losses = []
+            if module_only:
+                module_only["full_state"] = _state(model)
+            it = iter(data[engine.micro_batches_read :])  # the user restarts the data at micro-batch T
+        losses, exhausted = [], False
         for _ in range(after):
-            losses.append(
-                engine.train_batch(it).item() if not case.get("training_data") else engine.train_batch().item()
-            )
+            try:
+                losses.append(
+                    engine.train_batch(it).item() if not case.get("training_data") else engine.train_batch().item()
+                )
+            except DataExhausted as ended:
+                losses.append(float(ended.loss))
+                exhausted = True
+                break
         losses.append(engine.drain().item())
         out.append({"state": _state(model), "losses": losses, "global_steps": engine.global_steps,
-                    "stage_id": engine.stage_id})  # fmt: skip
+                    "stage_id": engine.stage_id, "exhausted": exhausted, "module_only": module_only})  # fmt: skip
     return out
 
 
@@ -312,7 +331,7 @@ def failure(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
         return {"error": str(err), "seconds": time.monotonic() - start, "stage_id": engine.stage_id}
     finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
     return {"error": None, "skipped": engine.fdg_stats["skipped"], "steps": engine.fdg_stats["steps"],
-            "finite": finite, "stage_id": engine.stage_id}  # fmt: skip
+            "finite": finite, "stage_id": engine.stage_id, "skipped_steps": engine.skipped_steps}  # fmt: skip
 
 
 def data_end(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
@@ -345,6 +364,9 @@ def bad_input(rank: int, world: int, kind: str) -> dict[str, Any]:
         layers = toy.layers()
         if kind == "more_stages_than_layers":
             layers = [toy.SeededLinear(toy.IN, toy.CLASSES, 1)]
+        if kind == "no_grad_activation":  # stage 0 holds a frozen layer: its output does not require grad
+            frozen = toy.SeededLinear(toy.IN, toy.HIDDEN, 1).requires_grad_(False)
+            layers = [frozen, torch.tanh, toy.SeededLinear(toy.HIDDEN, toy.CLASSES, 2)]
         if kind == "batch_size_mismatch":
             cfg["train_batch_size"] = 16
         model = PipelineModule(layers=layers, num_stages=2, loss_fn=toy.loss_fn, partition_method="uniform")

@@ -16,7 +16,8 @@ MODES = [(w, a) for w in ("current", "stashed") for a in ("stored", "recomputed"
 CORRECTIONS = {"delay_lr_ticks": 20, "predict_decay": 0.5}
 
 
-def _straight_and_resumed(tmp_path, world: int, cases: list[dict[str, Any]]) -> None:
+def _straight_and_resumed(tmp_path, world: int, cases: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Run ``cases`` straight through and resumed in new processes; both must agree bit for bit."""
     root = str(tmp_path / "ckpt")
     straight = run_ranks(engine_workers.resume, world, tmp_path, cases, root, "straight", deadline_s=300)
     resumed = run_ranks(engine_workers.resume, world, tmp_path, cases, root, "resumed", deadline_s=300)
@@ -24,9 +25,11 @@ def _straight_and_resumed(tmp_path, world: int, cases: list[dict[str, Any]]) -> 
         for i, case in enumerate(cases):
             a, b = straight[rank][i], resumed[rank][i]
             assert a["global_steps"] == b["global_steps"]
+            assert a["exhausted"] == b["exhausted"], case
             assert a["losses"] == pytest.approx(b["losses"], rel=0, abs=0, nan_ok=True), case
             for key in a["state"]:
                 assert torch.equal(a["state"][key], b["state"][key]), f"{case} rank {rank} {key}"
+    return resumed
 
 
 def test_resume_is_bit_identical_two_stages_every_mode(tmp_path) -> None:
@@ -47,7 +50,47 @@ def test_resume_is_bit_identical_two_stages_every_mode(tmp_path) -> None:
 def test_resume_is_bit_identical_three_stages_every_mode(tmp_path) -> None:
     base = {"stages": 3, "n": 48, "gas": 2, "calls_before": 3, "calls_after": 2, "grad_shrink": 0.5}
     cases = [{**base, "weights": w, "activations": a, **(CORRECTIONS if w == "stashed" else {})} for w, a in MODES]
+    # part-way through an accumulation: after T ticks stage k has back-propagated T-4+k micro-batches
+    cases += [
+        {**base, "gas": 5, "calls_before": 1, "accumulate": 2},  # T=5: 1, 0, 1 passes towards a step
+        {**base, "gas": 7, "calls_before": 1, "calls_after": 1, "accumulate": 3, "weights": "stashed"},  # 0, 1, 2
+    ]
     _straight_and_resumed(tmp_path, 3, cases)
+
+
+def test_resume_is_bit_identical_mid_accumulation_in_bf16_zero1_and_with_dropout(tmp_path) -> None:
+    # Undrained saves part-way through an accumulation (Note [a partial accumulation in a checkpoint]).
+    # After T ticks stage 0 has back-propagated T-2 micro-batches, stage 1 T-1; each case's comment
+    # says how many passes each stage holds towards its next step at the save.
+    base = {"stages": 2, "n": 48, "calls_after": 2, "grad_shrink": 0.5}
+    t3, t4, t5 = {"gas": 3, "calls_before": 1}, {"gas": 2, "calls_before": 2}, {"gas": 5, "calls_before": 1}
+    cases = [
+        {**base, **t3, "accumulate": 2, "weights": "stashed", "optimizer": "adam"},  # 1, 0
+        {**base, **t4, "accumulate": 2, "bf16": True},  # 0, 1
+        {**base, **t4, "accumulate": 3, "activations": "recomputed"},  # 2, 0
+        {**base, **t5, "accumulate": 3, "zero": 1, "optimizer": "adam"},  # 0, 1
+        {**base, **t3, "accumulate": 2, "bf16": True, "zero": 1},  # 1, 0
+        {**base, **t4, "bf16": True},
+        # a model that draws random numbers in its forward, in both activation modes
+        {**base, **t3, "dropout": 0.3},
+        {**base, **t3, "dropout": 0.3, "activations": "recomputed", "weights": "stashed"},
+    ]
+    _straight_and_resumed(tmp_path, 2, cases)
+
+
+def test_resume_after_the_data_ended_on_one_stage_and_weights_only_loads(tmp_path) -> None:
+    # 5 micro-batches, 2 ticks per call: stage 0 learns the end at tick 5 (in the 3rd call), stage 1 at
+    # tick 6 (Note [end of data]). Saved in between, the resumed run ends with DataExhausted as the
+    # uninterrupted one does; a drained save after the end is written too.
+    ended = {"stages": 2, "n": 48, "gas": 2, "calls_before": 3, "calls_after": 2, "limit": 5}
+    cases = [{**ended, "module_only_first": True}, {**ended, "drain_save": True}]
+    resumed = _straight_and_resumed(tmp_path, 2, cases)
+    for rank in resumed:
+        assert rank[0]["exhausted"] and rank[1]["exhausted"]
+        weights_only = rank[0]["module_only"]  # load_module_only=True: the weights and nothing else
+        assert weights_only["in_flight"] == 0 and weights_only["read"] == 0 and weights_only["rng_kept"]
+        for key, value in weights_only["state"].items():
+            assert torch.equal(value, weights_only["full_state"][key]), key
 
 
 def test_resume_is_bit_identical_with_data_parallelism(tmp_path) -> None:

@@ -55,6 +55,14 @@ def test_no_fdg_means_stock_deepspeed(pipeline) -> None:
         ({"pipeline": {"fdg": {"grad_shrink": 0.5}}}, 'pipeline.fdg is set but pipeline.schedule is not "fdg"'),
         (_ds(fp16={"enabled": True}), "fp16.enabled=true is not supported"),
         (_ds(amp={"enabled": True}), "amp.enabled=true is not supported"),
+        (
+            _ds(torch_autocast={"enabled": True, "dtype": "fp16"}),
+            "torch_autocast.enabled=true (dtype 'fp16') is not supported with pipeline.schedule=\"fdg\": "
+            "DeepSpeed scales the last stage's loss",
+        ),
+        (_ds(torch_autocast={"enabled": True, "dtype": "torch.float16"}), 'use bf16 ("bf16": {"enabled": true}'),
+        (_ds(torch_autocast={"enabled": True, "dtype": "bfloat16"}), "autocast's forward-time weight casts"),
+        (_ds(torch_autocast={"enabled": True}), "remove torch_autocast and use bf16"),
         (_ds(zero_optimization={"stage": 2}), "zero_optimization.stage=2 is not supported"),
         (_ds(zero_optimization={"stage": 3}), "set zero_optimization.stage to 1"),
         (_ds({"delay_lr_ticks": -1}), "delay_lr_ticks must be an integer >= 0, got -1 (pipeline.fdg.delay_lr_ticks"),
@@ -86,3 +94,4 @@ def test_bad_config_is_rejected_with_value_key_and_fix(ds_config: dict, message:
 def test_supported_precision_and_zero() -> None:
     assert parse(_ds(bf16={"enabled": True}, zero_optimization={"stage": 1})) is not None
     assert parse(_ds(fp16={"enabled": False})) is not None
+    assert parse(_ds(torch_autocast={"enabled": False, "dtype": "fp16"})) is not None

@@ -187,8 +187,10 @@ def test_two_stages_all_modes_sgd_and_adam(tmp_path) -> None:
         ),  # fmt: skip
         # DeepSpeed's activation checkpointing recomputes with the weights in the parameters: stashed ones here
         {"stages": 2, "n": 64, "gas": 3, "calls": 3, "checkpoint_interval": 1, "weights": "stashed"},
-        # wall_clock_breakdown: DeepSpeed's output hooks start backward timers a non-last stage must stop
-        {"stages": 2, "n": 64, "gas": 3, "calls": 3, "wall_clock": True, "grad_shrink": 0.5, "drain": True},
+        # wall_clock_breakdown: DeepSpeed's output hooks start backward timers a non-last stage must stop;
+        # DeepSpeed's flops profiler prints stage 0's profile of tick 4 (global rank 0, as under 1F1B)
+        {"stages": 2, "n": 64, "gas": 3, "calls": 3, "wall_clock": True, "grad_shrink": 0.5, "drain": True,
+         "flops_file": str(tmp_path / "flops.txt")},
         # the corrections with accumulate 2 (h = 1), a per-tick warm-up, clipping; the DeepSpeed-built
         # optimizer; ZeRO-1 (delta over the all-gathered weights); batch norm (buffers not predicted)
         dict(
@@ -230,6 +232,10 @@ def test_two_stages_all_modes_sgd_and_adam(tmp_path) -> None:
     ]
     results = run_ranks(engine_workers.train, 2, tmp_path, cases, deadline_s=300)
     check_against_reference(results, cases)
+    assert "Profile Summary at step 4" in (tmp_path / "flops.txt").read_text()
+    for rank in results:  # get_global_grad_norm(): the stage's own norm at its last step, as DeepSpeed reports
+        for case, r in zip(cases, rank):
+            assert r["grad_norm"] is not None and math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0, case
 
 
 def test_three_stages_all_modes_tick_by_tick(tmp_path) -> None:
@@ -347,6 +353,7 @@ def test_bf16_and_zero1_follow_the_fp32_reference_closely(tmp_path) -> None:
         ref_states, _ = reference(case, results[0][i]["parts"])
         for r in results:
             assert r[i]["engine"] == "FDGPipelineEngine"
+            assert r[i]["grad_norm"] is not None and r[i]["grad_norm"] > 0  # the wrapper's stage-local norm
             for key, value in r[i]["states"][-1].items():
                 torch.testing.assert_close(value, ref_states[-1][key], rtol=0.05, atol=0.02, msg=f"{case} {key}")
         if "predict_decay" in case:  # the corrections did act: the pipeline is far nearer their reference

@@ -415,3 +415,16 @@ def test_both_corrections_with_beta_and_accumulate_equal_a_hand_simulation(
     # and the corrections changed something: without them the weights differ
     plain = _simulate(weights0, data, 3, beta, accumulate, 10**9, 0.0, lr, weights == "stashed")[0]
     assert not torch.allclose(plain[0], want_weights[0], rtol=1e-6, atol=0)
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of")
+def test_schedulers_step_once_per_accumulate_ticks() -> None:
+    # Note [learning rate per optimizer step]: accumulate = 2 -> one scheduler step every 2 ticks.
+    st = [_mlp()[0:2], _mlp()[2:]]
+    opts = [torch.optim.SGD(s.parameters(), lr=1.0) for s in st]
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in opts]
+    lrs: list[float] = []
+    config = FDGConfig(accumulate=2)
+    after = lambda tick: lrs.append(opts[0].param_groups[0]["lr"])  # noqa: E731
+    fdg_reference(st, opts, _data(3), F.cross_entropy, config, drain=True, schedulers=scheds, after_tick=after)
+    assert lrs == [1.0, 0.5, 0.5, 0.25, 0.25]  # 3 micro-batches + 2 drain ticks
