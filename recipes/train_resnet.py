@@ -16,7 +16,8 @@ unless the config has a "scheduler" block the learning rate is divided by 10 at 
 (150, 225, 275 of 300, scaled to --epochs). ``--warmup-epochs N`` runs the first N epochs at a
 constant 0.1 x lr, as the paper's code does (it warms up for 3): deep nets at K >= 3 need it at lr 0.1
 (docs/staleness.md). DeepSpeed's own warm-ups work through the config instead: a "scheduler" block
-with "type": "WarmupLR" or "WarmupDecayLR" (FDG steps it once per optimizer step: every `accumulate` ticks) replaces the step decay.
+with "type": "WarmupLR" or "WarmupDecayLR" (FDG steps it once per optimizer step: every `accumulate`
+ticks) replaces the step decay.
 
 FDG's gradient shrinking factor beta ("grad_shrink") in ds_configs: 0.2 at K=2 (the paper's best for
 ResNet-20 at K=2). At K=3 and K=4 the configs carry the staleness corrections (docs/staleness.md):
