@@ -410,9 +410,10 @@ class FDGPipelineEngine(PipelineEngine):
             # The bf16 and ZeRO wrappers check (and skip) non-finite steps themselves.
             finite = True
             if not wrapped:
-                norm = optim.clip_stage_local(self.module.parameters(), self.gradient_clipping())
-                finite = guards.finite(norm)
-                self._global_grad_norm = norm.item()  # get_global_grad_norm(): this stage's own, as DeepSpeed's
+                # one host read serves the finite check and get_global_grad_norm() (this stage's own norm)
+                norm = optim.clip_stage_local(self.module.parameters(), self.gradient_clipping()).item()
+                finite = math.isfinite(norm)
+                self._global_grad_norm = norm
             if finite:  # with the delay-aware lr; delta follows the step (fdg_schedule.staleness)
                 finite = self.fdg_state.corrections.step(self.optimizer, self.fdg_state.tick, self._optimizer_step)
             self.optimizer.zero_grad() if wrapped else self.zero_grad()
