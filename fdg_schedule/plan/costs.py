@@ -12,8 +12,10 @@ The layer fields are those of the profiler's JSON (``fdg_schedule.profile``, for
     activation_bytes  its output (what crosses a stage boundary cut after this layer)
     saved_bytes    what autograd keeps for its backward (parameters excluded)
 
-Note [planner profile loader]: until ``fdg_schedule.profile`` is merged, :func:`load_profile` reads
-that format itself; the dataclasses here carry the same field names so the switch is an import.
+Note [planner profile loader]: :func:`load_profile` reads the format ``fdg_schedule.profile`` writes,
+with dataclasses of the same field names. They are still two copies: ``fdg_schedule.profile`` imports
+torch at module level and holds integer byte counts, the planner is torch-free and takes fractional
+FLOP-based estimates. The follow-up is one torch-free format module that both import.
 """
 
 from __future__ import annotations
