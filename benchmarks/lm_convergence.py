@@ -107,6 +107,7 @@ def run_deepspeed(run: Run, micro_batches: int, eval_every: int) -> None:
         f"--eval_interval={eval_every // per_call}",
         "--eval_sequences=512",
         "--log_interval=50",
+        "--partition=type:BlockPipe",  # the reference runs' fixed split, not the recipe's measured default
         f"--out_dir={out}",
         f"--seed={run.seed}",
     ]
