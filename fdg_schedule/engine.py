@@ -25,7 +25,7 @@ import torch.distributed as dist
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.pipe.engine import PipelineEngine
-from deepspeed.runtime.pipe.schedule import PipeInstruction
+from deepspeed.runtime.pipe.schedule import PipeInstruction, ReduceGrads
 from deepspeed.utils import logger
 from torch import Tensor
 
@@ -34,6 +34,7 @@ from fdg_schedule.comm import NO_END, NeighbourExchange, meta_of
 from fdg_schedule.config import FDGConfig
 from fdg_schedule.delayed import DelayedBackward
 from fdg_schedule.errors import DataExhausted, FDGRuntimeError
+from fdg_schedule.replicas import Replicas
 from fdg_schedule.report import report_call, stop_backward_timers
 from fdg_schedule.schedule import OPS, FDGTrainSchedule, Kind
 from fdg_schedule.stage_state import StageState
@@ -59,10 +60,12 @@ class FDGPipelineEngine(PipelineEngine):
         rank = lambda stage: self.grid.stage_to_global(stage) if 0 <= stage < self.num_stages else None  # noqa: E731
         self._exchange = NeighbourExchange(
             rank(self.stage_id - 1), rank(self.stage_id + 1), self.device, self.dynamic_shape, self.stage_id,
-            timeout_s=fdg_config.timeout, plan=self._plan,
+            timeout_s=fdg_config.timeout, plan=self._plan, describe=self._describe,
         )  # fmt: skip
+        self._replicas = Replicas(self.grid, self.stage_id, fdg_config.timeout, self._where())
         self._delayed = DelayedBackward(self.module, fdg_config, delayed=not self.is_last_stage())
         self.fdg_state = StageState(self.num_stages, self._exchange, self.pipe_buffers)
+        self._watch = guards.NonFiniteWatch()  # Note [no host sync in a tick]
         self._running: FDGTrainSchedule | None = None  # the call in progress: told when the data ends
         # Counters, and seconds spent per kind of instruction ("<kind>_s", see schedule.Kind).
         self.fdg_stats: dict[str, float] = {"ticks": 0, "steps": 0, "skipped": 0, **{f"{k.value}_s": 0.0 for k in Kind}}
@@ -196,6 +199,7 @@ class FDGPipelineEngine(PipelineEngine):
         dp_id, log = self.grid.data_parallel_id, self.global_rank == 0
         saved = checkpoint.load(load_dir, tag, self.stage_id, dp_id, self._identity(), log=log)
         self.fdg_state.reset()
+        self._watch.clear()
         if saved is None:
             return
         self._reserve_pipe_buffers(ticks.num_buffers(self.num_stages, self.stage_id))
@@ -225,6 +229,13 @@ class FDGPipelineEngine(PipelineEngine):
             self._exec_schedule(plan)
         finally:
             self._running = None
+        limit = self.fdg_state.segment_limit
+        try:
+            self._watch.check(self._where())  # the call's one host read (Note [no host sync in a tick])
+        except FDGRuntimeError:
+            self._replicas.agree(limit, failed=True)  # Note [replicas end together]
+            raise
+        self._replicas.agree(limit)
         wait_start = time.perf_counter()
         self._exchange.complete()
         self.fdg_stats["wait_s"] += time.perf_counter() - wait_start
@@ -266,7 +277,8 @@ class FDGPipelineEngine(PipelineEngine):
         losses = self.fdg_state.call_losses
         loss = torch.stack(losses).mean() if losses else torch.tensor(math.nan, device=self.device)
         if self.is_data_parallel:  # stage-local: the data-parallel peers of this stage only
-            dist.all_reduce(loss, group=self.grid.get_data_parallel_group())
+            with self._replicas.collective("the loss all-reduce"):
+                dist.all_reduce(loss, group=self.grid.get_data_parallel_group())
             loss /= self.dp_world_size
         return loss
 
@@ -332,8 +344,8 @@ class FDGPipelineEngine(PipelineEngine):
     def _exec_fdg_backward(self, buffer_id: int, micro_batch: int) -> None:
         if self.is_last_stage():
             loss = self.fdg_state.losses.pop(buffer_id)
-            if not guards.finite(loss.detach()):
-                self._non_finite("loss", micro_batch)
+            if self.fdg_config.nonfinite == "error":  # under "skip" the gradient's check skips the step
+                self._watch.record("loss", loss, self.global_steps, micro_batch)
             # One micro-batch per tick: no division by gradient_accumulation_steps.
             DeepSpeedEngine.backward(self, loss / self.fdg_config.accumulate, scale_wrt_gas=False)
             carried = loss.detach().float()
@@ -355,13 +367,7 @@ class FDGPipelineEngine(PipelineEngine):
         wrapped = self.bfloat16_enabled() or self.zero_optimization()
         self._force_grad_boundary = True
         try:
-            # The bf16 and ZeRO wrappers check (and skip) non-finite steps themselves.
-            finite = wrapped or optim.clip_stage_local(self.module.parameters(), self.gradient_clipping())
-            if finite:
-                self._start_timers(self.engine_timers.step_timers)
-                self.optimizer.step()
-                self._stop_timers(self.engine_timers.step_timers)
-                finite = not getattr(self.optimizer, "overflow", False)
+            finite = self._step(wrapped)
             self.optimizer.zero_grad() if wrapped else self.zero_grad()
         finally:
             self._force_grad_boundary = False
@@ -369,6 +375,25 @@ class FDGPipelineEngine(PipelineEngine):
             self.fdg_stats["steps"] += 1
         else:
             self._non_finite("gradient")
+
+    def _step(self, wrapped: bool) -> bool:
+        """One optimizer step of this stage; False when it was skipped for a non-finite gradient.
+
+        Note [no host sync in a tick]: under ``nonfinite="error"`` the stage norm's check is queued
+        and the step taken (the run stops at the next read); only ``"skip"`` reads it before stepping.
+        The bf16 and ZeRO wrappers check (and skip) non-finite steps themselves, inside DeepSpeed.
+        """
+        if not wrapped:
+            norm = optim.clip_stage_local(self.module.parameters(), self.gradient_clipping())
+            if self.fdg_config.nonfinite == "skip":
+                if not guards.finite(norm):
+                    return False
+            else:
+                self._watch.record("gradient", norm, self.global_steps)
+        self._start_timers(self.engine_timers.step_timers)
+        self.optimizer.step()
+        self._stop_timers(self.engine_timers.step_timers)
+        return not getattr(self.optimizer, "overflow", False)
 
     def _exec_exchange(
         self, send_activation: Field, send_grad: Field, recv_activation: Field, recv_grad: Field, send_end: Field
@@ -388,6 +413,11 @@ class FDGPipelineEngine(PipelineEngine):
             end=NO_END if send_end is None else send_end,
         )
 
+    def _exec_reduce_grads(self) -> None:
+        """DeepSpeed's gradient all-reduce among this stage's replicas, bounded (Note [replicas end together])."""
+        with self._replicas.collective("the gradient all-reduce"):
+            super()._exec_reduce_grads()
+
     def _exec_advance_tick(self, entered: bool) -> None:
         self.fdg_state.segment_tick += 1
         self.global_steps += 1
@@ -396,6 +426,9 @@ class FDGPipelineEngine(PipelineEngine):
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.fdg_stats["ticks"] += 1
+        every = self.fdg_config.check_every
+        if every and self.global_steps % every == 0:
+            self._watch.check(self._where())
 
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,
@@ -407,6 +440,7 @@ class FDGPipelineEngine(PipelineEngine):
         schedule.LocalOptimizerStep: _exec_local_optimizer_step,
         schedule.Exchange: _exec_exchange,
         schedule.AdvanceTick: _exec_advance_tick,
+        ReduceGrads: _exec_reduce_grads,
     }
 
     # -- helpers --------------------------------------------------------------------------------
@@ -418,7 +452,12 @@ class FDGPipelineEngine(PipelineEngine):
         self.fdg_stats["skipped"] += what == "gradient"
 
     def _where(self) -> str:
-        return f"stage {self.stage_id} (global rank {self.global_rank})"
+        return self._describe(self.stage_id, self.global_rank)
+
+    def _describe(self, stage: int, rank: int | None) -> str:
+        """A stage of this pipeline replica in messages: ``stage 1 (global rank 3, data-parallel replica 1)``."""
+        replica = f", data-parallel replica {self.grid.data_parallel_id}" if self.dp_world_size > 1 else ""
+        return f"stage {stage} (global rank {rank}{replica})"
 
     def _stage_forward(self, inputs: Any) -> Any:
         # A clone, as in DeepSpeed: layers may write into their input; the buffer stays the leaf.

@@ -26,14 +26,15 @@ def decouple_from_other_stages(optimizer: Any) -> None:
         optimizer.model_parallel_rank = 0
 
 
-def clip_stage_local(parameters: Iterable[nn.Parameter], clip: float) -> bool:
-    """Clip the gradients to norm ``clip`` (0: no clipping) by this stage's own norm; True if the norm is finite.
+def clip_stage_local(parameters: Iterable[nn.Parameter], clip: float) -> torch.Tensor:
+    """Clip the gradients to norm ``clip`` (0: no clipping) by this stage's own norm; returns the norm.
 
     For plain torch optimizers: DeepSpeed's ``clip_fp32_gradients`` would all-reduce the norm across stages.
+    The norm stays on the device (Note [no host sync in a tick] in :mod:`fdg_schedule.guards`).
     """
     params = list(parameters)
     if clip > 0:
         norm = torch.nn.utils.clip_grad_norm_(params, clip)
     else:
         norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-    return bool(torch.isfinite(norm))
+    return norm

@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+HOST = torch.device("cpu")  # host memory (gloo moves bytes from there; control words live there)
+
 
 def as_tuple(x: Any) -> tuple[Any, ...]:
     return tuple(x) if isinstance(x, (tuple, list)) else (x,)

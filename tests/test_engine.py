@@ -139,6 +139,25 @@ def test_two_stages_all_modes_sgd_and_adam(tmp_path) -> None:
     check_against_reference(results, cases)
 
 
+def test_recomputed_forward_draws_the_stored_forwards_dropout_masks(tmp_path) -> None:
+    """Dropout on stage 0: with the forward's weights (stashed), recomputing the activations at backward
+    time must give the stored run's weights exactly -- the recomputed forward replays the RNG state
+    (host and accelerator, through DeepSpeed's accelerator API) the first forward drew its masks from."""
+    base = {"stages": 2, "n": 64, "gas": 3, "calls": 3, "grad_shrink": 0.5, "weights": "stashed", "drain": True}
+    cases = [{**base, "dropout": 0.3, "activations": a} for a in ("stored", "recomputed")]
+    cases.append({**base, "activations": "stored"})  # no dropout: shows the masks change the result
+    results = run_ranks(engine_workers.train, 2, tmp_path, cases, deadline_s=200)
+    for r in results:
+        stored, recomputed, plain = (c["states"] for c in r)
+        for call, (a, b) in enumerate(zip(stored, recomputed)):
+            for key in a:
+                torch.testing.assert_close(
+                    b[key], a[key], **TOL, msg=lambda m, key=key, call=call: f"{key} {call}: {m}"
+                )
+        if r[0]["stage_id"] == 0:
+            assert any(not torch.equal(stored[-1][k], plain[-1][k]) for k in plain), "dropout had no effect"
+
+
 def test_three_stages_all_modes_tick_by_tick(tmp_path) -> None:
     cases = _cases(3, gas=1, calls=9, drain=True)  # one tick per call: compared after every tick
     cases += [{"stages": 3, "n": 64, "gas": 2, "calls": 4, "wall_clock": True, "grad_shrink": 0.5, "drain": True}]
