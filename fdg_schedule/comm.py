@@ -223,14 +223,14 @@ class NeighbourExchange:
             raise self._failed(f"reaching {name}", err) from err
         if group is not None:  # Note [control words on the host]: waited on the host
             works = [HostWork(w) for w in works]
-        send_works = works[: len(sends)]
+        send_works, recv_works = split_works(works, len(sends), len(recvs))
         if self.watchdog is not None and group is None:  # stream-ordered: nobody waits for these sends
             self.watchdog.watch(send_works, f"{name} to take what this stage sent")
             self._in_flight.keep(send_works, sends)
         else:
             self._sends += [(w, name) for w in send_works]
             self._send_refs += sends  # isend does not copy: keep the tensors alive until it completes
-        return list(works[len(sends) :])
+        return recv_works
 
     def wait_activation(self) -> tuple[tuple[Tensor, ...], int]:
         """The activation posted for this tick and its control word (blocks until it has arrived)."""
@@ -316,7 +316,10 @@ class NeighbourExchange:
         header = torch.empty(_HEADER_INTS, dtype=torch.int64)  # Note [control words on the host]
         if recv:
             ops.append(dist.P2POp(dist.irecv, header, self.prev_rank, self.host_group, TAG))
-        self._wait(dist.batch_isend_irecv(ops), f"the activation header from {self._prev}")
+        works: list[Any] = list(dist.batch_isend_irecv(ops))
+        if self.host_group is not None:
+            works = [HostWork(w) for w in works]
+        self._wait(works, f"the activation header from {self._prev}")
         if recv:
             self.recv_meta = _decode(header)
 
@@ -367,6 +370,19 @@ class HostWork:
 
     def is_completed(self) -> bool:
         return self.work.is_completed()
+
+
+def split_works(works: list[Any], sends: int, recvs: int) -> tuple[list[Any], list[Any]]:
+    """The works of a batch's sends and of its receives.
+
+    gloo returns one work per operation, in order. NCCL coalesces the whole batch into one work
+    (``batch_isend_irecv``'s coalescing manager): it stands for the sends and for the receives.
+    """
+    if len(works) == sends + recvs:
+        return works[:sends], works[sends:]
+    if len(works) != 1:
+        raise FDGRuntimeError(f"batch_isend_irecv returned {len(works)} works for {sends + recvs} operations")
+    return (works if sends else []), (works if recvs else [])
 
 
 def _is_host_work(work: Any) -> bool:

@@ -154,3 +154,11 @@ def test_control_words_are_read_only_from_host_memory() -> None:
     assert read_host(torch.tensor([-1], dtype=torch.int64)) == [-1]
     with pytest.raises(FDGRuntimeError, match="read_host\\(\\) is for tensors in host memory, got one on meta"):
         read_host(torch.empty(1, dtype=torch.int64, device="meta"))
+
+
+def test_a_coalesced_batch_work_stands_for_its_sends_and_receives() -> None:
+    from fdg_schedule.comm import split_works
+
+    assert split_works(["s1", "s2", "r1"], 2, 1) == (["s1", "s2"], ["r1"])  # gloo: one work per operation
+    assert split_works(["all"], 2, 1) == (["all"], ["all"])  # NCCL: one work for the batch
+    assert split_works(["all"], 0, 2) == ([], ["all"])
