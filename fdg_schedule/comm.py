@@ -31,8 +31,9 @@ device was lent while it was written); docs/gpu.md says how to check it.
 
 Note [control words on the host]: the end-of-data word that travels with every activation, and
 the shape header, must be read on the host (they decide what the next instructions are). They are
-host-memory tensors on every path -- sent in the same batch as the data under gloo, through a
-gloo group of all ranks beside the NCCL one under STREAM -- so reading them (``guards.read_host``)
+host-memory tensors on every path -- sent in the same batch as the data under gloo (or any
+backend on host memory), through a gloo group of all ranks beside NCCL (or any backend on an
+accelerator) -- so reading them (``guards.read_host``)
 waits for the neighbour's message, never for the device's queue.
 """
 
@@ -84,12 +85,18 @@ def choose_path(backend: str, device: torch.device) -> Path:
 _host_groups: dict[int, Any] = {}
 
 
-def host_group(path: Path) -> Any:
-    """The group control words travel in: the default group, or under STREAM a gloo group of all ranks.
+def needs_host_group(backend: str, device: torch.device) -> bool:
+    """Whether control words need a gloo group of their own: the data goes through a backend on an accelerator."""
+    return backend != "gloo" and device.type != HOST.type
+
+
+def host_group(backend: str, device: torch.device) -> Any:
+    """The group control words travel in (Note [control words on the host]): None for the default group,
+    or a gloo group of all ranks beside an accelerator backend (NCCL).
 
     Creating it is collective: every rank builds its engine (and so calls this) at the same point.
     """
-    if path is not Path.STREAM:
+    if not needs_host_group(backend, device):
         return None
     key = id(dist.group.WORLD)
     if key not in _host_groups:
@@ -130,7 +137,7 @@ class NeighbourExchange:
     ) -> None:
         self.path = choose_path(dist.get_backend(), device) if path is None else path
         self.wire = HOST if self.path is Path.STAGED else device  # where tensors travel from and arrive in
-        self.host_group = host_group(self.path)
+        self.host_group = host_group(dist.get_backend(), device)
         self.plan = plan
         self.prev_rank, self.next_rank = prev_rank, next_rank
         self.device, self.dynamic_shape = device, dynamic_shape

@@ -74,9 +74,11 @@ def test_a_wait_with_no_receive_posted_prints_every_stages_plan(one_rank_group: 
     ],
 )
 def test_the_path_follows_backend_and_device(backend: str, device: str, path: str) -> None:
-    from fdg_schedule.comm import choose_path
+    from fdg_schedule.comm import choose_path, needs_host_group
 
     assert choose_path(backend, torch.device(device)).value == path
+    # control words beside the data unless the data goes through a backend on an accelerator
+    assert needs_host_group(backend, torch.device(device)) == (backend != "gloo" and device != "cpu")
 
 
 class FakeWork:
