@@ -232,8 +232,10 @@ class FDGPipelineEngine(PipelineEngine):
         limit = self.fdg_state.segment_limit
         try:
             self._watch.check(self._where())  # the call's one host read (Note [no host sync in a tick])
-        except FDGRuntimeError:
-            self._replicas.agree(limit, failed=True)  # Note [replicas end together]
+        except guards.NonFiniteError as err:
+            others = self._replicas.agree(limit, failed=err.what)  # Note [replicas end together]
+            if others:
+                raise guards.NonFiniteError(f"{err}; {others}", err.what) from err
             raise
         self._replicas.agree(limit)
         wait_start = time.perf_counter()

@@ -42,6 +42,14 @@ def read_host(t: Tensor) -> list[int]:
     return [int(v) for v in t.numpy()]
 
 
+class NonFiniteError(FDGRuntimeError):
+    """A non-finite loss or gradient under ``nonfinite="error"``; ``what`` says which."""
+
+    def __init__(self, message: str, what: str) -> None:
+        super().__init__(message)
+        self.what = what
+
+
 @dataclasses.dataclass(frozen=True)
 class _Flag:
     what: str  # "loss" | "gradient"
@@ -87,10 +95,11 @@ def check_inputs(inputs: Any, micro_batch: int, bf16: bool, where: str) -> None:
         )
 
 
-def non_finite(what: str, where: str, tick: int, micro_batch: int | None = None) -> FDGRuntimeError:
+def non_finite(what: str, where: str, tick: int, micro_batch: int | None = None) -> NonFiniteError:
     """The error for a non-finite ``what`` (loss, gradient) under ``pipeline.fdg.nonfinite="error"``."""
     of = "" if micro_batch is None else f" of micro-batch {micro_batch} (of this pipeline segment)"
-    return FDGRuntimeError(
+    return NonFiniteError(
         f'{where}: non-finite {what}{of} at tick {tick}; lower the learning rate or set pipeline.fdg.nonfinite="skip" '
-        "to skip such optimizer steps"
+        "to skip such optimizer steps",
+        what,
     )

@@ -12,8 +12,10 @@ collective. So:
 * at the end of every call the replicas agree, in a gloo group of their own (so this never pairs
   with a gradient all-reduce), on two things: that none of them failed in the call's check, and
   where their data ended. A replica that found a non-finite value tells its peers before it stops;
-  they stop with an error naming it. Replicas whose data ended at different micro-batches stop with
-  an error naming which ones ended. A replica stuck elsewhere is reported when the wait times out.
+  they stop with an error naming it (a non-finite loss on one replica usually reaches the others as
+  a non-finite gradient through the all-reduce: their own error then names the replica it came
+  from). Replicas whose data ended at different micro-batches stop with an error naming which ones
+  ended. A replica stuck elsewhere is reported when the wait times out.
 
 All of this runs only with more than one data-parallel replica, once per call, on host memory.
 """
@@ -32,7 +34,7 @@ from fdg_schedule.errors import FDGRuntimeError
 from fdg_schedule.guards import read_host
 
 NO_LIMIT = -1  # the data has not ended on this replica
-FAILED = 1
+FAILURES = ["", "non-finite loss", "non-finite gradient"]  # what a replica's status word says it stopped on
 
 
 class Replicas:
@@ -74,27 +76,28 @@ class Replicas:
                 f"killed, or its data ended at another length -- see the logs of those ranks [{err}]"
             ) from err
 
-    def agree(self, limit: int | None, failed: bool = False) -> None:
+    def agree(self, limit: int | None, failed: str | None = None) -> str:
         """End of a call: raise unless every replica is fine and its data ended where this one's did.
 
         ``limit``: micro-batches of the segment that ended in this call (None: it did not end).
-        ``failed``: this replica is about to raise; its peers are told and it does not raise here.
+        ``failed``: this replica is about to raise for a non-finite ``"loss"`` or ``"gradient"``; its
+        peers are told, nothing is raised here, and what other replicas stopped on is returned (a
+        non-finite value on one replica reaches all of them through the gradient all-reduce).
         """
         if self.group is None:
-            return
-        status = torch.tensor([NO_LIMIT if limit is None else limit, FAILED if failed else 0], dtype=torch.int64)
+            return ""
+        code = 0 if failed is None else FAILURES.index(f"non-finite {failed}")
+        status = torch.tensor([NO_LIMIT if limit is None else limit, code], dtype=torch.int64)
         gathered = [torch.empty_like(status) for _ in self.ranks]
         with self.collective("the end-of-call check"):
             dist.all_gather(gathered, status, group=self.group)
-        if failed:
-            return
         rows = [read_host(t) for t in gathered]
-        stopped = [r for r, (_, fail) in enumerate(rows) if fail == FAILED]
+        stopped = [(r, FAILURES[c]) for r, (_, c) in enumerate(rows) if c and r != self.replica]
+        told = "; ".join(f"{self.describe(r)} stopped in the same call: {what}" for r, what in stopped)
+        if failed is not None:
+            return told
         if stopped:
-            raise FDGRuntimeError(
-                f"{self.where}: {self.describe(stopped[0])} stopped with an error (see its log); every replica "
-                "stops with it"
-            )
+            raise FDGRuntimeError(f"{self.where}: {told} (see its log); every replica stops with it")
         limits = {r: lim for r, (lim, _) in enumerate(rows)}
         if len(set(limits.values())) > 1:
             ended = ", ".join(
@@ -106,3 +109,4 @@ class Replicas:
                 f"read data of different lengths ({ended}); give every replica data of equal length (a "
                 "DistributedSampler with drop_last=True, or deepspeed.initialize(training_data=...))"
             )
+        return ""

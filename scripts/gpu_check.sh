@@ -38,7 +38,7 @@ if ((DRY)); then
   BENCH=(--quick --models=transformer_tiny --repeats=1 --variants=bp,1f1b_m2,fdg_current_stored)
 else
   export DS_ACCELERATOR=cuda FDG_LAUNCH_DEVICES=1  # every rank on GPU 0 (fdg_schedule.launch)
-  PYTEST=("$PY" -m pytest -q -p no:cacheprovider -x)
+  PYTEST=("$PY" -m pytest -q -rf -p no:cacheprovider)  # every failure in the report, not only the first
   BENCH=(--models=resnet32,transformer --repeats=2 --window=16 --warmup=8 --rss=)
   "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
     || { echo "no CUDA device visible: run with --dry-run on a CPU machine"; exit 1; }

@@ -84,8 +84,9 @@ def test_a_non_finite_loss_on_one_replica_ends_every_rank_naming_it(tmp_path) ->
     case = {"trigger": 3, "how": "inf", "ranks": [3], "timeout": 5, "calls": 8}
     results = run_ranks(engine_workers.failure, 4, tmp_path, case, deadline_s=150)
     assert "stage 1 (global rank 3, data-parallel replica 1): non-finite loss" in results[3]["error"]
-    # its peer in stage 1 is told at the end of the same call
-    told = "(global rank 2, data-parallel replica 0): data-parallel replica 1 of stage 1 (global rank 3) stopped"
+    # its peer in stage 1 (which the all-reduce gave a non-finite gradient) is told where it came from
+    told = "data-parallel replica 1 of stage 1 (global rank 3) stopped in the same call: non-finite loss"
+    assert results[2]["error"].startswith("stage 1 (global rank 2, data-parallel replica 0)")
     assert told in results[2]["error"]
     for r in results:
         assert r["error"] is not None and r["seconds"] < 5 + 10, r
