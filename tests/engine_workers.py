@@ -66,7 +66,7 @@ def build(case: dict[str, Any], world: int, import_fdg: bool = True):
     initialize = deepspeed.initialize if import_fdg else stock
     stages = case["stages"]
     model = PipelineModule(
-        layers=toy.layers(batch_norm=case.get("batch_norm", False), dropout=case.get("dropout", 0.0)),
+        layers=toy.layers(batch_norm=case.get("batch_norm", False), dropout=case.get("dropout")),
         num_stages=stages,
         loss_fn=toy.loss_fn,
         partition_method="uniform",
