@@ -74,7 +74,7 @@ step() {
   } >>"$RESULTS"
 }
 
-PARITY="two_stages or three_stages or data_parallel or one_stage or dropout or bf16"
+PARITY="two_stages or three_stages or data_parallel or dropout or bf16"  # one_stage: bit-for-bit vs the CPU
 step environment 20 bash -c "nvidia-smi 2>/dev/null || echo 'no nvidia-smi (dry run: CPU)'; \
   '$PY' -c 'import torch, deepspeed; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \
   \"deepspeed\", deepspeed.__version__)'; git log -1 --format='commit %H %cd'"
