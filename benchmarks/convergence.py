@@ -5,23 +5,33 @@
 Every run is `recipes/train_resnet.py` under the deepspeed launcher, with a config derived from
 ds_configs/resnet_{bp,1f1b,fdg_k2}.json (only the micro-batch size and the pipeline block change), so
 the numbers are those of the real engines. A run needs one rank per stage; runs with more stages than
---max-ranks are listed as not run. Writes <out>.md (final test error, mean ± half-range over seeds),
-<out>.png (test error per epoch, mean over seeds) and <out>.json (every epoch of every run).
+--max-ranks are listed as not run. With ``--backend reference`` every run is
+`benchmarks/resnet_reference.py` instead: the same recipe with `fdg_reference` in one process (K
+stages without K ranks; equal to the engine's run, docs/staleness.md), marked in the table.
+Writes <out>.md (final test error, mean ± half-range over seeds), <out>.png (test error per epoch,
+mean over seeds) and <out>.json (every epoch of every run, and every run an earlier call stored there).
+
+Staleness corrections are variant options (docs/staleness.md), e.g.
+``--variant fdg:4:1:stashed:warmup=2,delay_lr=1024,predict=0.9`` or ``--variant BP:warmup=2``.
 """
 
 import argparse
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "train_resnet.py"
+REFERENCE = ROOT / "benchmarks" / "resnet_reference.py"
 sys.path.insert(0, str(ROOT))  # run as a script: the package is in the repository root
 from fdg_schedule.launch import free_port  # noqa: E402
 
@@ -38,6 +48,18 @@ parser.add_argument("--betas", type=float, nargs="+", default=[1.0, 0.5, 0.2])
 parser.add_argument("--weights", nargs="+", default=["current", "stashed"])
 parser.add_argument("--max-ranks", type=int, default=2, help="runs needing more processes are skipped")
 parser.add_argument("--timeout", type=float, default=900, help="seconds per run")
+parser.add_argument(
+    "--backend",
+    choices=["engine", "reference"],
+    default="engine",
+    help="engine: the recipe on DeepSpeed ranks; reference: fdg_reference in one process (any K)",
+)
+parser.add_argument("--jobs", type=int, default=1, help="runs at the same time (one process each)")
+parser.add_argument(
+    "--final-full-test",
+    action="store_true",
+    help="the final test error on the whole test set (the curve stays on --test-subset)",
+)
 parser.add_argument("--out", default=str(ROOT / "docs" / "convergence"))
 parser.add_argument("--fdg-only", action="store_true", help="skip the BP and 1F1B baselines (e.g. a K=3 add-on)")
 parser.add_argument(
@@ -54,44 +76,81 @@ parser.add_argument(
     "--variant",
     action="append",
     metavar="SPEC",
-    help="run only these (repeatable): BP, 1F1B or fdg:K:beta:weights, e.g. fdg:2:0.2:current; "
+    help="run only these (repeatable): BP, 1F1B or fdg:K:beta:weights, e.g. fdg:2:0.2:current, each "
+    "optionally followed by :warmup=EPOCHS,delay_lr=TICKS,predict=GAMMA (BP takes warmup only); "
     "replaces the grid of --stages x --weights x --betas",
 )
 args = parser.parse_args()
+if args.backend == "reference" and args.max_ranks == 2:
+    args.max_ranks = 10**6  # one process whatever K
 
 
-def fdg_variant(stages, beta, weights):
+# What each correction option means in a variant spec, and how its name reads in the table.
+CORRECTIONS = {"warmup": "warm-up {} ep", "delay_lr": "delay_lr T={}", "predict": "predict γ={}"}
+
+
+def correction_name(options):
+    return "".join(f", {CORRECTIONS[key].format(value)}" for key, value in options.items())
+
+
+def fdg_variant(stages, beta, weights, options=None):
+    """(name, stages, config changes, recipe arguments) of one FDG variant."""
+    options = options or {}
     fdg = {"grad_shrink": beta, "weights": weights, "activations": "stored", "accumulate": 1}
-    return f"FDG K={stages} β={beta:g} {weights}", stages, {"pipeline": {"schedule": "fdg", "fdg": fdg}}
+    if "delay_lr" in options:
+        fdg["delay_lr_ticks"] = int(options["delay_lr"])
+    if "predict" in options:
+        fdg["predict_decay"] = float(options["predict"])
+    name = f"FDG K={stages} β={beta:g} {weights}" + correction_name(options)
+    return name, stages, {"pipeline": {"schedule": "fdg", "fdg": fdg}}, warmup_args(options)
 
 
-# (name, stages, config changes) of the stock schedules
-BASELINES: list[tuple[str, int, dict]] = [("BP", 1, {}), ("1F1B", 2, {})]
+def warmup_args(options):
+    return ["--warmup-epochs", str(int(options["warmup"]))] if "warmup" in options else []
+
+
+# (name, stages, config changes, recipe arguments) of the stock schedules
+BASELINES: list[tuple[str, int, dict, list]] = [("BP", 1, {}, []), ("1F1B", 2, {}, [])]
+
+
+def parse_options(spec, text):
+    options = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        if key not in CORRECTIONS or not value:
+            parser.error(f"--variant {spec!r}: unknown option {item!r}; options: warmup=N, delay_lr=T, predict=GAMMA")
+        options[key] = value
+    return options
 
 
 def parse_variant(spec):
-    for baseline in BASELINES:
-        if spec.upper() == baseline[0]:
-            return baseline
+    head, _, rest = spec.partition(":") if spec.upper().startswith(("BP:", "1F1B:")) else (spec, "", "")
+    for name, stages, changes, _ in BASELINES:
+        if head.upper() == name:
+            options = parse_options(spec, rest)
+            if set(options) - {"warmup"}:
+                parser.error(f"--variant {spec!r}: {name} takes only warmup=N")
+            return name + correction_name(options), stages, changes, warmup_args(options)
     try:
-        kind, stages, beta, weights = spec.split(":")
-        assert kind == "fdg" and weights in ("current", "stashed")
-        return fdg_variant(int(stages), float(beta), weights)
+        kind, stages, beta, weights, *more = spec.split(":")
+        assert kind == "fdg" and weights in ("current", "stashed") and len(more) <= 1
     except (ValueError, AssertionError):
-        parser.error(f"--variant {spec!r}: expected BP, 1F1B or fdg:K:beta:weights (weights current|stashed)")
+        parser.error(f"--variant {spec!r}: expected BP, 1F1B or fdg:K:beta:weights[:options] (weights current|stashed)")
+    options = parse_options(spec, more[0] if more else "")
+    return fdg_variant(int(stages), float(beta), weights, options)
 
 
 def variants():
-    """(name, stages, config changes) of every run, BP and 1F1B first."""
+    """(name, stages, config changes, recipe arguments, --variant spec) of every run, BP and 1F1B first."""
     if args.variant:
-        yield from (parse_variant(spec) for spec in args.variant)
+        yield from ((*parse_variant(spec), spec) for spec in args.variant)
         return
     if not args.fdg_only:
-        yield from BASELINES
+        yield from ((*baseline, baseline[0]) for baseline in BASELINES)
     for stages in args.stages:
         for weights in args.weights:
             for beta in args.betas:
-                yield fdg_variant(stages, beta, weights)
+                yield (*fdg_variant(stages, beta, weights), f"fdg:{stages}:{beta:g}:{weights}")
 
 
 class RunFailed(Exception):
@@ -109,34 +168,47 @@ def first_error(output, returncode):
     return (primary or lines or [f"exit code {returncode}"])[-1][:400]
 
 
-def run(stages, changes, seed, workdir):
-    """One recipe run; returns test error per epoch (fractions) and samples/s, or raises RunFailed."""
+def run(stages, changes, extra, seed, workdir):
+    """One recipe run; returns its record (test error per epoch as fractions, samples/s, ...) or raises RunFailed."""
     config = json.loads((ROOT / "ds_configs" / "resnet_bp.json").read_text())
     config.update(changes, train_micro_batch_size_per_gpu=args.micro_batch)
+    if "pipeline" in config:  # a paused experiment must not time out waiting for a neighbour
+        config["pipeline"]["fdg"]["timeout"] = max(args.timeout, 60)
     path = workdir / f"config_{time.monotonic_ns()}.json"
     path.write_text(json.dumps(config))
-    command = [
-        str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(stages), "--master_port", str(free_port()),
-        str(RECIPE), "--deepspeed_config", str(path), "--model", args.model, "--dataset", args.dataset,
+    common = [
+        "--deepspeed_config", str(path), "--model", args.model, "--dataset", args.dataset,
         "--epochs", str(args.epochs), "--train-subset", str(args.train_subset),
-        "--test-subset", str(args.test_subset), "--seed", str(seed),
+        "--test-subset", str(args.test_subset), "--seed", str(seed), *extra,
     ]  # fmt: skip
+    common += ["--final-full-test"] if args.final_full_test else []
+    if args.backend == "reference":
+        command = [sys.executable, str(REFERENCE), "--stages", str(stages), *common]
+    else:
+        launcher = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(stages)]
+        command = [*launcher, "--master_port", str(free_port()), str(RECIPE), *common]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
+    # The run stays in this process group, so pausing the group (SIGSTOP to a paused experiment) reaches
+    # its ranks too; at the timeout the whole tree (launcher and ranks) is killed by hand.
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         output, _ = proc.communicate(timeout=args.timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            child.kill()
+        proc.kill()
         output, _ = proc.communicate()
     errors = [1 - float(acc) / 100 for acc in re.findall(r"^epoch \d+/\d+: .* test_acc ([\d.]+)%", output, re.M)]
     speed = re.search(r"^final: .* \| ([\d.]+) samples/s", output, re.M)
-    if proc.returncode != 0 or len(errors) != args.epochs or speed is None:
+    full = re.search(r"^full test set: test_acc ([\d.]+)%", output, re.M)
+    if proc.returncode != 0 or len(errors) != args.epochs or speed is None or (args.final_full_test and not full):
         tail = "\n".join(output.splitlines()[-15:])
         print(f"run failed (exit {proc.returncode}): {' '.join(command)}\n{tail}", flush=True)
         raise RunFailed(first_error(output, proc.returncode))
-    return errors, float(speed.group(1))
+    record = {"test_error": errors, "samples_per_s": float(speed.group(1)), "backend": args.backend}
+    if full:
+        record["full_test_error"] = 1 - float(full.group(1)) / 100
+    return record
 
 
 def mean(xs):
@@ -147,19 +219,22 @@ def half_range(xs):
     return (max(xs) - min(xs)) / 2
 
 
-SETTINGS = ("model", "dataset", "epochs", "train_subset", "test_subset", "micro_batch")  # what makes runs comparable
+# What makes runs comparable, with the value files written before the key existed had.
+SETTINGS = {
+    "model": None, "dataset": None, "epochs": None, "train_subset": None, "test_subset": None,
+    "micro_batch": None, "final_full_test": False,
+}  # fmt: skip
 
 
-def stored_runs(path):
-    """{(variant, seed): run} from an earlier <out>.json with the same settings, and its wall time."""
+def stored_results(path):
+    """The results, wall time and commands of an earlier <out>.json with the same settings (--reuse)."""
     if not (args.reuse and path.exists()):
-        return {}, 0.0
+        return [], 0.0, []
     stored = json.loads(path.read_text())
-    differ = [key for key in SETTINGS if stored["args"].get(key) != getattr(args, key)]
+    differ = [key for key, default in SETTINGS.items() if stored["args"].get(key, default) != getattr(args, key)]
     if differ:
         raise SystemExit(f"--reuse: {path} was made with other {', '.join(differ)}; drop --reuse or change --out")
-    runs = {(result["name"], run["seed"]): run for result in stored["results"] for run in result["runs"]}
-    return runs, stored["wall_s"]
+    return stored["results"], stored["wall_s"], stored.get("commands", [])
 
 
 out = Path(args.out)
@@ -167,47 +242,75 @@ out.parent.mkdir(parents=True, exist_ok=True)
 if args.report_only and not args.reuse:
     parser.error("--report-only needs --reuse (it reads the runs of <out>.json)")
 planned = list(variants())  # a bad --variant fails here, before any run
-done, wall_before = stored_runs(out.with_suffix(".json"))
+# Every stored variant stays in the file and the table, also those this call does not plan.
+results, wall_before, commands = stored_results(out.with_suffix(".json"))
+commands = [*commands, "python benchmarks/convergence.py " + " ".join(sys.argv[1:])]
 start = time.time()
-results = []
+lock = threading.Lock()  # runs finish in any order with --jobs > 1; one writer at a time
 
 
 def save_json():
     wall = wall_before + time.time() - start
-    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "wall_s": wall, "results": results}, indent=1))
+    record = {"args": vars(args), "wall_s": wall, "commands": commands, "results": results}
+    out.with_suffix(".json").write_text(json.dumps(record, indent=1))
     return wall
 
 
-with tempfile.TemporaryDirectory() as tmp:
-    for name, stages, changes in planned:
-        if stages > args.max_ranks:
-            results.append({"name": name, "stages": stages, "runs": [], "skipped": f"needs {stages} ranks"})
-            print(f"{name}: not run (needs {stages} ranks, --max-ranks {args.max_ranks})", flush=True)
-            continue
-        runs: list[dict] = []
-        results.append({"name": name, "stages": stages, "runs": runs})
-        for seed in args.seeds:
-            if (name, seed) in done:
-                runs.append(done[name, seed])
-                print(f"{name} seed {seed}: kept from the earlier run", flush=True)
-                continue
-            if args.report_only:
-                print(f"{name} seed {seed}: not in {out.with_suffix('.json')}, left out", flush=True)
-                continue
-            run_start = time.time()
-            try:
-                errors, speed = run(stages, changes, seed, Path(tmp))
-            except RunFailed as err:  # a result too: the table says which runs failed and why
-                runs.append({"seed": seed, "failed": str(err)})
-                print(f"{name} seed {seed}: FAILED ({time.time() - run_start:.0f} s): {err}", flush=True)
-                save_json()
-                continue
-            runs.append({"seed": seed, "test_error": errors, "samples_per_s": speed})
-            print(f"{name} seed {seed}: test error {errors[-1]:.2%} ({time.time() - run_start:.0f} s)", flush=True)
-            save_json()  # a later failure keeps the runs made so far (rerun with --reuse)
-wall = save_json()
-command = "python benchmarks/convergence.py " + " ".join(sys.argv[1:])
+def killed(run):
+    """A run that a signal stopped (the OOM killer, a timeout): not a result of the method."""
+    return bool(re.fullmatch(r"exit code -\d+", run.get("failed", "")))
 
+
+def final_error(run):
+    """The final test error of a finished run: on the whole test set when it was measured there."""
+    return run.get("full_test_error", run["test_error"][-1])
+
+
+jobs = []  # (result entry, name, stages, config changes, recipe arguments, seed), in the planned order
+by_name = {result["name"]: result for result in results}
+for name, stages, changes, extra, spec in planned:
+    if name not in by_name:
+        by_name[name] = {"name": name, "stages": stages, "runs": []}
+        results.append(by_name[name])
+    entry = by_name[name]
+    entry["spec"] = spec  # what --variant reruns it
+    if not args.report_only:  # a run killed from outside (e.g. out of memory) is no result: run it again
+        entry["runs"] = [r for r in entry["runs"] if not killed(r)]
+    entry.pop("skipped", None)
+    if stages > args.max_ranks:
+        if not entry["runs"]:
+            entry["skipped"] = f"needs {stages} ranks"
+        print(f"{name}: not run (needs {stages} ranks, --max-ranks {args.max_ranks})", flush=True)
+        continue
+    for seed in args.seeds:
+        if any(r["seed"] == seed for r in entry["runs"]):
+            print(f"{name} seed {seed}: kept from the earlier run", flush=True)
+        elif args.report_only:
+            print(f"{name} seed {seed}: not in {out.with_suffix('.json')}, left out", flush=True)
+        else:
+            jobs.append((entry, name, stages, changes, extra, seed))
+
+
+def execute(job, workdir):
+    entry, name, stages, changes, extra, seed = job
+    run_start = time.time()
+    try:
+        record = {"seed": seed, **run(stages, changes, extra, seed, workdir)}
+        outcome = f"test error {final_error(record):.2%}"
+    except RunFailed as err:  # a result too: the table says which runs failed and why
+        record = {"seed": seed, "failed": str(err)}
+        outcome = f"FAILED: {err}"
+    with lock:
+        entry["runs"] = sorted([*entry["runs"], record], key=lambda r: r["seed"])
+        save_json()  # a later failure keeps the runs made so far (rerun with --reuse)
+        print(f"{name} seed {seed}: {outcome} ({time.time() - run_start:.0f} s)", flush=True)
+
+
+with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(max(1, args.jobs)) as pool:
+    list(pool.map(lambda job: execute(job, Path(tmp)), jobs))
+wall = save_json()
+command = commands[-1]
+reference_rows = any(r.get("backend") == "reference" for res in results for r in res["runs"])
 three_quarters = max(1, round(0.75 * args.epochs))  # how flat the end of the curve is
 lines = [
     "# FDG versus backprop: convergence",
@@ -217,7 +320,13 @@ lines = [
     f"per micro-batch for every method), SGD lr 0.1 momentum 0.9 weight decay 5e-4, lr / 10 at the paper's "
     f"epoch fractions. Seeds {args.seeds}; a seed gives every method the same subsets, initial weights and "
     "data order. Test error after the last epoch, mean ± half the range over seeds; Δ BP is the difference "
-    "from BP's run with the same seed (paired: the seed's share of the error cancels), mean ± half-range.",
+    "from BP's run with the same seed (paired: the seed's share of the error cancels), mean ± half-range."
+    + (
+        f" The final test error is measured on the whole test set; the curve and the 'at epoch' column on the "
+        f"{args.test_subset}-image subset."
+        if args.final_full_test
+        else ""
+    ),
     "",
     f"Command: `DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 {command}` — wall time {wall / 60:.1f} min on 2 shared CPU cores.",
     "",
@@ -230,11 +339,11 @@ def finished(runs):
     return [r for r in runs if "failed" not in r]
 
 
-bp_final = {r["seed"]: r["test_error"][-1] for res in results if res["name"] == "BP" for r in finished(res["runs"])}
+bp_final = {r["seed"]: final_error(r) for res in results if res["name"] == "BP" for r in finished(res["runs"])}
 
 
 def paired_delta(runs):
-    deltas = [r["test_error"][-1] - bp_final[r["seed"]] for r in finished(runs) if r["seed"] in bp_final]
+    deltas = [final_error(r) - bp_final[r["seed"]] for r in finished(runs) if r["seed"] in bp_final]
     if not deltas:
         return "n/a"
     return f"{mean(deltas):+.2%} ± {half_range(deltas):.2%}"
@@ -242,15 +351,17 @@ def paired_delta(runs):
 
 failures = []
 for result in results:
+    on_reference = any(r.get("backend") == "reference" for r in result["runs"])
+    stages_cell = f"{result['stages']}†" if on_reference else result["stages"]
     ok = finished(result["runs"])
     failed_runs = [r for r in result["runs"] if "failed" in r]
     failed = [r["seed"] for r in failed_runs]
     failures += [f"- {result['name']}, seed {r['seed']}: `{r['failed']}`" for r in failed_runs]
     if not ok:
         cell = f"failed (seeds {failed}; below)" if failed else f"not run ({result.get('skipped', 'no runs yet')})"
-        lines.append(f"| {result['name']} | {result['stages']} | {cell} | | | | |")
+        lines.append(f"| {result['name']} | {stages_cell} | {cell} | | | | |")
         continue
-    finals = [r["test_error"][-1] for r in ok]
+    finals = [final_error(r) for r in ok]
     seeds = [r["seed"] for r in ok]
     label = result["name"] if seeds == args.seeds else f"{result['name']} (seeds {seeds})"
     label += f" (failed: seeds {failed})" if failed else ""
@@ -258,12 +369,14 @@ for result in results:
     spread = half_range(finals)
     speed = mean([r["samples_per_s"] for r in ok])
     lines.append(
-        f"| {label} | {result['stages']} | {mean(finals):.2%} | ± {spread:.2%} | "
+        f"| {label} | {stages_cell} | {mean(finals):.2%} | ± {spread:.2%} | "
         f"{paired_delta(result['runs'])} | {earlier:.2%} | {speed:.0f} |"
     )
 ANALYSIS = "<!-- analysis: written by hand, kept when the table is regenerated -->"
 md = out.with_suffix(".md")
 kept = md.read_text().partition(ANALYSIS)[1:] if md.exists() else ("", "")
+if reference_rows:
+    lines += ["", "† run with `fdg_reference` in one process (`--backend reference`, benchmarks/resnet_reference.py)."]
 if failures:
     lines += ["", "Runs that did not finish (the error that stopped them):", "", *failures]
 lines += ["", f"![test error per epoch]({out.with_suffix('.png').name})", ""]

@@ -11,6 +11,19 @@ step per stage per tick (``accumulate: 1``). K=2 runs are real DeepSpeed jobs of
 (2 gloo ranks). K=3 would need 3 ranks, more than this 2-core machine may use, so K=3 runs use
 ``fdg_schedule.fdg_reference`` (the single-process statement of the same update, same optimizer,
 same stage-local clipping); a K=2 reference run checks that the reference tracks the engine.
+
+Run names say what runs (any combination; the table in docs/staleness.md):
+
+    bp[_s<seed>]                                  BP, a DeepSpeed job of the recipe
+    fdg_k<K>_b<beta>[_stashed][_dlr<T>][_p<gamma>][_s<seed>]
+                                                  FDG on the DeepSpeed engine (K ranks): weights "stashed"
+                                                  (default "current"), the staleness corrections
+                                                  delay_lr_ticks T and predict_decay gamma
+    ref_k<K>_b<beta>[_stashed][_dlr<T>][_p<gamma>][_s<seed>]
+                                                  the same with fdg_reference in one process
+
+The seed (default 1234) draws the initial weights and the data order. A run whose metrics are already
+in the output folder is skipped, so the same command resumes a stopped queue.
 """
 
 import argparse
@@ -18,9 +31,11 @@ import json
 import math
 import os
 import random
+import re
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,24 +43,55 @@ MODEL = ROOT / "docs" / "lm_convergence_model.json"
 OUT = Path(os.environ.get("LM_CONVERGENCE_OUT", ROOT / "runs" / "lm_convergence"))
 GAS = 4  # ticks per train_batch call in the FDG configs (lm_fdg_k2.json)
 
-# name -> (kind, stages, grad_shrink)
-RUNS = {
-    "bp": ("deepspeed", 1, 1.0),
-    "fdg_k2_b0.5": ("deepspeed", 2, 0.5),
-    "fdg_k2_b1.0": ("deepspeed", 2, 1.0),
-    "ref_k2_b0.5": ("reference", 2, 0.5),
-    "ref_k3_b0.5": ("reference", 3, 0.5),
-    "ref_k3_b1.0": ("reference", 3, 1.0),
-}
+RUNS = "bp,fdg_k2_b0.5,fdg_k2_b1.0,ref_k2_b0.5,ref_k3_b0.5,ref_k3_b1.0"  # the docs/lm_convergence.md runs
+NAME = re.compile(
+    r"^(?:bp|(?P<kind>fdg|ref)_k(?P<K>\d+)_b(?P<beta>[\d.]+)(?:_(?P<weights>stashed))?"
+    r"(?:_dlr(?P<T>\d+))?(?:_p(?P<gamma>[\d.]+))?)(?:_s(?P<seed>\d+))?$"
+)
 
 
-def run_deepspeed(name: str, stages: int, grad_shrink: float, micro_batches: int, eval_every: int) -> None:
+@dataclass(frozen=True)
+class Run:
+    """What a run name asks for."""
+
+    name: str
+    kind: str  # "deepspeed" or "reference"
+    stages: int
+    grad_shrink: float
+    weights: str
+    delay_lr_ticks: int
+    predict_decay: float | None
+    seed: int
+
+    @property
+    def baseline(self) -> str:
+        """The BP run with the same seed (the paired comparison)."""
+        return "bp" if self.seed == 1234 else f"bp_s{self.seed}"
+
+
+def parse_run(name: str) -> Run:
+    match = NAME.match(name)
+    if match is None:
+        raise SystemExit(f"lm_convergence.py: error: run name {name!r} does not read as {NAME.pattern}")
+    kind = "reference" if match["kind"] == "ref" else "deepspeed"
+    T, gamma = int(match["T"] or 0), float(match["gamma"]) if match["gamma"] else None
+    stages = int(match["K"] or 1)
+    weights = match["weights"] or "current"
+    return Run(name, kind, stages, float(match["beta"] or 1.0), weights, T, gamma, int(match["seed"] or 1234))
+
+
+def run_deepspeed(run: Run, micro_batches: int, eval_every: int) -> None:
+    name, stages = run.name, run.stages
     out = OUT / name
     out.mkdir(parents=True, exist_ok=True)
     base = "lm_bp.json" if stages == 1 else "lm_fdg_k2.json"
     config = json.loads((ROOT / "ds_configs" / base).read_text())
     if stages > 1:
-        config["pipeline"]["fdg"]["grad_shrink"] = grad_shrink
+        config["pipeline"]["fdg"]["grad_shrink"] = run.grad_shrink
+        config["pipeline"]["fdg"]["weights"] = run.weights
+        config["pipeline"]["fdg"]["delay_lr_ticks"] = run.delay_lr_ticks
+        config["pipeline"]["fdg"]["predict_decay"] = run.predict_decay
+        config["pipeline"]["fdg"]["timeout"] = 36000  # an experiment paused by quiet.sh must not time out
     (out / "ds_config.json").write_text(json.dumps(config, indent=2))
     per_call = 1 if stages == 1 else GAS
     command = [
@@ -62,25 +108,27 @@ def run_deepspeed(name: str, stages: int, grad_shrink: float, micro_batches: int
         "--eval_sequences=512",
         "--log_interval=50",
         f"--out_dir={out}",
+        f"--seed={run.seed}",
     ]
     start = time.time()
     with open(out / "log.txt", "w") as log:
-        subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=3600)
+        subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=36000)
     (out / "wall.json").write_text(json.dumps({"wall_s": time.time() - start, "command": " ".join(command)}))
 
 
-def run_reference(name: str, stages: int, grad_shrink: float, micro_batches: int, eval_every: int) -> None:
+def run_reference(run: Run, micro_batches: int, eval_every: int) -> None:
     import torch
     from torch.utils.data import DistributedSampler
 
     from fdg_schedule import FDGConfig, fdg_reference
     from fdg_schedule.zoo import hf_lm, text_data
 
+    name, stages = run.name, run.stages
     out = OUT / name
     out.mkdir(parents=True, exist_ok=True)
     start = time.time()
     torch.set_num_threads(1)
-    torch.manual_seed(1234)  # as the recipe: seed, then tokenizer (no torch RNG), then the model
+    torch.manual_seed(run.seed)  # as the recipe: seed, then tokenizer (no torch RNG), then the model
     texts = text_data.read_texts("shakespeare")
     tokenizer = text_data.train_tokenizer(texts, 4096)
     train_set, val_set = text_data.split_blocks(text_data.encode(texts, tokenizer), 128, 0.1)
@@ -96,7 +144,7 @@ def run_reference(name: str, stages: int, grad_shrink: float, micro_batches: int
         for m in stage_modules
     ]
     order: list[int] = list(
-        DistributedSampler(train_set, num_replicas=1, rank=0, shuffle=True, seed=1234)
+        DistributedSampler(train_set, num_replicas=1, rank=0, shuffle=True, seed=run.seed)
     )  # the recipe's
     if micro_batches * 8 > len(order):
         raise ValueError(f"{micro_batches} micro-batches of 8 exceed one epoch ({len(order)} blocks)")
@@ -131,7 +179,12 @@ def run_reference(name: str, stages: int, grad_shrink: float, micro_batches: int
         optimizers,
         batches,
         hf_lm.lm_loss,
-        config=FDGConfig(grad_shrink=grad_shrink),
+        config=FDGConfig(
+            grad_shrink=run.grad_shrink,
+            weights=run.weights,
+            delay_lr_ticks=run.delay_lr_ticks,
+            predict_decay=run.predict_decay,
+        ),
         drain=True,
         clip_grad_norm=float(ds_config["gradient_clipping"]),  # stage-local, as the engine does
         after_tick=after_tick,
@@ -144,7 +197,11 @@ def run_reference(name: str, stages: int, grad_shrink: float, micro_batches: int
     (out / "wall.json").write_text(json.dumps({"wall_s": time.time() - start, "command": "fdg_reference"}))
 
 
-def report(names: list[str]) -> None:
+def finished(name: str) -> bool:
+    return (OUT / name / "wall.json").exists() and (OUT / name / "metrics.jsonl").exists()
+
+
+def report(names: list[str], picture: Path, table_path: Path | None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -152,10 +209,10 @@ def report(names: list[str]) -> None:
 
     fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(12, 4.5))
     table = []
-    bp_final = None
+    finals: dict[str, float] = {}
     for name in names:
         metrics = OUT / name / "metrics.jsonl"
-        if not metrics.exists():
+        if not finished(name):
             continue
         rows = [json.loads(line) for line in metrics.read_text().splitlines()]
         train = [(r["tokens"], r["train_loss"]) for r in rows if "train_loss" in r and math.isfinite(r["train_loss"])]
@@ -171,42 +228,51 @@ def report(names: list[str]) -> None:
         ax_train.plot(*zip(*smooth, strict=True), label=name)
         ax_val.plot(*zip(*val, strict=True), marker="o", label=name)
         wall = json.loads((OUT / name / "wall.json").read_text())["wall_s"]
-        final = val[-1][1]
-        if name == "bp":
-            bp_final = final
-        table.append((name, val[-1][0], final, math.exp(final), wall))
+        finals[name] = val[-1][1]
+        table.append((name, val[-1][0], val[-1][1], wall))
     ax_train.set(xlabel="tokens", ylabel="train loss (moving mean)", title="training loss")
     ax_val.set(xlabel="tokens", ylabel="validation loss (512 sequences)", title="validation loss")
     for ax in (ax_train, ax_val):
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(ROOT / "docs" / "lm_convergence.png", dpi=110)
-    print("| run | tokens | final val loss | val ppl | gap to BP | wall (s) |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for name, tokens, final, ppl, wall in table:
-        gap = f"{final - bp_final:+.3f}" if bp_final is not None else "n/a"
-        print(f"| {name} | {tokens} | {final:.3f} | {ppl:.1f} | {gap} | {wall:.0f} |")
+    fig.savefig(picture, dpi=110)
+    lines = [
+        "| run | tokens | final val loss | val ppl | gap to BP (same seed) | relative gap | wall (s) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, tokens, final, wall in table:
+        bp = finals.get(parse_run(name).baseline)
+        gap = "n/a" if bp is None else f"{final - bp:+.3f}"
+        relative = "n/a" if bp is None else f"{(final - bp) / bp:+.2%}"
+        lines.append(f"| {name} | {tokens} | {final:.3f} | {math.exp(final):.1f} | {gap} | {relative} | {wall:.0f} |")
+    print("\n".join(lines))
+    if table_path is not None:
+        table_path.write_text("\n".join(lines) + "\n")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("what", choices=["run", "report"])
-    parser.add_argument("--runs", default=",".join(RUNS))
+    parser.add_argument("--runs", default=RUNS, help="comma-separated run names (see above)")
     parser.add_argument("--micro_batches", type=int, default=800)
     parser.add_argument("--eval_every", type=int, default=100, help="micro-batches between evaluations")
+    parser.add_argument("--picture", type=Path, default=ROOT / "docs" / "lm_convergence.png")
+    parser.add_argument("--table", type=Path, default=None, help="also write the report's table here")
     args = parser.parse_args()
-    names = args.runs.split(",")
+    runs = [parse_run(name) for name in args.runs.split(",")]  # a bad name fails before any run
     if args.what == "report":
-        report(names)
+        report([run.name for run in runs], args.picture, args.table)
         return
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    for name in names:
-        kind, stages, grad_shrink = RUNS[name]
-        print(f"{time.strftime('%H:%M:%S')} {name}", flush=True)
-        runner = run_deepspeed if kind == "deepspeed" else run_reference
-        runner(name, stages, grad_shrink, args.micro_batches, args.eval_every)
+    for run in runs:
+        if finished(run.name):
+            print(f"{time.strftime('%H:%M:%S')} {run.name}: done already ({OUT / run.name})", flush=True)
+            continue
+        print(f"{time.strftime('%H:%M:%S')} {run.name}", flush=True)
+        runner = run_deepspeed if run.kind == "deepspeed" else run_reference
+        runner(run, args.micro_batches, args.eval_every)
 
 
 if __name__ == "__main__":

@@ -27,8 +27,14 @@ peak RSS belongs to it): RSS after building and peak RSS while training, per sta
 
 Output: ``<out>/throughput.json`` and ``<out>/throughput.md`` (tables) and the command that made them.
 
-The benchmark's parts: ``throughput_variants.py`` (models and variants), ``balance.py`` (stage
-boundaries from measured layer times), ``throughput_measure.py`` (the rank side: timing windows and
+Splits: the library profiles the model's layers on this machine (one thread, the benchmark's
+optimizer; :func:`fdg_schedule.profile.profile_layers`) and balances each pipeline variant for its
+own schedule and modes (:func:`fdg_schedule.partition.balanced_partition`); the ``*_by_params``
+variants run DeepSpeed's default "parameters" split of the same model, side by side. The report keeps
+the profile and each split's predicted per-stage time next to the measured one.
+
+The benchmark's parts: ``bench_models.py`` (models), ``throughput_variants.py`` (variants),
+``throughput_measure.py`` (the rank side: timing windows and
 memory), ``throughput_report.py`` (summary and Markdown); this file runs them and writes the report.
 """
 
@@ -39,6 +45,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import signal
 import sys
 import time
@@ -53,12 +60,44 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ["OMP_NUM_THREADS"] = "1"  # one thread per rank, before torch is imported
 
 import torch  # noqa: E402
-from balance import balanced_split, layer_costs  # noqa: E402
+from bench_models import MODELS, fixed_data, loss_fn, model_layers  # noqa: E402
 from throughput_measure import memory_worker, throughput_worker  # noqa: E402
 from throughput_report import markdown, summarize  # noqa: E402
-from throughput_variants import MODELS, STAGES, variants  # noqa: E402
+from throughput_variants import LR, MOMENTUM, STAGES, split_key, split_objective, variants  # noqa: E402
 
 from fdg_schedule.launch import run  # noqa: E402
+from fdg_schedule.partition import balanced_partition, evaluate_partition, parameter_split  # noqa: E402
+from fdg_schedule.profile import ModelProfile, profile_layers  # noqa: E402
+
+
+def model_profile(model: str) -> ModelProfile:
+    """Each layer's measured times and sizes on one thread, with the benchmark's optimizer and micro-batch."""
+    import functools
+
+    torch.set_num_threads(1)
+    x, y = fixed_data(model, 1)[0]
+    optimizer = functools.partial(torch.optim.SGD, lr=LR, momentum=MOMENTUM)
+    return profile_layers(model_layers(model), x, y, loss_fn(model), optimizer=optimizer, device="cpu")
+
+
+def model_splits(profile: ModelProfile, specs: list[dict[str, Any]], stage_counts: set[int]) -> dict[str, Any]:
+    """Per split key (``throughput_variants.split_key``): its boundaries and predicted stage times."""
+    keys = {split_key(dict(s, stages=k)) for s in specs if s["kind"] in ("fdg", "1f1b") for k in stage_counts}
+    out = {}
+    for key in sorted(keys):
+        stages, objective = int(re.match(r"\d+", key).group()), split_objective(key)  # type: ignore[union-attr]
+        if key.endswith("p"):
+            parts = parameter_split(profile, stages)
+            assert parts is not None, "the model has no trainable parameters to split by"
+            plan = evaluate_partition(profile, parts, objective)
+        else:
+            plan = balanced_partition(profile, stages, objective)
+        out[key] = {
+            "parts": plan.parts,
+            "predicted_s": [s.time_s for s in plan.stages],
+            "for": plan.objective.describe(),
+        }
+    return out
 
 
 def measure_memory(plan: dict[str, Any], specs: list[dict[str, Any]], deadline_s: float) -> dict[str, list[dict]]:
@@ -101,7 +140,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--memory-micro-batches", type=int, default=8, help="micro-batches per memory count")
     parser.add_argument("--variants", default=None, help="comma-separated subset of variant names")
     parser.add_argument(
-        "--parts", default="", help="fixed splits, e.g. 'resnet32:2=0,6,18;resnet32:2r=0,5,18' (2r: FDG recomputed)"
+        "--parts",
+        default="",
+        help="fixed splits, e.g. 'resnet32:2=0,6,18;resnet32:2r=0,5,18' (keys: throughput_variants.split_key)",
     )
     parser.add_argument("--engine-note", default="", help="text recorded next to the engine version")
     parser.add_argument("--out", default=str(ROOT / "out" / "throughput"))
@@ -140,19 +181,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "memory_by_stages": {},
     }
     for model in models:
-        forward, backward = layer_costs(model)
-        splits = {}
-        for k in {STAGES, *rss_stages}:
-            splits[str(k)] = balanced_split(forward, backward, k)
-            splits[f"{k}r"] = balanced_split(forward, backward, k, recompute=True)
+        profile = model_profile(model)
+        predicted = model_splits(profile, specs, {STAGES, *rss_stages})
+        splits = {key: split["parts"] for key, split in predicted.items()}
         for item in filter(None, args.parts.split(";")):  # "[model:]key=bounds"
             key, bounds = item.split("=")
             only, _, key = key.rpartition(":")
             if only in ("", model):
                 splits[key] = [int(b) for b in bounds.split(",")]
-        plan = dict(model=model, splits=splits, variants=specs, repeats=repeats, window=window, warmup=warmup,
-                    memory_micro_batches=args.memory_micro_batches)  # fmt: skip
-        costs_ms = [round((f + b) * 1e3, 2) for f, b in zip(forward, backward)]
+                given = evaluate_partition(profile, splits[key], split_objective(key))
+                predicted[key] = {
+                    "parts": given.parts,
+                    "predicted_s": [s.time_s for s in given.stages],
+                    "for": "--parts",
+                }
+        plan = dict(
+            model=model,
+            splits=splits,
+            predicted=predicted,
+            variants=specs,
+            repeats=repeats,
+            window=window,
+            warmup=warmup,
+            memory_micro_batches=args.memory_micro_batches,
+        )
+        costs_ms = [round((c.forward_s + c.backward_s) * 1e3, 2) for c in profile.layers]
         print(f"{model}: layer forward+backward {costs_ms} ms, splits {splits}", flush=True)
         ranks: list[dict[str, Any]] = []
         if repeats:
@@ -165,9 +218,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             by_stages[str(k)] = measure_memory(plan, pipes, args.deadline)
         if ranks:
             report["models"][model] = {
-                "layer_forward_s": forward,
-                "layer_backward_s": backward,
+                "profile": profile.to_dict(),
                 "splits": splits,
+                "predicted": predicted,
                 "variants": summarize(plan, ranks, by_stages.get(str(STAGES), {})),
                 "raw": ranks,
             }

@@ -5,7 +5,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from throughput_variants import COMPUTE_KINDS, MODELS, split_key
+from bench_models import MODELS
+from throughput_variants import COMPUTE_KINDS, split_key
 
 
 def _spread(values: list[float]) -> dict[str, float]:
@@ -73,6 +74,8 @@ def summarize(plan: dict[str, Any], ranks: list[dict[str, Any]], memory: dict[st
             {**m, **{k: v for k, v in f.items() if k.startswith("rss")}} for m, f in zip(in_process, fresh)
         ]
         row["split"] = plan["splits"].get(split_key(specs[name])) if specs[name]["stages"] > 1 else None
+        predicted = plan.get("predicted", {}).get(split_key(specs[name])) if specs[name]["stages"] > 1 else None
+        row["stage_predicted_s_per_micro_batch"] = predicted["predicted_s"] if predicted else None
     return rows
 
 
@@ -93,9 +96,10 @@ def markdown(report: dict[str, Any]) -> str:
             f"### {model} (micro-batch {cfg['micro']}, {report['repeats']} rounds of {report['window']} "
             "micro-batches per variant)",
             "",
-            "| variant | split | samples/s median [min–max] | ×BP | ×1F1B m=4 | efficiency | compute ms/µb "
+            "| variant | split | samples/s median [min–max] | ×BP | ×1F1B m=4 | efficiency | predicted ms/µb "
+            "| compute ms/µb "
             "| wait ms/µb | other ms/µb | CPU share | peak RSS MB | ΔRSS MB | held (FDG) / saved (others) MB |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         lines += [_row(name, row) for name, row in result["variants"].items()]
         loads = [load for row in result["variants"].values() for pair in row["load_avg_1min"] for load in pair]
@@ -128,6 +132,7 @@ def _row(name: str, row: dict[str, Any]) -> str:
         _ratio(row, "ratio_vs_bp"),
         _ratio(row, "ratio_vs_1f1b_m4"),
         f"{row['efficiency']['median']:.1%}",
+        _slash(row.get("stage_predicted_s_per_micro_batch") or [], 1e3),
         _slash(row["stage_compute_s_per_micro_batch"], 1e3),
         _slash(row["stage_wait_s_per_micro_batch"], 1e3),
         _slash(row["stage_other_s_per_micro_batch"], 1e3),

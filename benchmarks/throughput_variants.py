@@ -1,7 +1,10 @@
 """The models and variants the throughput benchmark compares, as each rank builds them.
 
-Models are flat layer lists ``PipelineModule`` can cut anywhere, fed fixed synthetic data; variants
-are plain backprop (``bp``), DeepSpeed's 1F1B, FDG in every mode and DeepSpeed data parallelism.
+Models (``bench_models.py``) are flat layer lists ``PipelineModule`` can cut anywhere, fed fixed
+synthetic data; variants are plain backprop (``bp``), DeepSpeed's 1F1B, FDG in every mode and
+DeepSpeed data parallelism. Pipelines are split by the library's balanced partitioner
+(:mod:`fdg_schedule.partition`), each for its own schedule and modes; the ``*_by_params`` variants
+use DeepSpeed's default ``partition_method="parameters"`` split instead, for the comparison.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from bench_models import MODELS, build_layers, fixed_data, loss_fn, model_layers
 from deepspeed.accelerator import get_accelerator
 from torch import nn
 
@@ -21,62 +25,29 @@ MODES = [("current", "stored"), ("current", "recomputed"), ("stashed", "stored")
 GAS_1F1B = (2, 4, 8)
 LR, MOMENTUM, GRAD_SHRINK = 0.01, 0.9, 0.5
 COMPUTE_KINDS = ("forward_s", "backward_s", "step_s", "reduce_s")
-
-# model name -> size settings; "tiny" ones are for --quick and the smoke test
-MODELS: dict[str, dict[str, Any]] = {
-    "resnet32": dict(kind="resnet", depth=32, micro=32, image=32),
-    "transformer": dict(kind="transformer", blocks=4, width=256, heads=4, seq=64, micro=16),
-    "resnet8_tiny": dict(kind="resnet", depth=8, micro=8, image=16),
-    "transformer_tiny": dict(kind="transformer", blocks=2, width=64, heads=4, seq=16, micro=8),
-}
-CLASSES = 10
-
-
-class MeanPoolHead(nn.Module):
-    """LayerNorm, mean over the sequence, linear classifier: (batch, seq, width) -> (batch, classes)."""
-
-    def __init__(self, width: int, classes: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.fc = nn.Linear(width, classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(self.norm(x).mean(dim=1))
-
-
-def model_layers(model: str) -> list[Any]:
-    """The LayerSpecs of ``model`` (same list for every variant)."""
-    from deepspeed.pipe import LayerSpec
-
-    from fdg_schedule.zoo.resnet import cifar_resnet_layers
-
-    cfg = MODELS[model]
-    if cfg["kind"] == "resnet":
-        return cifar_resnet_layers(cfg["depth"], CLASSES, 3)
-    width = cfg["width"]
-    block = [
-        LayerSpec(nn.TransformerEncoderLayer, width, cfg["heads"], 4 * width, 0.0, batch_first=True, norm_first=True)
-        for _ in range(cfg["blocks"])
-    ]
-    return [*block, LayerSpec(MeanPoolHead, width, CLASSES)]
-
-
-def fixed_data(model: str, count: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``count`` fixed synthetic micro-batches, cycled through (no data loading in the timings)."""
-    cfg = MODELS[model]
-    g = torch.Generator().manual_seed(0)
-    if cfg["kind"] == "resnet":
-        shape: tuple[int, ...] = (cfg["micro"], 3, cfg["image"], cfg["image"])
-    else:
-        shape = (cfg["micro"], cfg["seq"], cfg["width"])
-    return [
-        (torch.randn(shape, generator=g), torch.randint(0, CLASSES, (cfg["micro"],), generator=g)) for _ in range(count)
-    ]
+BY_PARAMS = "_by_params"  # name suffix of the variants split by DeepSpeed's "parameters" method
+BY_PARAMS_OF = ("1f1b_m4", "fdg_current_stored")  # the variants also run on that split
 
 
 def split_key(spec: dict[str, Any]) -> str:
-    """Which split a variant uses: ``"<K>"``, or ``"<K>r"`` for FDG's recomputed modes."""
-    return f"{spec['stages']}{'r' if spec.get('activations') == 'recomputed' else ''}"
+    """Which split a variant uses: ``"<K>"`` FDG stored, ``"<K>r"`` FDG recomputed, ``"<K>m<GAS>"`` 1F1B
+    with GAS micro-batches per step (each balanced for that objective); a trailing ``"p"``: DeepSpeed's
+    "parameters" split instead (predicted for the same objective)."""
+    if spec["kind"] == "1f1b":
+        key = f"{spec['stages']}m{spec['gas']}"
+    else:
+        key = f"{spec['stages']}{'r' if spec.get('activations') == 'recomputed' else ''}"
+    return key + ("p" if spec.get("split") == "parameters" else "")
+
+
+def split_objective(key: str) -> Any:
+    """The :class:`fdg_schedule.partition.Objective` of a split key (its time is predicted for it)."""
+    from fdg_schedule.partition import Objective
+
+    key = key.removesuffix("p")
+    if "m" in key:
+        return Objective(schedule="1f1b", micro_batches=int(key.split("m")[1]))
+    return Objective(activations="recomputed" if key.endswith("r") else "stored")
 
 
 def variants(gas_fdg: int) -> list[dict[str, Any]]:
@@ -88,6 +59,9 @@ def variants(gas_fdg: int) -> list[dict[str, Any]]:
         for w, a in MODES
     ]  # fmt: skip
     out.append(dict(name="dp2", kind="dp", stages=1, ranks=2, gas=1, per_unit=1))
+    out += [
+        dict(spec, name=spec["name"] + BY_PARAMS, split="parameters") for spec in out if spec["name"] in BY_PARAMS_OF
+    ]
     return out
 
 
@@ -97,7 +71,8 @@ class PlainBP:
     def __init__(self, model: str) -> None:
         torch.manual_seed(0)
         device = get_accelerator().current_device_name()  # the host on the CPU accelerator
-        self.module = nn.Sequential(*[spec.build() for spec in model_layers(model)]).to(device)
+        self.module = nn.Sequential(*build_layers(model)).to(device)
+        self.loss_fn = loss_fn(model)
         self.optimizer = torch.optim.SGD(self.module.parameters(), lr=LR, momentum=MOMENTUM)
         self.data = itertools.cycle([(x.to(device), y.to(device)) for x, y in fixed_data(model)])
         self.stats: dict[str, float] = {k: 0.0 for k in COMPUTE_KINDS}
@@ -106,7 +81,7 @@ class PlainBP:
     def unit(self) -> None:
         x, y = next(self.data)
         t0 = time.perf_counter()
-        loss = nn.functional.cross_entropy(self.module(x), y)
+        loss = self.loss_fn(self.module(x), y)
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
@@ -132,7 +107,7 @@ class DeepSpeedVariant:
         module = SplitPipelineModule(
             layers=model_layers(model),
             num_stages=spec["stages"],
-            loss_fn=nn.CrossEntropyLoss(),
+            loss_fn=loss_fn(model),
             partition_method=parts_method(parts),
         )
         config: dict[str, Any] = {

@@ -4,7 +4,8 @@ DeepSpeed saves weights (per layer), optimizer, LR scheduler and counters per st
 stage and data-parallel rank, ``<save_dir>/<tag>/fdg_stage{k:02d}_dp{r:03d}.pt``: what
 :meth:`fdg_schedule.stage_state.StageState.capture` returns (the micro-batches in flight, the
 messages received for the next tick, the labels the last stage holds, the segment tick, the data
-position and this rank's RNG state), with the layout and modes it was saved under. A run that saves
+position, this rank's RNG state, the tick count and the weight-prediction delta), with the layout
+and modes it was saved under. A run that saves
 at tick T and resumes from the checkpoint computes, from tick T on, bit for bit what it would have
 computed without stopping -- given its data iterators restart at micro-batch T, as in stock DeepSpeed.
 
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from deepspeed.utils import logger
+from torch import Tensor
 
 from fdg_schedule.config import FDGConfig, FDGConfigError
 
@@ -113,10 +115,15 @@ def save(path: str, expected: dict[str, Any], captured: dict[str, Any]) -> None:
     atomic_save({"format": FORMAT, **expected, **captured}, path)
 
 
-def load(load_dir: str, tag: str, stage_id: int, dp_id: int, expected: dict[str, Any], log: bool) -> dict | None:
-    """This rank's saved state if it can continue in this job, else None (``log``: say how much is dropped)."""
+def load(
+    load_dir: str, tag: str, stage_id: int, dp_id: int, expected: dict[str, Any], log: bool, device: torch.device
+) -> dict | None:
+    """This rank's saved state, its tensors on ``device``, if it can continue in this job, else None.
+
+    ``log``: say how many in-flight micro-batches are dropped (this rank's; stage 0 holds the most).
+    """
     path = state_path(load_dir, tag, stage_id, dp_id)
-    state = torch.load(path, weights_only=False) if os.path.exists(path) else None
+    state = torch.load(path, map_location=device, weights_only=False) if os.path.exists(path) else None
     if state is None:
         reason: str | None = "it holds no FDG state for this stage (a 1F1B checkpoint or another layout)"
     else:
@@ -124,10 +131,31 @@ def load(load_dir: str, tag: str, stage_id: int, dp_id: int, expected: dict[str,
     if reason is None:
         return state
     if log:
-        first = state_path(load_dir, tag, 0, 0)
-        dropped = len(torch.load(first, weights_only=False)["in_flight"]) if os.path.exists(first) else 0
+        dropped = 0 if state is None else len(state.get("in_flight", ()))
         logger.warning(
             f"fdg_schedule: dropped {dropped} in-flight micro-batches from checkpoint {tag} ({reason}); "
-            "the pipeline fills again from the next train_batch()"
+            "the pipeline fills again from the next train_batch(); the tick count and, with the same "
+            "number of stages, the weight-prediction delta go on"
         )
     return None
+
+
+def carried(load_dir: str, tag: str, stage_id: int, stages: int) -> tuple[int, list[Tensor] | None]:
+    """What goes on from an FDG checkpoint whose in-flight work cannot (Note [what a layout change keeps]).
+
+    Returns the tick count it was saved at (0 for a checkpoint without FDG state, e.g. 1F1B) and, when
+    it has this job's number of stages, this stage's weight-prediction delta (None otherwise).
+
+    Note [what a layout change keeps]: the tick counts training, not the pipeline's layout, so the
+    corrections' t goes on in any FDG job (every stage saved the same tick). Delta is a moving
+    average of stage k's own steps: it carries over when stage k holds the same parameters (the
+    same number of stages; other modes or data parallelism do not matter), else it starts at zero.
+    """
+    own = state_path(load_dir, tag, stage_id, 0)
+    first = state_path(load_dir, tag, 0, 0)
+    path = own if os.path.exists(own) else first
+    if not os.path.exists(path):
+        return 0, None
+    state = torch.load(path, weights_only=False, mmap=True)
+    delta = state.get("delta") if path == own and state.get("stages") == stages else None
+    return int(state.get("tick", 0)), delta

@@ -9,6 +9,9 @@ The public keys::
         "weights": "current",         # "current" | "stashed"
         "activations": "stored",      # "stored" | "recomputed"
         "accumulate": 1,              # backward passes per optimizer step, >= 1
+        "delay_lr_ticks": 0,          # T: delayed stages start at a lower learning rate, full at tick T; 0 = off
+        "predict_decay": null,        # gamma in [0, 1): forwards run on predicted weights; null = off
+        "staleness_every": 100,       # measure ||w_fwd - w_bwd|| / ||w|| every N ticks; 0 = off
         "nonfinite": "error",         # "error" | "skip": a non-finite loss or gradient on a stage
         "timeout": 60,                # seconds a stage waits for a neighbour before failing
         "check_every": 0,             # ticks between host reads of the non-finite flags; 0 = once per call
@@ -59,6 +62,23 @@ class FDGConfig:
     """Backward passes per optimizer step on every stage (1 = the paper; >1 = accumulated
     decoupled learning, gradients averaged over the passes)."""
 
+    delay_lr_ticks: int = 0
+    """T, the delay-aware learning rate (Note [staleness corrections] in reference.py): the step of
+    stage k in tick t uses ``lr(t) * tau_k ** -max(0, 1 - t/T)``, tau_k = max(1, delay_k / accumulate),
+    so deeper-delayed stages start slower and reach the full rate at tick T. 0 turns it off."""
+
+    predict_decay: float | None = None
+    """gamma, weight prediction (Note [staleness corrections] in reference.py): each stage keeps
+    ``delta <- gamma * delta + (1 - gamma) * (w_after - w_before)`` over its optimizer steps and runs
+    every forward on ``w + (delay_k / accumulate) * delta``. In [0, 1); None turns it off. Costs one
+    parameter-sized tensor per stage."""
+
+    staleness_every: int = 100
+    """N: every N ticks each delayed stage measures its staleness, the relative distance
+    ``||w_fwd - w_bwd|| / ||w_bwd||`` between the weights the forward of the micro-batch entering it
+    at that tick used and the weights that micro-batch's gradient is applied to (measured at its
+    backward). Reported in ``engine.fdg_stats["staleness"]``, W&B and the trace; 0 turns it off."""
+
     nonfinite: str = "error"
     """A non-finite loss or gradient on a stage: ``"error"`` stops with an error naming the stage and
     tick; ``"skip"`` drops that stage's optimizer step (counted in ``engine.fdg_stats["skipped"]``)."""
@@ -90,6 +110,25 @@ class FDGConfig:
             raise FDGConfigError(
                 f"accumulate must be an integer >= 1, got {self.accumulate!r} "
                 "(pipeline.fdg.accumulate in ds_config); 1 steps after every backward pass"
+            )
+        _check_number("delay_lr_ticks", self.delay_lr_ticks, int, "; e.g. 2000, or 0 for off")
+        if self.delay_lr_ticks < 0:
+            raise FDGConfigError(
+                f"delay_lr_ticks must be an integer >= 0, got {self.delay_lr_ticks!r} "
+                "(pipeline.fdg.delay_lr_ticks in ds_config); 0 turns the delay-aware learning rate off"
+            )
+        if self.predict_decay is not None:
+            _check_number("predict_decay", self.predict_decay, float, "; e.g. 0.9, or null for off")
+            if not 0.0 <= self.predict_decay < 1.0 or math.isnan(self.predict_decay):
+                raise FDGConfigError(
+                    f"predict_decay must be in [0, 1) or null, got {self.predict_decay!r} "
+                    "(pipeline.fdg.predict_decay in ds_config); null turns weight prediction off"
+                )
+        _check_number("staleness_every", self.staleness_every, int, "; e.g. 100, or 0 for off")
+        if self.staleness_every < 0:
+            raise FDGConfigError(
+                f"staleness_every must be an integer >= 0, got {self.staleness_every!r} "
+                "(pipeline.fdg.staleness_every in ds_config); 0 turns the staleness metric off"
             )
         _check_choice("nonfinite", self.nonfinite, NONFINITE)
         _check_number("timeout", self.timeout, float)
@@ -159,6 +198,7 @@ def check_deepspeed_config(ds_config: Mapping[str, Any]) -> None:
         )
     if (ds_config.get("amp") or {}).get("enabled", False):
         raise FDGConfigError('amp.enabled=true is not supported with pipeline.schedule="fdg"; use bf16 or fp32')
+    _check_autocast(ds_config.get("torch_autocast") or {})
     stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
     if stage not in (0, 1):
         raise FDGConfigError(
@@ -173,6 +213,31 @@ def check_deepspeed_config(ds_config: Mapping[str, Any]) -> None:
                 f"data_types.gradient_accumulation_dtype={dtype!r} is not supported with FDG; "
                 "remove it (fp32 accumulation)"
             )
+
+
+def _check_autocast(autocast: Mapping[str, Any]) -> None:
+    """Note [no autocast]: DeepSpeed's ``torch_autocast`` cannot train FDG correctly, in either dtype.
+
+    fp16: DeepSpeed scales the last stage's loss with a ``GradScaler`` and unscales only in its own
+    optimizer step, which FDG's stage-local step does not run, so every stage would train on
+    gradients times the scale. bf16: autocast caches a low-precision copy of each weight at forward
+    time and autograd saves that copy, so the delayed backward of ``weights="current"`` would read
+    forward-time weights, not current ones. DeepSpeed's ``bf16`` mode (bf16 weights, fp32 master
+    copy) has neither problem.
+    """
+    if not autocast.get("enabled", False):
+        return
+    dtype = autocast.get("dtype", "bfloat16")
+    why = (
+        "DeepSpeed scales the last stage's loss and unscales it only in its own optimizer step, so every stage "
+        "would train on scaled gradients"
+        if str(dtype) in ("fp16", "float16", "torch.float16", "half")
+        else "autocast's forward-time weight casts are what the delayed backward would read, not the current weights"
+    )
+    raise FDGConfigError(
+        f'torch_autocast.enabled=true (dtype {dtype!r}) is not supported with pipeline.schedule="fdg": {why}; '
+        'remove torch_autocast and use bf16 ("bf16": {"enabled": true}, first-stage inputs in bf16) or fp32'
+    )
 
 
 def _check_trace(trace: Any) -> dict[str, Any]:
@@ -194,12 +259,12 @@ def _check_trace(trace: Any) -> dict[str, Any]:
     return merged
 
 
-def _check_number(key: str, value: Any, kind: type) -> None:
+def _check_number(key: str, value: Any, kind: type, fix: str = "") -> None:
     ok = isinstance(value, (int, float)) if kind is float else isinstance(value, int)
     if isinstance(value, bool) or not ok:
         raise FDGConfigError(
             f"{key} must be {'a number' if kind is float else 'an integer'}, got "
-            f"{type(value).__name__} {value!r} (pipeline.fdg.{key} in ds_config)"
+            f"{type(value).__name__} {value!r} (pipeline.fdg.{key} in ds_config){fix}"
         )
 
 

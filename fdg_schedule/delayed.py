@@ -161,6 +161,11 @@ def _saved_tensors_read_live(
                     f"{(tuple(t.shape), t.dtype)}; the stage's code changed since the save"
                 )
             t = original
+        # Note [no reference cycle]: a tensor autograd saves may be the output of the very node that saves
+        # it (sigmoid, tanh, exp); kept with its grad_fn it would form a cycle node -> packed -> tensor ->
+        # node, which only the cycle collector frees (off under DeepSpeed's "disable_python_gc"). A
+        # detached alias shares the storage and the version counter, and holds no graph.
+        t = t.detach()
         assert held.saved is not None
         held.saved.append(t)
         return t, t._version

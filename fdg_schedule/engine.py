@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,7 @@ from fdg_schedule.replicas import Replicas
 from fdg_schedule.report import report_call, stop_backward_timers
 from fdg_schedule.schedule import OPS, FDGTrainSchedule, Kind
 from fdg_schedule.stage_state import StageState
+from fdg_schedule.staleness import Corrections, StalenessMeter
 from fdg_schedule.tensors import as_tuple, describe, floating, input_grads, to_device
 
 Field = int | None  # an Exchange field: a buffer_id, or the segment's micro-batch count for send_end; or None
@@ -63,13 +64,24 @@ class FDGPipelineEngine(PipelineEngine):
             timeout_s=fdg_config.timeout, plan=self._plan, describe=self._describe,
         )  # fmt: skip
         self._replicas = Replicas(self.grid, self.stage_id, fdg_config.timeout, self._where())
-        self._delayed = DelayedBackward(self.module, fdg_config, delayed=not self.is_last_stage())
-        self.fdg_state = StageState(self.num_stages, self._exchange, self.pipe_buffers)
+        delayed = not self.is_last_stage()
+        self._delayed = DelayedBackward(self.module, fdg_config, delayed=delayed)
+        params, every = self._delayed.params, fdg_config.staleness_every
+        self.fdg_state = StageState(
+            self.num_stages, self._exchange, self.pipe_buffers,
+            corrections=Corrections(params, self.num_stages, self.stage_id, fdg_config),
+            meter=StalenessMeter(params, every, delayed),
+        )  # fmt: skip
         self._watch = guards.NonFiniteWatch()  # Note [no host sync in a tick]
         self._running: FDGTrainSchedule | None = None  # the call in progress: told when the data ends
-        # Counters, and seconds spent per kind of instruction ("<kind>_s", see schedule.Kind).
+        # Counters, seconds spent per kind of instruction ("<kind>_s", see schedule.Kind), and the
+        # latest staleness measured (NaN until then; the last stage's is 0 by definition).
         self.fdg_stats: dict[str, float] = {"ticks": 0, "steps": 0, "skipped": 0, **{f"{k.value}_s": 0.0 for k in Kind}}
+        self.fdg_stats["staleness"] = 0.0 if every and not delayed else math.nan
+        self.fdg_stats["staleness_tick"] = math.nan  # the tick of the backward it was measured at
+        self._staleness_read = 0  # measurements already copied into fdg_stats
         self.observers = observe.observers_from_config(self, self._config._param_dict)
+        self._reduce_is_identity = optim.reduce_is_identity(self)
 
     # -- public ---------------------------------------------------------------------------------
 
@@ -102,9 +114,13 @@ class FDGPipelineEngine(PipelineEngine):
         state = self.fdg_state
         if state.segment_tick == 0:  # every stage agrees: nothing is in flight
             return torch.tensor(math.nan, device=self.device)
-        if state.segment_limit is not None:  # the data already ended: finish that segment
-            return self._run(self._schedule(state.ticks_left()))
-        loss = self._run(self._schedule(ticks.drain_ticks(self.num_stages), drain=True))
+        try:
+            if state.segment_limit is not None:  # the data already ended: finish that segment
+                return self._run(self._schedule(state.ticks_left()))
+            # (if stage 0's data ended and this stage does not know yet, it learns it during the drain)
+            loss = self._run(self._schedule(ticks.drain_ticks(self.num_stages), drain=True))
+        except DataExhausted as ended:  # the data had ended: the drain ends that segment, on every rank
+            return cast(Tensor, ended.loss)
         state.segment_tick = 0
         return loss
 
@@ -151,7 +167,10 @@ class FDGPipelineEngine(PipelineEngine):
             self.drain()
         tag = str(tag if tag is not None else f"global_step{self.global_steps}")
         path = checkpoint.state_path(save_dir, tag, self.stage_id, self.grid.data_parallel_id)
-        checkpoint.save(path, self._identity(), self.fdg_state.capture())
+        captured = self.fdg_state.capture()
+        if self.fdg_config.accumulate > 1:  # Note [a partial accumulation in a checkpoint]
+            captured["accumulated"] = optim.capture_accumulated(self.optimizer, self._delayed.params)
+        checkpoint.save(path, self._identity(), captured)
         frozen = exclude_frozen_parameters
         saved = super().save_checkpoint(save_dir, tag, client_state or {}, False, exclude_frozen_parameters=frozen)
         if save_latest:  # only once every rank has written every file
@@ -178,18 +197,31 @@ class FDGPipelineEngine(PipelineEngine):
         resolved = checkpoint.resolve_tag(load_dir, tag)
         per_stage = not load_module_only and (load_optimizer_states or load_lr_scheduler_states)
         other_stages = checkpoint.other_stages(load_dir, resolved, self.num_stages, per_stage_state=per_stage)
+        bf16_from_zero_files = load_optimizer_states and self._bf16_without_zero()
         load_path, client_state = super().load_checkpoint(
-            load_dir, tag=resolved, load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
+            load_dir, tag=resolved, load_module_strict=load_module_strict,
+            load_optimizer_states=load_optimizer_states and not bf16_from_zero_files,
             load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
             custom_load_fn=custom_load_fn,
         )  # fmt: skip
         if load_path is None or resolved is None:
             return load_path, client_state
+        if load_module_only:  # weights only: no in-flight work, RNG state or data position
+            return load_path, client_state
+        if bf16_from_zero_files:
+            self._load_zero_checkpoint(load_dir, resolved, load_optimizer_states=True)
         if other_stages:
             logger.warning(f"stage {self.stage_id}: client_state dropped: it belongs to another pipeline layout")
             client_state = {}
         self._restore_in_flight(load_dir, resolved)
         return load_path, client_state
+
+    def _bf16_without_zero(self) -> bool:
+        """Note [bf16 optimizer state]: DeepSpeed 0.19.8 saves the state of its bf16 wrapper without ZeRO
+        in the ZeRO optimizer files (``bf16_zero_pp_rank_*``), one per data-parallel rank, but loads it from
+        the model-states file, where the wrapper cannot read it (``KeyError: 0``, also under 1F1B). FDG
+        loads it from the ZeRO files, as DeepSpeed does under ZeRO."""
+        return isinstance(self.optimizer, BF16_Optimizer) and not self.zero_optimization()
 
     def _identity(self) -> dict[str, Any]:
         return checkpoint.identity(self.num_stages, self.dp_world_size, self.fdg_config)
@@ -197,10 +229,14 @@ class FDGPipelineEngine(PipelineEngine):
     def _restore_in_flight(self, load_dir: str, tag: str) -> None:
         """This rank's in-flight state from the checkpoint, or an empty pipeline when it cannot continue."""
         dp_id, log = self.grid.data_parallel_id, self.global_rank == 0
-        saved = checkpoint.load(load_dir, tag, self.stage_id, dp_id, self._identity(), log=log)
+        saved = checkpoint.load(load_dir, tag, self.stage_id, dp_id, self._identity(), log=log, device=self.device)
         self.fdg_state.reset()
         self._watch.clear()
-        if saved is None:
+        if saved is None:  # Note [what a layout change keeps] in fdg_schedule.checkpoint
+            tick, delta = checkpoint.carried(load_dir, tag, self.stage_id, self.num_stages)
+            self.fdg_state.tick = tick
+            if not self.fdg_state.corrections.restore(delta, strict=False):
+                logger.warning(f"{self._where()}: the checkpoint's prediction delta does not fit; it starts at 0")
             return
         self._reserve_pipe_buffers(ticks.num_buffers(self.num_stages, self.stage_id))
         if self.training_data is not None and (self.is_first_stage() or self.is_last_stage()):
@@ -208,6 +244,8 @@ class FDGPipelineEngine(PipelineEngine):
             self._build_data_iter(self.training_data)
             for _ in range(saved["micro_batches_read"]):
                 self._next_batch()
+        if saved.get("accumulated") is not None:  # after DeepSpeed loaded the optimizer
+            optim.restore_accumulated(self.optimizer, self._delayed.params, saved["accumulated"], self.device)
         needs_grad = not self.is_first_stage() or self._reentrant_activation_checkpointing()
         rebuild = lambda held, inputs: self._delayed.rebuild(held, functools.partial(self._stage_forward, inputs))
         self.fdg_state.restore(saved, rebuild, needs_grad)
@@ -241,6 +279,11 @@ class FDGPipelineEngine(PipelineEngine):
         wait_start = time.perf_counter()
         self._exchange.complete()
         self.fdg_stats["wait_s"] += time.perf_counter() - wait_start
+        meter = self.fdg_state.meter
+        if meter.count != self._staleness_read:  # the call's one host read of the metric, if it measured
+            self._staleness_read = meter.count
+            self.fdg_stats["staleness"] = meter.read()
+            self.fdg_stats["staleness_tick"] = float(meter.tick if meter.tick is not None else math.nan)
         data_ended = self.fdg_state.segment_over()
         self.agg_train_loss = self._mean_call_loss()
         elapsed = time.perf_counter() - start
@@ -313,8 +356,11 @@ class FDGPipelineEngine(PipelineEngine):
         self.fdg_state.received[buffer_id] = self._exchange.wait_grad()
 
     def _exec_fdg_forward(self, buffer_id: int, micro_batch: int) -> None:
-        inputs = self.pipe_buffers["inputs"][buffer_id]
-        outputs, held = self._delayed.forward(lambda: self._stage_forward(inputs))
+        inputs, state = self.pipe_buffers["inputs"][buffer_id], self.fdg_state
+        with state.corrections.predicted():  # Note [predicted weights in place]
+            outputs, held = self._delayed.forward(lambda: self._stage_forward(inputs))
+            if held is not None:
+                state.meter.after_forward(state.tick, buffer_id, held.weights)
         self.pipe_buffers["outputs"][buffer_id] = outputs
         if held is not None:
             self.fdg_state.held[buffer_id] = held
@@ -357,6 +403,7 @@ class FDGPipelineEngine(PipelineEngine):
                 grads = tuple(g.mul_(self.fdg_config.grad_shrink) for g in grads)
             inputs, held = self.pipe_buffers["inputs"][buffer_id], self.fdg_state.held.pop(buffer_id)
             stored = self.pipe_buffers["outputs"][buffer_id]
+            self.fdg_state.meter.before_backward(self.fdg_state.tick, buffer_id)  # the live weights are w_bwd
             with self._delayed.backward(held, stored, lambda: self._stage_forward(inputs)) as outputs:
                 self._autograd_backward(floating(outputs), grads)
         self.fdg_state.call_losses.append(carried)
@@ -364,6 +411,13 @@ class FDGPipelineEngine(PipelineEngine):
             self.fdg_state.to_send[buffer_id] = (input_grads(self.pipe_buffers["inputs"][buffer_id]), carried)
         for key in ("inputs", "outputs", "labels"):
             self.pipe_buffers[key][buffer_id] = None
+
+    def _exec_reduce_grads(self) -> None:
+        """DeepSpeed's gradient all-reduce among this stage's replicas, bounded (Note [replicas end together])."""
+        # Note [gradient reduce with one data-parallel rank]: skip the identity all-reduce every tick.
+        if not (self._reduce_is_identity and optim.fill_missing_grads(self.module)):
+            with self._replicas.collective("the gradient all-reduce"):
+                super()._exec_reduce_grads()
 
     def _exec_local_optimizer_step(self) -> None:
         wrapped = self.bfloat16_enabled() or self.zero_optimization()
@@ -373,13 +427,17 @@ class FDGPipelineEngine(PipelineEngine):
             self.optimizer.zero_grad() if wrapped else self.zero_grad()
         finally:
             self._force_grad_boundary = False
+        if wrapped:  # the wrapper's norm, computed stage-locally (optim.decouple_from_other_stages)
+            self._global_grad_norm = getattr(self.optimizer, "_global_grad_norm", 0.0)
         if finite:
             self.fdg_stats["steps"] += 1
         else:
+            self.skipped_steps += 1  # as DeepSpeed counts an overflow step
             self._non_finite("gradient")
 
     def _step(self, wrapped: bool) -> bool:
-        """One optimizer step of this stage; False when it was skipped for a non-finite gradient.
+        """One optimizer step of this stage, with the delay-aware lr (fdg_schedule.staleness); False when it was
+        skipped for a non-finite gradient.
 
         Note [no host sync in a tick]: under ``nonfinite="error"`` the stage norm's check is queued
         and the step taken (the run stops at the next read); only ``"skip"`` reads it before stepping.
@@ -387,11 +445,16 @@ class FDGPipelineEngine(PipelineEngine):
         """
         if not wrapped:
             norm = optim.clip_stage_local(self.module.parameters(), self.gradient_clipping())
+            self._global_grad_norm = norm  # get_global_grad_norm(): this stage's own norm, left on the device
             if self.fdg_config.nonfinite == "skip":
                 if not guards.finite(norm):
                     return False
             else:
                 self._watch.record("gradient", norm, self.global_steps)
+        return self.fdg_state.corrections.step(self.optimizer, self.fdg_state.tick, self._optimizer_step)
+
+    def _optimizer_step(self) -> bool:
+        """One step of the optimizer DeepSpeed built; False when it skipped it (a wrapper's overflow check)."""
         self._start_timers(self.engine_timers.step_timers)
         self.optimizer.step()
         self._stop_timers(self.engine_timers.step_timers)
@@ -415,18 +478,15 @@ class FDGPipelineEngine(PipelineEngine):
             end=NO_END if send_end is None else send_end,
         )
 
-    def _exec_reduce_grads(self) -> None:
-        """DeepSpeed's gradient all-reduce among this stage's replicas, bounded (Note [replicas end together])."""
-        with self._replicas.collective("the gradient all-reduce"):
-            super()._exec_reduce_grads()
-
     def _exec_advance_tick(self, entered: bool) -> None:
+        self._print_flops_profile()
+        self.fdg_state.tick += 1
         self.fdg_state.segment_tick += 1
         self.global_steps += 1
         if entered:
             self.global_samples += self.train_micro_batch_size_per_gpu() * self.dp_world_size
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
+        if self.lr_scheduler is not None and ticks.scheduler_steps_after(self.global_steps, self.fdg_config.accumulate):
+            self.lr_scheduler.step()  # Note [learning rate per optimizer step]
         self.fdg_stats["ticks"] += 1
         every = self.fdg_config.check_every
         if every and self.global_steps % every == 0:
@@ -439,6 +499,7 @@ class FDGPipelineEngine(PipelineEngine):
         schedule.WaitGrad: _exec_wait_grad,
         schedule.FDGForward: _exec_fdg_forward,
         schedule.FDGBackward: _exec_fdg_backward,
+        schedule.ReduceGrads: _exec_reduce_grads,
         schedule.LocalOptimizerStep: _exec_local_optimizer_step,
         schedule.Exchange: _exec_exchange,
         schedule.AdvanceTick: _exec_advance_tick,
@@ -446,6 +507,19 @@ class FDGPipelineEngine(PipelineEngine):
     }
 
     # -- helpers --------------------------------------------------------------------------------
+
+    def _print_flops_profile(self) -> None:
+        """DeepSpeed's flops profiler: its forwards profile tick ``profile_step`` (global rank 0, stage 0, as
+        under 1F1B); the profile is printed at the end of that tick, where DeepSpeed prints it after its step."""
+        profiler = getattr(self, "flops_profiler", None)
+        if profiler is None or not profiler.started or self.global_steps != self.flops_profiler_profile_step():
+            return
+        profiler.print_model_profile(
+            profile_step=self.global_steps, module_depth=self.flops_profiler_module_depth(),
+            top_modules=self.flops_profiler_top_modules(), detailed=self.flops_profiler_detailed(),
+            output_file=self.flops_profiler_output_file(),
+        )  # fmt: skip
+        profiler.end_profile()
 
     def _non_finite(self, what: str, micro_batch: int | None = None) -> None:
         """pipeline.fdg.nonfinite: stop with an error naming the stage and tick, or count a skipped step."""
@@ -469,6 +543,16 @@ class FDGPipelineEngine(PipelineEngine):
     def _autograd_backward(self, outputs: list[Tensor], grads: tuple[Tensor, ...]) -> None:
         if len(outputs) != len(grads):
             raise FDGRuntimeError(f"{self._where()}: {len(outputs)} floating output tensors but {len(grads)} gradients")
+        no_grad = [i for i, t in enumerate(outputs) if not t.requires_grad]
+        if no_grad:
+            i = no_grad[0]
+            raise FDGRuntimeError(
+                f"{self._where()}: floating output {i} of the stage ({describe(outputs[i])}) does not require grad, "
+                "so the gradient the next stage sends back cannot flow through it (no trainable parameter of the "
+                "stage, and no input that requires grad, leads to it: frozen or parameter-free layers); put a layer "
+                "with trainable parameters on this stage (e.g. PipelineModule(partition_method='parameters')), or "
+                "pass the tensor on as an integer tensor"
+            )
         bf16 = isinstance(self.optimizer, BF16_Optimizer)
         if bf16:  # as DeepSpeed's pipeline backward: we do not go through optimizer.backward()
             self.optimizer.clear_lp_grads()

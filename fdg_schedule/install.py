@@ -68,6 +68,9 @@ def guard(deepspeed: ModuleType) -> None:
         initialize.__fdg_schedule_guard__ = True  # type: ignore[attr-defined]
         _stock_initialize[id(deepspeed)] = current
         deepspeed.initialize = initialize  # type: ignore[attr-defined]
+        from fdg_schedule import pipe_partition
+
+        pipe_partition.install()  # partition_method "balanced:..." / "parts:..."; DeepSpeed's own values unchanged
 
 
 def install() -> None:

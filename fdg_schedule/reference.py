@@ -5,13 +5,32 @@ It runs K stage modules in one process, tick by tick, exactly as the paper descr
 tick. It shares no code with the engine's delayed-backward machinery, so the two agree only if
 both implement the same math.
 
-    losses = fdg_reference(stages, optimizers, micro_batches, loss_fn, grad_shrink=0.5)
+    losses = fdg_reference(stages, optimizers, micro_batches, loss_fn, FDGConfig(grad_shrink=0.5))
 
 Note [current weights]: with ``weights="current"`` and ``activations="stored"`` the backward uses
 the stored activations but reads every saved weight at its value at backward time. Autograd
 refuses that (the optimizer step bumps the weights' version counters, later forwards bump the
 batch-norm running statistics'), so stored forwards run under saved-tensor hooks that hand the
 very same tensors back, which skips the version check.
+
+Note [staleness corrections]
+    Two optional corrections (``pipeline.fdg.delay_lr_ticks`` = T, ``pipeline.fdg.predict_decay``
+    = gamma). Stage k of K has delay d_k = 2(K-1-k) ticks, h_k = d_k / accumulate optimizer steps
+    (0 on the last stage) and tau_k = max(1, h_k); t is the tick of a step counted from the start of
+    training (fill and drain ticks included; `ReferenceState` carries it from call to call).
+
+    delay_lr: the step of stage k in tick t runs with every param group's lr multiplied by
+    ``tau_k ** -max(0, 1 - t/T)``; the lr is put back right after the step, so a scheduler or the
+    user sees its own value.
+
+    predict: stage k keeps delta (one tensor per trainable parameter, zero at first); after each of
+    its steps ``delta <- gamma*delta + (1-gamma)*(w_after - w_before)``. Every forward on stage k
+    runs on ``w_hat = w + h_k*delta``, a guess at the weights the stage will have when that
+    micro-batch's gradient comes back. The step applies the gradient to w. Which weights the
+    backward differentiates through: "stashed" the w_hat the forward used; "current" the live w,
+    the prediction's leaves are refreshed with w just before the backward (stored activations,
+    Note [current weights]) or the forward is recomputed on w ("recomputed"). Buffers (batch-norm
+    statistics) are not predicted.
 """
 
 from __future__ import annotations
@@ -32,13 +51,23 @@ Activation = Tensor | tuple[Tensor, ...]
 
 
 @dataclasses.dataclass
+class ReferenceState:
+    """What one `fdg_reference` call hands to the next so the corrections continue: the tick count
+    (t of Note [staleness corrections]) and each stage's prediction delta (created on first use)."""
+
+    tick: int = 0
+    delta: dict[int, dict[str, Tensor]] = dataclasses.field(default_factory=dict)  # stage -> name -> tensor
+
+
+@dataclasses.dataclass
 class _InFlight:
     """What a stage keeps for a micro-batch between its forward and its delayed backward."""
 
     inputs: tuple[Tensor, ...]
     outputs: Activation | None  # the graph (activations="stored")
-    weights: dict[str, Tensor] | None  # leaves the forward used (weights="stashed")
+    weights: dict[str, Tensor] | None  # leaves the backward differentiates (stashed or predicted)
     rng_state: Tensor | None  # for the recomputed forward
+    refresh: bool = False  # copy the live weights into `weights` before the backward ("current")
 
 
 def fdg_reference(
@@ -51,29 +80,36 @@ def fdg_reference(
     schedulers: Sequence[Any] = (),
     clip_grad_norm: float = 0.0,
     after_tick: Callable[[int], None] | None = None,
+    state: ReferenceState | None = None,
 ) -> list[float]:
     """Train ``stages`` with FDG on ``micro_batches`` (``(inputs, labels)`` pairs), one per tick.
 
     Args:
         drain: after the last micro-batch entered, run ``2(K-1)`` more ticks so every micro-batch
             is back-propagated (and a partial accumulation is stepped).
-        schedulers: stepped once per tick, fill and drain ticks included.
+        schedulers: stepped once every ``accumulate`` ticks, fill and drain ticks included.
         clip_grad_norm: stage-local gradient clipping before each step (0 = off).
-        after_tick: called with the tick number at the end of each tick.
+        after_tick: called with the tick number (of this call) at the end of each tick.
+        state: the tick count and prediction deltas to continue from; updated in place. A fresh
+            one (tick 0, deltas zero) when None.
 
     Returns:
         The loss of each micro-batch the last stage computed, in order.
     """
     config = config or FDGConfig()
+    state = state if state is not None else ReferenceState()
     K, n = len(stages), len(micro_batches)
     in_flight: list[dict[int, _InFlight]] = [{} for _ in stages]
     activation_msg: dict[int, tuple[int, tuple[Tensor, ...]]] = {}  # stage -> (micro-batch, tensors)
     grad_msg: dict[int, tuple[int, tuple[Tensor, ...]]] = {}
     losses: list[float] = []
+    drain_limit = n if drain else None
     for tick in range(n + (ticks.drain_ticks(K) if drain else 0)):
+        t = state.tick + tick  # Note [staleness corrections]
         next_activation, next_grad = {}, {}
         for k, stage in enumerate(stages):
             last = k == K - 1
+            corrections = _Corrections(stage, k, K, t, config, state)
             bwd = ticks.backward_micro_batch(tick, K, k, n)
             if not last and bwd is not None:
                 received_bwd, grads = grad_msg[k]
@@ -82,7 +118,7 @@ def fdg_reference(
                 input_grads = _delayed_backward(stage, in_flight[k].pop(bwd), shrunk, config)
                 if k > 0:
                     next_grad[k - 1] = (bwd, input_grads)
-                _maybe_step(stage, optimizers[k], bwd, config, n if drain else None, clip_grad_norm)
+                _maybe_step(stage, optimizers[k], bwd, config, drain_limit, clip_grad_norm, corrections)
             fwd = ticks.forward_micro_batch(tick, k, n)
             if fwd is None:
                 continue
@@ -98,33 +134,93 @@ def fdg_reference(
                 losses.append(loss.item())
                 if k > 0:
                     next_grad[k - 1] = (fwd, _grads_of(x))
-                _maybe_step(stage, optimizers[k], fwd, config, n if drain else None, clip_grad_norm)
+                _maybe_step(stage, optimizers[k], fwd, config, drain_limit, clip_grad_norm, corrections)
             else:
-                record = _forward(stage, inputs, config, requires_grad=k > 0)
+                record = _forward(stage, inputs, config, requires_grad=k > 0, predicted=corrections.predicted())
                 in_flight[k][fwd] = record
                 next_activation[k + 1] = (fwd, _detached(_forward_outputs(stage, record, config)))
         activation_msg, grad_msg = next_activation, next_grad
-        for scheduler in schedulers:
-            scheduler.step()
+        if ticks.scheduler_steps_after(tick + 1, config.accumulate):  # Note [learning rate per optimizer step]
+            for scheduler in schedulers:
+                scheduler.step()
         if after_tick is not None:
             after_tick(tick)
+    state.tick += n + (ticks.drain_ticks(K) if drain else 0)
     return losses
 
 
-def _forward(stage: nn.Module, inputs: tuple[Tensor, ...], config: FDGConfig, requires_grad: bool) -> _InFlight:
+class _Corrections:
+    """The staleness corrections of stage ``k`` in tick ``t`` (Note [staleness corrections])."""
+
+    def __init__(self, stage: nn.Module, k: int, K: int, t: int, config: FDGConfig, state: ReferenceState) -> None:
+        self.stage = stage
+        self.h = 2 * (K - 1 - k) / config.accumulate  # the stage's delay in optimizer steps
+        self.lr_factor = 1.0
+        if config.delay_lr_ticks > 0:
+            tau = max(1.0, self.h)
+            self.lr_factor = tau ** -max(0.0, 1.0 - t / config.delay_lr_ticks)
+        self.gamma = config.predict_decay
+        self.delta: dict[str, Tensor] | None = None
+        if self.gamma is not None and self.h > 0:
+            if k not in state.delta:
+                state.delta[k] = {name: torch.zeros_like(p) for name, p in stage.named_parameters() if p.requires_grad}
+            self.delta = state.delta[k]
+
+    def predicted(self) -> dict[str, Tensor] | None:
+        """w_hat = w + h*delta for every parameter (frozen ones as they are), or None without prediction."""
+        if self.delta is None:
+            return None
+        with torch.no_grad():
+            return {
+                name: (p + self.h * self.delta[name] if name in self.delta else p.clone()).requires_grad_(
+                    p.requires_grad
+                )
+                for name, p in self.stage.named_parameters()
+            }
+
+    @contextlib.contextmanager
+    def step(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
+        """Around one optimizer step: the lr factor for the step only, then the delta update."""
+        before = None
+        if self.delta is not None:
+            before = {name: p.detach().clone() for name, p in self.stage.named_parameters() if name in self.delta}
+        lrs = [group["lr"] for group in optimizer.param_groups]
+        if self.lr_factor != 1.0:
+            for group, lr in zip(optimizer.param_groups, lrs):
+                group["lr"] = lr * self.lr_factor
+        try:
+            yield
+        finally:
+            for group, lr in zip(optimizer.param_groups, lrs):
+                group["lr"] = lr
+        if before is not None and self.delta is not None and self.gamma is not None:
+            with torch.no_grad():
+                for name, p in self.stage.named_parameters():
+                    if name in self.delta:
+                        self.delta[name].mul_(self.gamma).add_(p - before[name], alpha=1.0 - self.gamma)
+
+
+def _forward(
+    stage: nn.Module,
+    inputs: tuple[Tensor, ...],
+    config: FDGConfig,
+    requires_grad: bool,
+    predicted: dict[str, Tensor] | None = None,
+) -> _InFlight:
     x = _leaves(inputs, requires_grad)
-    weights = None
-    if config.weights == "stashed":
+    weights = predicted  # leaves at w_hat (Note [staleness corrections]), or None: the live weights
+    if weights is None and config.weights == "stashed":
         weights = {name: p.detach().clone().requires_grad_(p.requires_grad) for name, p in stage.named_parameters()}
+    current = config.weights == "current"
     if config.activations == "recomputed":
         rng_state = torch.get_rng_state()
         with torch.no_grad():
             outputs = _run(stage, x, weights)
-        return _InFlight(x, outputs, weights, rng_state)
+        return _InFlight(x, outputs, None if current else weights, rng_state)  # "current" recomputes on w
     # Note [current weights]
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
         outputs = _run(stage, x, weights)
-    return _InFlight(x, outputs, weights, None)
+    return _InFlight(x, outputs, weights, None, refresh=current and weights is not None)
 
 
 def _forward_outputs(stage: nn.Module, record: _InFlight, config: FDGConfig) -> Activation:
@@ -145,9 +241,13 @@ def _delayed_backward(
             recompute.enter_context(_buffers_kept(stage))
             outputs = _run(stage, record.inputs, record.weights)
         assert outputs is not None
+        if record.refresh and record.weights is not None:  # "current": the saved weights read w now
+            with torch.no_grad():
+                for name, p in stage.named_parameters():
+                    record.weights[name].copy_(p)
         floating = [t for t in _as_tuple(outputs) if t.is_floating_point()]
         torch.autograd.backward(floating, grads)
-    if record.weights is not None:  # the gradient was taken at the stashed weights
+    if record.weights is not None:  # the gradient was taken at the stashed or predicted leaves
         for name, p in stage.named_parameters():
             g = record.weights[name].grad
             if g is not None:
@@ -162,13 +262,15 @@ def _maybe_step(
     config: FDGConfig,
     drain_limit: int | None,
     clip_grad_norm: float,
+    corrections: _Corrections,
 ) -> None:
     last = None if drain_limit is None else drain_limit - 1
     if not ticks.steps_after_backward(micro_batch, config.accumulate, last):
         return
     if clip_grad_norm > 0:
         torch.nn.utils.clip_grad_norm_(stage.parameters(), clip_grad_norm)
-    optimizer.step()
+    with corrections.step(optimizer):
+        optimizer.step()
     optimizer.zero_grad()
 
 

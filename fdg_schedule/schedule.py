@@ -112,7 +112,8 @@ class Exchange(_Short, PipeInstruction):
 
 
 class AdvanceTick(_Short, PipeInstruction):
-    """End the tick: ``global_steps += 1``, the LR scheduler steps, samples counted if one entered."""
+    """End the tick: ``global_steps += 1``, samples counted if one entered, and the LR scheduler steps
+    once every ``accumulate`` ticks (Note [learning rate per optimizer step])."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,7 +207,9 @@ class FDGTrainSchedule(PipeSchedule):
     def end_data(self, limit: int) -> None:
         """Note [end of data]: the segment has ``limit`` micro-batches; learned during the current tick."""
         expected = None if self.tick is None else self.tick - self.stage_id
-        if self.limit is not None or limit != expected:
+        # A drain that started after stage 0's data ran out learns the earlier end on its way down.
+        ends_drain_early = self.drain and self.limit is not None and limit < self.limit
+        if (self.limit is not None and not ends_drain_early) or limit != expected:
             raise FDGRuntimeError(
                 f"stage {self.stage_id}: told at segment tick {self.tick} that the data ended after {limit} "
                 f"micro-batches (segment limit so far {self.limit}); stage {self.stage_id} can only learn it at "
@@ -223,9 +226,9 @@ class FDGTrainSchedule(PipeSchedule):
             self.tick = tick
             yield self.tick_instructions(tick)
         self.tick = None
-        if self.limit is not None and self.stages == 1 and self.limit % self.accumulate:
-            # K = 1 has no drain ticks: its last backward ran before the end, so the partial
-            # accumulation is stepped here (with the learning rate of the tick after it).
+        if self.drain and self.stages == 1 and self.limit is not None and self.limit % self.accumulate:
+            # K = 1 has no drain ticks: its last backward ran in the last tick, so the partial
+            # accumulation is stepped here, before any other tick moves the learning rate.
             yield iter([ReduceGrads(), LocalOptimizerStep()])
 
     def tick_instructions(self, tick: int) -> Iterator[PipeInstruction]:
@@ -246,6 +249,15 @@ class FDGTrainSchedule(PipeSchedule):
         fwd = self._forward(tick)
         if fwd is not None and self.is_first_stage:
             yield FDGLoad(self._buffer(fwd), micro_batch=fwd)  # may learn the end
+            if (
+                self.stages == 1
+                and self._learned_at == tick
+                and self.limit is not None
+                and self.limit % self.accumulate
+            ):
+                # K = 1 learns the end one tick after its last backward: the partial accumulation is
+                # stepped now, before this tick's AdvanceTick can move the learning rate.
+                yield from [ReduceGrads(), LocalOptimizerStep()]
         fwd = self._forward(tick)
         if fwd is not None:
             yield FDGForward(self._buffer(fwd), micro_batch=fwd)

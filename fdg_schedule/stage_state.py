@@ -5,6 +5,9 @@ The engine's instruction handlers read and write a :class:`StageState`; checkpoi
 keeps work in flight between ticks. What it holds, and how long each piece lives:
 
     field               written by                  read by                      lives
+    tick                AdvanceTick                 the corrections, the meter   the run (t of the corrections)
+    corrections.delta   LocalOptimizerStep          FDGForward (prediction)      the run
+    meter.probes[b]     FDGForward (every N ticks)  FDGBackward (the metric)     delay ticks
     segment_tick        AdvanceTick                 the next call's schedule     until the segment ends
     segment_limit       the handler that learns     the next call's schedule     from the end of the data
                         the end of the data                                      to the segment's last tick
@@ -19,7 +22,8 @@ keeps work in flight between ticks. What it holds, and how long each piece lives
     micro_batches_read  FDGLoad                     checkpoints (data position)  the run
     exchange            Exchange                    WaitActivation / WaitGrad    one tick (next tick's messages)
 
-Only what lives across ticks is captured; within-tick fields are empty between calls. A new piece
+Only what lives across ticks is captured (the meter's kept weights are not: a measurement is
+skipped across a checkpoint); within-tick fields are empty between calls. A new piece
 of per-stage state (an optimizer-side tensor, a counter) gets a field here and a line in
 :meth:`capture` / :meth:`restore`.
 """
@@ -34,8 +38,10 @@ from torch import Tensor
 
 from fdg_schedule import rng, ticks
 from fdg_schedule.comm import Meta, NeighbourExchange
+from fdg_schedule.config import FDGConfig
 from fdg_schedule.delayed import Held
-from fdg_schedule.tensors import detached, leaves, nbytes
+from fdg_schedule.staleness import Corrections, StalenessMeter
+from fdg_schedule.tensors import detached, leaves, nbytes, on_cpu
 
 Message = tuple[tuple[Tensor, ...], Tensor]  # gradients and the loss carried with them
 
@@ -48,12 +54,24 @@ class StageState:
         exchange: this stage's exchange; it keeps the messages that arrived for the next tick.
         buffers: DeepSpeed's pipe buffers (``inputs``, ``outputs``, ``labels`` by ``buffer_id``),
             shared with the engine (its ``pipe_buffers``).
+        corrections: the stage's staleness corrections (:mod:`fdg_schedule.staleness`); none by default.
+        meter: the stage's staleness metric; off by default.
     """
 
-    def __init__(self, stages: int, exchange: NeighbourExchange, buffers: dict[str, list[Any]]) -> None:
+    def __init__(
+        self,
+        stages: int,
+        exchange: NeighbourExchange,
+        buffers: dict[str, list[Any]],
+        corrections: Corrections | None = None,
+        meter: StalenessMeter | None = None,
+    ) -> None:
         self.stages = stages
         self.exchange = exchange
         self.buffers = buffers
+        self.corrections = corrections or Corrections([], stages, stages - 1, FDGConfig())  # off
+        self.meter = meter or StalenessMeter([], every=0, delayed=False)
+        self.tick = 0  # ticks since the start of training (fill and drain included): t of the corrections
         self.segment_tick = 0  # ticks since the pipeline last filled (micro-batch 0 of the segment)
         self.segment_limit: int | None = None  # micro-batches in this segment, once the data has ended
         self.held: dict[int, Held] = {}  # buffer -> what its delayed backward needs
@@ -89,12 +107,16 @@ class StageState:
         return True
 
     def reset(self) -> None:
-        """Forget all in-flight work (before loading a checkpoint)."""
+        """Forget everything carried (before loading a checkpoint): the in-flight work, the tick, delta."""
+        self.tick = 0
+        self.corrections.reset()
+        self.meter.reset()
         for store in (self.held, self.received, self.to_send, self.losses, self.sent_meta):
             store.clear()
         self.labels_in_flight.clear()
         self.exchange.restore_received(None)
         self.segment_tick = 0
+        self.segment_limit = None
         for buffers in self.buffers.values():
             buffers[:] = [None] * len(buffers)
 
@@ -111,33 +133,41 @@ class StageState:
             for buffer_id, held in self.held.items()
         }
         return {
+            "tick": self.tick,
+            "delta": self.corrections.capture(),
             "segment_tick": self.segment_tick,
             "in_flight": in_flight,
             "received": self.exchange.received(),
             "labels_in_flight": list(self.labels_in_flight),
             "micro_batches_read": self.micro_batches_read,
+            "segment_limit": self.segment_limit,  # Note [end of data]: known here, maybe not yet downstream
             "rng": rng_state(),
         }
 
     def restore(self, saved: dict[str, Any], rebuild: Callable[[Held, Any], Any], needs_grad: bool) -> None:
         """Undo :meth:`capture` in a new process; the buffers must have their slots reserved.
 
+        ``saved`` was loaded onto this stage's device; RNG states go back to the CPU, where torch keeps them.
+
         ``rebuild(held, inputs)`` rebuilds a stored forward's outputs (Note [rebuilding a stored graph]);
         ``needs_grad``: the stage inputs are leaves that require gradients. The RNG state is set last.
         """
         self.reset()
+        self.tick = saved.get("tick", 0)  # absent from checkpoints of earlier versions
+        self.corrections.restore(saved.get("delta"))
         self.segment_tick = saved["segment_tick"]
         for buffer_id, record in sorted(saved["in_flight"].items()):
             inputs = leaves(record["inputs"], needs_grad)
             self.buffers["inputs"][buffer_id] = inputs
             self.sent_meta[buffer_id] = record["sent_meta"]
-            held = Held(weights=record["weights"], rng_state=record["rng_state"], saved=record["saved"])
+            held = Held(weights=record["weights"], rng_state=on_cpu(record["rng_state"]), saved=record["saved"])
             self.held[buffer_id] = held
             self.buffers["outputs"][buffer_id] = rebuild(held, inputs)
         self.exchange.restore_received(saved["received"])
         self.labels_in_flight.extend(saved["labels_in_flight"])
         self.micro_batches_read = saved["micro_batches_read"]
-        set_rng_state(saved["rng"])
+        self.segment_limit = saved.get("segment_limit")
+        set_rng_state(on_cpu(saved["rng"]))
 
 
 def rng_state() -> dict[str, Any]:

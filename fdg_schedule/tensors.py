@@ -60,3 +60,14 @@ def leaves(x: Any, requires_grad: bool) -> Any:
     if torch.is_tensor(x):
         return x.detach().requires_grad_(requires_grad and x.is_floating_point())
     return tuple(leaves(t, requires_grad) for t in x)
+
+
+def on_cpu(x: Any) -> Any:
+    """``x`` (tensors in tuples, lists and dicts) with every tensor on the CPU, e.g. RNG states loaded onto a device."""
+    if torch.is_tensor(x):
+        return x.cpu()
+    if isinstance(x, dict):
+        return {k: on_cpu(v) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return type(x)(on_cpu(t) for t in x)
+    return x

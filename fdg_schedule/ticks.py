@@ -67,3 +67,16 @@ def steps_after_backward(micro_batch: int, accumulate: int, last_micro_batch: in
     also steps after the final backward so no accumulated gradient is left behind.
     """
     return (micro_batch + 1) % accumulate == 0 or micro_batch == last_micro_batch
+
+
+def scheduler_steps_after(ticks_run: int, accumulate: int) -> bool:
+    """True if the LR scheduler steps at the end of the tick that brings the run to ``ticks_run`` ticks.
+
+    Note [learning rate per optimizer step]: DeepSpeed steps an LR scheduler once per optimizer step,
+    and ``WarmupLR``'s warm-up or ``OneCycle``'s budget are counted in optimizer steps. Under FDG a
+    stage steps its optimizer once every ``accumulate`` backward passes, i.e. once every
+    ``accumulate`` ticks in steady state, so the scheduler steps once every ``accumulate`` ticks,
+    counted over the whole run (fill and drain ticks included, the same on every stage, so every
+    stage has the same learning rate at the same tick). With ``accumulate`` = 1 that is every tick.
+    """
+    return ticks_run % accumulate == 0

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import json
+import math
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -99,6 +100,11 @@ class TraceRecorder:
         ts = at * 1e6 + self._to_wall_us
         self.events.append({"name": name, "cat": "tick", "ph": "i", "s": "p", "ts": ts, "pid": self.rank, "args": args})
 
+    def counter(self, name: str, at: float, value: float) -> None:
+        """A counter track (``ph: C``): a value that holds from ``at`` on, drawn as a step chart."""
+        ts = at * 1e6 + self._to_wall_us
+        self.events.append({"name": name, "ph": "C", "ts": ts, "pid": self.rank, "args": {name: value}})
+
     def write(self) -> Path | None:
         """Write this rank's part once (nothing if no event was recorded); returns its path."""
         if self.written or not self.events:
@@ -121,6 +127,7 @@ class FDGTimeline:
     def __init__(self, engine: StageView, start_tick: int = 0, ticks: int = 64, dir: str = "fdg_trace") -> None:  # noqa: A002
         self.recorder = TraceRecorder(engine, "fdg", dir, start_tick, ticks)
         self.numbers = MicroBatchNumbers()
+        self._staleness_tick = math.nan
 
     def on_instruction(self, engine: StageView, cmd: Any, start: float, end: float) -> None:
         self.numbers.watch(cmd)
@@ -143,6 +150,10 @@ class FDGTimeline:
 
     def on_call_end(self, engine: StageView, seconds: float) -> None:
         self.numbers.end_call()
+        measured = engine.fdg_stats.get("staleness_tick", math.nan)  # a new staleness measurement this call
+        if measured != self._staleness_tick and self.recorder.start_tick <= measured < self.recorder.end_tick:
+            self.recorder.counter("staleness", time.perf_counter(), engine.fdg_stats["staleness"])
+        self._staleness_tick = measured
         if engine.fdg_stats["ticks"] >= self.recorder.end_tick:
             self.recorder.write()
 

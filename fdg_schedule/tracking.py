@@ -46,6 +46,8 @@ METRICS = {
     "fdg/grad_norm": "L2 norm of the stage's gradient at its last optimizer step in the call",
     "fdg/lr": "learning rate after the call",
     "fdg/delay": "staleness: ticks between this stage's forward and backward of a micro-batch",
+    "fdg/staleness": "||w_fwd - w_bwd|| / ||w_bwd|| of the latest measured micro-batch (pipeline.fdg.staleness_every)",
+    "fdg/lr_factor": "the delay-aware learning rate's factor at the call's last tick (pipeline.fdg.delay_lr_ticks)",
     "fdg/held_bytes": "bytes held for delayed backward passes after the call",
     "fdg/in_flight": "micro-batches forwarded but not yet back-propagated",
     "fdg/steps": "optimizer steps taken so far",
@@ -213,6 +215,11 @@ class StageTracker:
             "fdg/max_memory_allocated": get_accelerator().max_memory_allocated(),
         }
         on_device = {"fdg/loss": engine.agg_train_loss}
+        staleness = stats.get("staleness", math.nan)
+        if not math.isnan(staleness):  # measured every pipeline.fdg.staleness_every ticks
+            row["fdg/staleness"] = staleness
+        if engine.fdg_config.delay_lr_ticks:
+            row["fdg/lr_factor"] = engine.fdg_state.corrections.lr_factor(engine.fdg_state.tick - 1)
         if self._grad_norm is not None:
             on_device["fdg/grad_norm"] = self._grad_norm
         if self._last_loss is not None:

@@ -39,6 +39,8 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
 import fdg_schedule  # noqa: F401  (must come before deepspeed.initialize: hooks the FDG engine in)
+from fdg_schedule import pipe_partition
+from fdg_schedule.stage_times import StageClock, stage_report
 from fdg_schedule.zoo import hf_lm, text_data
 
 # ---------------------------------------------------------------------------------------------------
@@ -56,7 +58,8 @@ max_steps = 0  # train_batch calls in all; 0 = epochs × steps per epoch
 eval_interval = 0  # also evaluate every N steps (0: only at epoch ends)
 eval_sequences = 0  # validation sequences per evaluation (0: the whole split), same for every config
 log_interval = 10
-partition = hf_lm.PARTITION_METHOD  # PipelineModule partition_method
+partition = "balanced"  # measured layer times; or a PipelineModule partition_method ("type:BlockPipe", "parameters")
+profile_dir = "runs/profiles"  # layer profiles for "balanced", measured once per model / micro-batch / machine
 seed = 1234
 out_dir = "runs/lm"  # git-ignored
 sample_tokens = 60
@@ -125,11 +128,22 @@ say(
     f"tokens; schedule {schedule}, {stages} stage(s); setup {time.time() - start:.1f} s"
 )
 del model
+partition_method = args.partition
+if partition_method == "balanced" and stages > 1:
+    # Time every layer on one real micro-batch (rank 0, once per model and machine: cached), then split.
+    sample_ids, sample_labels = next(
+        iter(DataLoader(train_set, batch_size=ds_config["train_micro_batch_size_per_gpu"]))
+    )
+    partition_method = pipe_partition.profile_and_balance(
+        layers, sample_ids, sample_labels, hf_lm.lm_loss, ds_config, args.profile_dir
+    )
+elif partition_method == "balanced":
+    partition_method = "uniform"  # one stage: nothing to balance
 pipe = PipelineModule(
     layers=layers,
     loss_fn=hf_lm.lm_loss,
     num_stages=stages,
-    partition_method=args.partition,
+    partition_method=partition_method,
     activation_checkpoint_interval=checkpoint_interval,  # under FDG: recompute with current weights
     checkpointable_layers=["BlockPipe"],  # not the embedding: its integer input needs no grad
 )
@@ -154,6 +168,7 @@ def shuffled_batches():
 
 
 engine.set_dataiterator(shuffled_batches())
+clock = StageClock(engine)  # per-stage compute and wait, reported against the split's prediction at the end
 
 # --- train
 tokens_per_step = engine.train_batch_size() * args.block_size
@@ -204,6 +219,7 @@ for step in range(1, total_steps + 1):
 bar.close()
 train_time = time.time() - train_start
 say(f"trained {total_steps * tokens_per_step} tokens in {train_time:.1f} s")
+say(stage_report(engine, clock))
 
 # --- export a plain HF checkpoint on rank 0, reload it and generate
 state = hf_lm.gather_hf_state_dict(engine.module)

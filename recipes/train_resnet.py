@@ -13,11 +13,16 @@ stage by default). On CPU ``--num_gpus N`` still starts N ranks (gloo). The Deep
 batch size, the optimizer (the paper's SGD: lr 0.1, momentum 0.9, weight decay 5e-4) and the
 pipeline schedule; this script owns the epoch loop. DeepSpeed has no step-decay scheduler block, so
 unless the config has a "scheduler" block the learning rate is divided by 10 at the paper's epochs
-(150, 225, 275 of 300, scaled to --epochs).
+(150, 225, 275 of 300, scaled to --epochs). ``--warmup-epochs N`` runs the first N epochs at a
+constant 0.1 x lr, as the paper's code does (it warms up for 3): deep nets at K >= 3 need it at lr 0.1
+(docs/staleness.md). DeepSpeed's own warm-ups work through the config instead: a "scheduler" block
+with "type": "WarmupLR" or "WarmupDecayLR" (FDG steps it once per optimizer step: every `accumulate`
+ticks) replaces the step decay.
 
 FDG's gradient shrinking factor beta ("grad_shrink") in ds_configs: 0.2 at K=2 (the paper's best for
-ResNet-20 at K=2); 0.5 at K=3 and K=4 (the paper's K=2 value for ResNet-56/110; we have no paper
-number for ResNet-20 at K>2).
+ResNet-20 at K=2). At K=3 and K=4 the configs carry the staleness corrections (docs/staleness.md):
+"stashed" weights, beta 1, delay_lr_ticks 1024, predict_decay 0.9, meant with --warmup-epochs 2
+(resnet_fdg_k4_warmuplr.json: DeepSpeed's WarmupLR instead); at lr 0.1 "current" weights diverge there.
 """
 
 import argparse
@@ -36,6 +41,8 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 from tqdm import tqdm
 
 import fdg_schedule  # noqa: F401  (installs the FDG pipeline engine before deepspeed.initialize)
+from fdg_schedule import pipe_partition
+from fdg_schedule.stage_times import StageClock, stage_report
 from fdg_schedule.zoo import resnet, vision_data
 
 # -----------------------------------------------------------------------------
@@ -46,9 +53,11 @@ epochs = 3
 train_subset = None  # use only this many training images (a fixed random subset)
 test_subset = None
 max_steps = None  # stop after this many train_batch calls in total
-partition = "paper"  # the FDG paper's split, or a partition_method: "parameters", "uniform", "parts:0,5,12"
-lr_decay = 0.1
-lr_decay_at = (0.5, 0.75, 0.9167)  # fractions of the run: the paper's epochs 150, 225, 275 of 300
+partition = (
+    "balanced"  # measured layer times; or "paper" (the FDG paper's split), "parameters", "uniform", "parts:0,5,12"
+)
+profile_dir = "runs/profiles"  # layer profiles for "balanced", measured once per model / micro-batch / machine
+warmup_epochs = 0  # epochs at a constant 0.1 x lr before the schedule starts (the paper's code: 3)
 checkpoint_every = 0  # epochs; 0 = never
 seed = 0
 default_config = Path(__file__).resolve().parents[1] / "ds_configs" / "resnet_fdg_k2.json"
@@ -67,7 +76,10 @@ parser.add_argument("--test-subset", type=int, default=test_subset)
 parser.add_argument("--max-steps", type=int, default=max_steps)
 parser.add_argument("--pipeline-parallel-size", type=int, default=None, help="stages K (default: world size)")
 parser.add_argument("--partition", default=partition)
+parser.add_argument("--profile-dir", default=profile_dir, help="where --partition balanced caches layer timings")
 parser.add_argument("--lr-decay-epochs", type=int, nargs="*", default=None, help="default: the paper's, scaled")
+parser.add_argument("--warmup-epochs", type=int, default=warmup_epochs, help="epochs at 0.1 x lr first")
+parser.add_argument("--final-full-test", action="store_true", help="after training, also test on the whole test set")
 parser.add_argument("--num-workers", type=int, default=0, help="DataLoader workers (0 keeps the CPU for the model)")
 parser.add_argument("--checkpoint-dir", default=None, help="default: checkpoints/<model>_<config name>")
 parser.add_argument("--checkpoint-every", type=int, default=checkpoint_every)
@@ -107,6 +119,23 @@ os.environ.setdefault("MASTER_PORT", "29511")
 
 deepspeed.init_distributed()
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+input_dtype = torch.bfloat16 if ds_config.get("bf16", {}).get("enabled") else torch.float32  # inputs match weights
+if args.partition == "balanced" and stages > 1:
+    # Time every layer on one real micro-batch (rank 0, once per model and machine: cached), then split.
+    micro = ds_config.get("train_micro_batch_size_per_gpu") or ds_config["train_batch_size"] // (
+        ds_config.get("gradient_accumulation_steps", 1) * (world_size // stages)
+    )
+    sample_x, sample_y = next(iter(DataLoader(data.train, micro)))
+    args.partition = pipe_partition.profile_and_balance(
+        resnet.resnet_layers(args.model, data.num_classes, data.in_channels),
+        sample_x.to(input_dtype),
+        sample_y,
+        F.cross_entropy,
+        ds_config,
+        args.profile_dir,
+    )
+elif args.partition == "balanced":
+    args.partition = "uniform"  # one stage: nothing to balance
 set_random_seed(args.seed)
 net = resnet.build_pipeline(
     args.model,
@@ -125,7 +154,7 @@ logging_rank = rank == 0  # DeepSpeed's monitors also write from global rank 0
 first, last = engine.is_first_stage(), engine.is_last_stage()
 dp_rank, dp_size = engine.grid.get_data_parallel_rank(), engine.grid.get_data_parallel_world_size()
 micro_batch, accumulation = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-input_dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float32  # inputs must match the weights
+clock = StageClock(engine)  # per-stage compute and wait, reported against the split's prediction at the end
 schedule = engine._config.pipeline.get("schedule", "1f1b")
 
 # Data: the first stage reads images; the last stage reads the labels of the same items in the same order.
@@ -141,7 +170,15 @@ def stage_view(dataset):
     return dataset if first else vision_data.LabelsOnly(dataset)
 
 
-train_iter = test_loader = None
+def test_loader_of(dataset):
+    """This rank's share of a test set, in order (the stages that read no data get None)."""
+    if not (first or last):
+        return None
+    shard = Subset(dataset, list(range(dp_rank, len(dataset), dp_size)))
+    return DataLoader(stage_view(shard), micro_batch, shuffle=False, num_workers=args.num_workers)
+
+
+train_iter = None
 if first or last:
     sampler = DistributedSampler(
         train_set, num_replicas=dp_size, rank=dp_rank, shuffle=True, seed=args.seed, drop_last=True
@@ -150,15 +187,14 @@ if first or last:
         stage_view(train_set), micro_batch, sampler=sampler, drop_last=True, num_workers=args.num_workers
     )
     train_iter = ((x.to(input_dtype), y) for x, y in vision_data.forever(train_loader))
-    shard = Subset(test_set, list(range(dp_rank, len(test_set), dp_size)))
-    test_loader = DataLoader(stage_view(shard), micro_batch, shuffle=False, num_workers=args.num_workers)
-eval_batches = math.ceil(math.ceil(len(test_set) / dp_size) / micro_batch)
+test_loader = test_loader_of(test_set)
 
 
-def evaluate():
+def evaluate(dataset=test_set, loader=test_loader):
     """Test loss and accuracy with the current weights, summed over the last stage's data-parallel ranks."""
     totals = torch.zeros(3, dtype=torch.float64)  # correct, count, summed loss
-    batches = vision_data.padded_batches(test_loader, micro_batch, eval_batches) if test_loader else None
+    eval_batches = math.ceil(math.ceil(len(dataset) / dp_size) / micro_batch)  # the same on every rank
+    batches = vision_data.padded_batches(loader, micro_batch, eval_batches) if loader else None
     for _ in range(eval_batches):
         batch = next(batches) if batches else None
         data_iter = iter([(batch[0].to(input_dtype), batch[1])]) if batch else iter([])
@@ -171,14 +207,6 @@ def evaluate():
             totals[2] += F.cross_entropy(logits.float(), labels, reduction="sum").item()
     dist.all_reduce(totals)  # other stages add zeros; rank 0 needs the numbers for the log and the monitor
     return totals[0].item() / totals[1].item(), totals[2].item() / totals[1].item()
-
-
-def lr_at(epoch):
-    """The paper's step decay: divide by 10 at each decay epoch reached."""
-    decay_epochs = args.lr_decay_epochs
-    if decay_epochs is None:
-        decay_epochs = sorted({round(f * args.epochs) for f in lr_decay_at} - {0})
-    return base_lr * lr_decay ** sum(epoch >= e for e in decay_epochs)
 
 
 def drain():
@@ -217,7 +245,7 @@ test_acc = test_loss = float("nan")
 for epoch in range(start_epoch, args.epochs):
     if "scheduler" not in ds_config:
         for group in engine.optimizer.param_groups:
-            group["lr"] = lr_at(epoch)
+            group["lr"] = resnet.paper_lr(base_lr, epoch, args.epochs, args.lr_decay_epochs, args.warmup_epochs)
     epoch_start, losses = time.time(), []
     bar = tqdm(  # samples/s and ETA on the logging rank at a terminal; per-epoch lines otherwise
         total=steps_per_epoch * engine.train_batch_size(),
@@ -245,7 +273,7 @@ for epoch in range(start_epoch, args.epochs):
     train_loss = sum(losses) / len(losses) if losses else float("nan")
     if logging_rank:
         print(
-            f"epoch {epoch + 1}/{args.epochs}: train_loss {train_loss:.4f} test_loss {test_loss:.4f} "
+            f"epoch {epoch + 1}/{args.epochs}: train_loss {train_loss:.6f} test_loss {test_loss:.6f} "
             f"test_acc {test_acc:.2%} lr {engine.optimizer.param_groups[0]['lr']:.4g} "
             f"({time.time() - epoch_start:.1f} s)",
             flush=True,
@@ -261,8 +289,14 @@ for epoch in range(start_epoch, args.epochs):
     if final_epoch:
         break
 
+if args.final_full_test:  # the curve may use a test subset; the final number the whole test set
+    full_acc, full_loss = evaluate(data.test, test_loader_of(data.test))
+    if logging_rank:
+        print(f"full test set: test_acc {full_acc:.2%} test_loss {full_loss:.6f} ({len(data.test)} images)")
 trained_samples = step * samples_per_step
+report = stage_report(engine, clock)
 if logging_rank:
+    print(report, flush=True)
     print(
         f"final: test_acc {test_acc:.2%} test_loss {test_loss:.4f} | "
         f"{trained_samples / max(train_time, 1e-9):.1f} samples/s | wall {time.time() - wall_start:.1f} s | "

@@ -15,6 +15,12 @@ import torch.distributed as dist
 import toy
 from deepspeed.pipe import PipelineModule
 
+# The pipeline.fdg keys a test case may set (the same keys build the reference's FDGConfig).
+FDG_KEYS = (
+    "grad_shrink", "weights", "activations", "accumulate", "delay_lr_ticks", "predict_decay", "staleness_every",
+    "check_every", "nonfinite",
+)  # fmt: skip
+
 
 def ds_config(case: dict[str, Any]) -> dict[str, Any]:
     cfg: dict[str, Any] = {
@@ -25,8 +31,7 @@ def ds_config(case: dict[str, Any]) -> dict[str, Any]:
         "zero_allow_untested_optimizer": True,
     }
     if case.get("schedule", "fdg") == "fdg":
-        keys = ("grad_shrink", "weights", "activations", "accumulate", "check_every", "nonfinite")
-        fdg = {k: case[k] for k in keys if k in case}
+        fdg = {k: case[k] for k in FDG_KEYS if k in case}
         cfg["pipeline"] = {"schedule": "fdg", "fdg": fdg}
     elif case.get("schedule") == "1f1b":
         cfg["pipeline"] = {"schedule": "1f1b"}
@@ -37,6 +42,8 @@ def ds_config(case: dict[str, Any]) -> dict[str, Any]:
     if case.get("wall_clock"):  # DeepSpeed's timers: started by its output hooks, printed every step
         cfg["wall_clock_breakdown"] = True
         cfg["steps_per_print"] = 1
+    if case.get("flops_file"):  # DeepSpeed's flops profiler, at one tick
+        cfg["flops_profiler"] = {"enabled": True, "profile_step": 4, "output_file": case["flops_file"]}
     if case.get("warmup"):
         cfg["scheduler"] = {
             "type": "WarmupLR",
@@ -113,13 +120,16 @@ def train(rank: int, world: int, cases: list[dict[str, Any]], import_fdg: bool =
         torch.manual_seed(1234)
         engine, model, data = build(case, world, import_fdg)
         it = iter(data)
-        states, losses = [], []
+        states, losses, staleness = [], [], []
         for call in range(case["calls"]):
             if case.get("training_data"):
                 losses.append(engine.train_batch().item())
             else:
                 losses.append(engine.train_batch(it).item())
+            if case.get("drain_each_call"):
+                engine.drain()
             states.append(_state(model))
+            staleness.append(getattr(engine, "fdg_stats", {}).get("staleness"))
             if case.get("eval_between") and call == 1:
                 engine.eval_batch(iter(toy.micro_batches(case.get("gas", 3), 4 * (world // case["stages"]), seed=9)))
         if case.get("drain"):
@@ -133,10 +143,12 @@ def train(rank: int, world: int, cases: list[dict[str, Any]], import_fdg: bool =
                 "dp_id": model._grid.data_parallel_id,
                 "states": states,
                 "losses": losses,
+                "staleness": staleness,
                 "global_steps": engine.global_steps,
                 "global_samples": engine.global_samples,
                 "lr": engine.get_lr()[0] if engine.lr_scheduler is not None else None,
                 "in_flight": getattr(engine, "in_flight", lambda: None)(),
+                "grad_norm": engine.get_global_grad_norm(),
                 "running_timers": [n for n in engine.engine_timers.active_timers() if engine.timers(n).started_],
             }
         )
@@ -206,12 +218,16 @@ def bad_config(rank: int, world: int, case: dict[str, Any], tied_layers: bool = 
 def resume(rank: int, world: int, cases: list[dict[str, Any]], root: str, phase: str) -> list[dict[str, Any]]:
     """phase "straight": train, save at tick T without draining, keep training.
     phase "resumed": a new process loads the checkpoint, restarts the data at micro-batch T, trains."""
+    from fdg_schedule import DataExhausted
+
     out = []
     for i, case in enumerate(cases):
         torch.manual_seed(1234)
         engine, model, data = build(case, world)
+        data = data[: case.get("limit", len(data))]  # "limit": the data ends after that many micro-batches
         save_dir = f"{root}/case{i}"
-        before, after, gas = case["calls_before"], case["calls_after"], case.get("gas", 3)
+        before, after = case["calls_before"], case["calls_after"]
+        module_only: dict[str, Any] = {}
         if phase == "straight":
             it = iter(data)
             for _ in range(before):
@@ -219,17 +235,29 @@ def resume(rank: int, world: int, cases: list[dict[str, Any]], root: str, phase:
             engine.save_checkpoint(save_dir, drain=case.get("drain_save", False))
         else:
             torch.manual_seed(999)  # the resumed run must not depend on the process's own RNG
+            if case.get("module_only_first"):  # weights only: nothing in flight, RNG and data untouched
+                rng = torch.get_rng_state()
+                engine.load_checkpoint(save_dir, load_module_only=True)
+                rng_kept = torch.equal(rng, torch.get_rng_state())
+                module_only = {"state": _state(model), "in_flight": engine.in_flight(),
+                               "read": engine.micro_batches_read, "rng_kept": rng_kept}  # fmt: skip
             engine.load_checkpoint(save_dir)
-            ticks_done = before * gas
-            it = iter(data[ticks_done:])  # the user restarts the data at micro-batch T
-        losses = []
+            if module_only:
+                module_only["full_state"] = _state(model)
+            it = iter(data[engine.micro_batches_read :])  # the user restarts the data at micro-batch T
+        losses, exhausted = [], False
         for _ in range(after):
-            losses.append(
-                engine.train_batch(it).item() if not case.get("training_data") else engine.train_batch().item()
-            )
+            try:
+                losses.append(
+                    engine.train_batch(it).item() if not case.get("training_data") else engine.train_batch().item()
+                )
+            except DataExhausted as ended:
+                losses.append(float(ended.loss))
+                exhausted = True
+                break
         losses.append(engine.drain().item())
         out.append({"state": _state(model), "losses": losses, "global_steps": engine.global_steps,
-                    "stage_id": engine.stage_id})  # fmt: skip
+                    "stage_id": engine.stage_id, "exhausted": exhausted, "module_only": module_only})  # fmt: skip
     return out
 
 
@@ -244,7 +272,10 @@ def swap(rank: int, world: int, case: dict[str, Any], save_dir: str, phase: str)
         for _ in range(2):
             engine.train_batch(it)
         engine.save_checkpoint(save_dir)
-        return {"state": _state(model), "engine": type(engine).__name__}
+        fdg_state = getattr(engine, "fdg_state", None)
+        return {"state": _state(model), "engine": type(engine).__name__,
+                "tick": None if fdg_state is None else fdg_state.tick,
+                "delta": None if fdg_state is None else fdg_state.corrections.capture()}  # fmt: skip
     error = None
     try:
         engine.load_checkpoint(save_dir)
@@ -252,8 +283,12 @@ def swap(rank: int, world: int, case: dict[str, Any], save_dir: str, phase: str)
         error = str(err)
         engine.load_checkpoint(save_dir, load_optimizer_states=False, load_lr_scheduler_states=False)
     state = _state(model)
+    fdg_state = getattr(engine, "fdg_state", None)  # what an FDG job continues with: tick and delta
+    tick = None if fdg_state is None else fdg_state.tick
+    delta = None if fdg_state is None else fdg_state.corrections.capture()
     engine.train_batch(it)  # and it trains on
-    return {"state": state, "error": error, "engine": type(engine).__name__, "stage_id": engine.stage_id}
+    return {"state": state, "error": error, "engine": type(engine).__name__, "stage_id": engine.stage_id,
+            "tick": tick, "delta": delta}  # fmt: skip
 
 
 # -- failures -------------------------------------------------------------------------------------
@@ -307,7 +342,7 @@ def failure(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
         return {"error": error, "seconds": time.monotonic() - start, "stage_id": engine.stage_id}
     finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
     return {"error": None, "skipped": engine.fdg_stats["skipped"], "steps": engine.fdg_stats["steps"],
-            "finite": finite, "stage_id": engine.stage_id}  # fmt: skip
+            "finite": finite, "stage_id": engine.stage_id, "skipped_steps": engine.skipped_steps}  # fmt: skip
 
 
 def data_end(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
@@ -340,6 +375,9 @@ def bad_input(rank: int, world: int, kind: str) -> dict[str, Any]:
         layers = toy.layers()
         if kind == "more_stages_than_layers":
             layers = [toy.SeededLinear(toy.IN, toy.CLASSES, 1)]
+        if kind == "no_grad_activation":  # stage 0 holds a frozen layer: its output does not require grad
+            frozen = toy.SeededLinear(toy.IN, toy.HIDDEN, 1).requires_grad_(False)
+            layers = [frozen, torch.tanh, toy.SeededLinear(toy.HIDDEN, toy.CLASSES, 2)]
         if kind == "batch_size_mismatch":
             cfg["train_batch_size"] = 16
         model = PipelineModule(layers=layers, num_stages=2, loss_fn=toy.loss_fn, partition_method="uniform")

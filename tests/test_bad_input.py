@@ -21,6 +21,7 @@ CASES = {
     # met at run time by one stage
     "labels_dtype": (1, "loss_fn failed on micro-batch 0 with outputs torch.float32 (4, 3) and labels torch.float32"),
     "bf16_inputs": (0, "micro-batch 0 has floating inputs of dtype torch.float32 but bf16.enabled is true"),
+    "no_grad_activation": (0, "floating output 0 of the stage (torch.float32 (4, 8)) does not require grad"),
     "shape_change": (0, "activation shapes changed from [(torch.Size([4, 8]), torch.float32)] to [(torch.Size([3, 8])"),
 }
 

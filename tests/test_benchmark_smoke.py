@@ -26,6 +26,8 @@ VARIANTS = {
     "fdg_stashed_stored",
     "fdg_stashed_recomputed",
     "dp2",
+    "1f1b_m4_by_params",
+    "fdg_current_stored_by_params",
 }
 
 
@@ -64,6 +66,16 @@ def test_quick_run_writes_a_complete_report(tmp_path: Path) -> None:
         assert all(len(pair) == 2 for pair in row["load_avg_1min"])
     assert rows["bp"]["ratio_vs_bp"]["median"] == pytest.approx(1.0)
     assert rows["1f1b_m4"]["optimizer_steps_per_micro_batch"] == pytest.approx(0.25)
+
+    # Splits come from the library: the profile is kept, every pipeline has a predicted time per stage.
+    result = report["models"]["transformer_tiny"]
+    assert len(result["profile"]["layers"]) == 3  # 2 blocks and the head
+    for name, row in rows.items():
+        if name not in ("bp", "dp2"):
+            assert row["split"][0] == 0 and row["split"][-1] == 3, (name, row["split"])
+            assert len(row["stage_predicted_s_per_micro_batch"]) == 2 and all(
+                t > 0 for t in row["stage_predicted_s_per_micro_batch"]
+            ), name
 
     # Memory: FDG stage 0 holds 2 micro-batches (delay 2), the last stage none; 1F1B and BP save activations.
     for name in VARIANTS:

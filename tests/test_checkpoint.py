@@ -12,9 +12,12 @@ from dist_harness import run_ranks
 pytestmark = pytest.mark.distributed
 
 MODES = [(w, a) for w in ("current", "stashed") for a in ("stored", "recomputed")]
+# The staleness corrections mid-ramp at the save (tick 6 of 20): delta and the tick count are saved.
+CORRECTIONS = {"delay_lr_ticks": 20, "predict_decay": 0.5}
 
 
-def _straight_and_resumed(tmp_path, world: int, cases: list[dict[str, Any]]) -> None:
+def _straight_and_resumed(tmp_path, world: int, cases: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Run ``cases`` straight through and resumed in new processes; both must agree bit for bit."""
     root = str(tmp_path / "ckpt")
     straight = run_ranks(engine_workers.resume, world, tmp_path, cases, root, "straight", deadline_s=300)
     resumed = run_ranks(engine_workers.resume, world, tmp_path, cases, root, "resumed", deadline_s=300)
@@ -22,41 +25,83 @@ def _straight_and_resumed(tmp_path, world: int, cases: list[dict[str, Any]]) -> 
         for i, case in enumerate(cases):
             a, b = straight[rank][i], resumed[rank][i]
             assert a["global_steps"] == b["global_steps"]
+            assert a["exhausted"] == b["exhausted"], case
             assert a["losses"] == pytest.approx(b["losses"], rel=0, abs=0, nan_ok=True), case
             for key in a["state"]:
                 assert torch.equal(a["state"][key], b["state"][key]), f"{case} rank {rank} {key}"
+    return resumed
 
 
 def test_resume_is_bit_identical_two_stages_every_mode(tmp_path) -> None:
     base = {"stages": 2, "n": 48, "gas": 3, "calls_before": 2, "calls_after": 2}
     cases = [
-        {**base, "grad_shrink": 0.5, "weights": w, "activations": a, "optimizer": opt}
+        {**base, "grad_shrink": 0.5, "weights": w, "activations": a, "optimizer": opt, **CORRECTIONS}
         for (w, a), opt in zip(MODES, ("sgd", "adam", "adam", "sgd"))
     ]
     cases += [
         # data through deepspeed.initialize(training_data=...): the engine's own loader continues
         {**base, "training_data": True},
-        # a drained checkpoint resumes too (the pipeline refills)
-        {**base, "drain_save": True, "zero": 1},
+        # a drained checkpoint resumes too (the pipeline refills; t and delta go on)
+        {**base, "drain_save": True, "zero": 1, **CORRECTIONS},
     ]
     _straight_and_resumed(tmp_path, 2, cases)
 
 
 def test_resume_is_bit_identical_three_stages_every_mode(tmp_path) -> None:
     base = {"stages": 3, "n": 48, "gas": 2, "calls_before": 3, "calls_after": 2, "grad_shrink": 0.5}
-    cases = [{**base, "weights": w, "activations": a} for w, a in MODES]
+    cases = [{**base, "weights": w, "activations": a, **(CORRECTIONS if w == "stashed" else {})} for w, a in MODES]
+    # part-way through an accumulation: after T ticks stage k has back-propagated T-4+k micro-batches
+    cases += [
+        {**base, "gas": 5, "calls_before": 1, "accumulate": 2},  # T=5: 1, 0, 1 passes towards a step
+        {**base, "gas": 7, "calls_before": 1, "calls_after": 1, "accumulate": 3, "weights": "stashed"},  # 0, 1, 2
+    ]
     _straight_and_resumed(tmp_path, 3, cases)
+
+
+def test_resume_is_bit_identical_mid_accumulation_in_bf16_zero1_and_with_dropout(tmp_path) -> None:
+    # Undrained saves part-way through an accumulation (Note [a partial accumulation in a checkpoint]).
+    # After T ticks stage 0 has back-propagated T-2 micro-batches, stage 1 T-1; each case's comment
+    # says how many passes each stage holds towards its next step at the save.
+    base = {"stages": 2, "n": 48, "calls_after": 2, "grad_shrink": 0.5}
+    t3, t4, t5 = {"gas": 3, "calls_before": 1}, {"gas": 2, "calls_before": 2}, {"gas": 5, "calls_before": 1}
+    cases = [
+        {**base, **t3, "accumulate": 2, "weights": "stashed", "optimizer": "adam"},  # 1, 0
+        {**base, **t4, "accumulate": 2, "bf16": True},  # 0, 1
+        {**base, **t4, "accumulate": 3, "activations": "recomputed"},  # 2, 0
+        {**base, **t5, "accumulate": 3, "zero": 1, "optimizer": "adam"},  # 0, 1
+        {**base, **t3, "accumulate": 2, "bf16": True, "zero": 1},  # 1, 0
+        {**base, **t4, "bf16": True},
+        # a model that draws random numbers in its forward, in both activation modes
+        {**base, **t3, "dropout": 0.3},
+        {**base, **t3, "dropout": 0.3, "activations": "recomputed", "weights": "stashed"},
+    ]
+    _straight_and_resumed(tmp_path, 2, cases)
+
+
+def test_resume_after_the_data_ended_on_one_stage_and_weights_only_loads(tmp_path) -> None:
+    # 5 micro-batches, 2 ticks per call: stage 0 learns the end at tick 5 (in the 3rd call), stage 1 at
+    # tick 6 (Note [end of data]). Saved in between, the resumed run ends with DataExhausted as the
+    # uninterrupted one does; a drained save after the end is written too.
+    ended = {"stages": 2, "n": 48, "gas": 2, "calls_before": 3, "calls_after": 2, "limit": 5}
+    cases = [{**ended, "module_only_first": True}, {**ended, "drain_save": True}]
+    resumed = _straight_and_resumed(tmp_path, 2, cases)
+    for rank in resumed:
+        assert rank[0]["exhausted"] and rank[1]["exhausted"]
+        weights_only = rank[0]["module_only"]  # load_module_only=True: the weights and nothing else
+        assert weights_only["in_flight"] == 0 and weights_only["read"] == 0 and weights_only["rng_kept"]
+        for key, value in weights_only["state"].items():
+            assert torch.equal(value, weights_only["full_state"][key]), key
 
 
 def test_resume_is_bit_identical_with_data_parallelism(tmp_path) -> None:
     cases = [{"stages": 2, "n": 32, "gas": 2, "calls_before": 2, "calls_after": 2, "weights": "stashed",
-              "activations": "stored", "optimizer": "adam"}]  # fmt: skip
+              "activations": "stored", "optimizer": "adam", **CORRECTIONS}]  # fmt: skip
     _straight_and_resumed(tmp_path, 4, cases)
 
 
 def test_fdg_and_1f1b_checkpoints_load_into_each_other(tmp_path) -> None:
+    case = {"stages": 2, "n": 32, "gas": 2, **CORRECTIONS}  # the corrections are ignored by 1F1B
     for saved_with, loaded_with in (("fdg", "1f1b"), ("1f1b", "fdg")):
-        case = {"stages": 2, "n": 32, "gas": 2}
         save_dir = str(tmp_path / f"{saved_with}-to-{loaded_with}")
         saved = run_ranks(engine_workers.swap, 2, tmp_path, {**case, "schedule": saved_with}, save_dir, "save")
         loaded = run_ranks(engine_workers.swap, 2, tmp_path, {**case, "schedule": loaded_with}, save_dir, "load")
@@ -65,18 +110,35 @@ def test_fdg_and_1f1b_checkpoints_load_into_each_other(tmp_path) -> None:
             assert lo["engine"] == ("FDGPipelineEngine" if loaded_with == "fdg" else "PipelineEngine")
             for key in s["state"]:
                 assert torch.equal(s["state"][key], lo["state"][key])
+            if loaded_with == "fdg":  # a 1F1B checkpoint has no FDG state: t and delta start at 0
+                assert lo["tick"] == 0
+                assert lo["delta"] is None or all(not d.any() for d in lo["delta"])
+    # Note [what a layout change keeps]: the same stages in other modes drop the in-flight work but
+    # continue t and delta.
+    other_modes = {**case, "weights": "stashed", "activations": "recomputed"}
+    saved = run_ranks(engine_workers.swap, 2, tmp_path, case, str(tmp_path / "fdg-modes"), "save")
+    loaded = run_ranks(engine_workers.swap, 2, tmp_path, other_modes, str(tmp_path / "fdg-modes"), "load")
+    for s, lo in zip(saved, loaded):
+        assert lo["error"] is None and lo["tick"] == s["tick"] == 4
+        assert (s["delta"] is None) == (lo["stage_id"] == 1)  # the last stage predicts nothing
+        if s["delta"] is not None:
+            assert any(d.any() for d in s["delta"])
+            assert all(torch.equal(a, b) for a, b in zip(s["delta"], lo["delta"]))
 
 
 def test_fdg_checkpoint_loads_into_another_number_of_stages(tmp_path) -> None:
     save_dir = str(tmp_path / "k2")
-    saved = run_ranks(engine_workers.swap, 2, tmp_path, {"stages": 2, "n": 32, "gas": 2}, save_dir, "save")
-    loaded = run_ranks(engine_workers.swap, 3, tmp_path, {"stages": 3, "n": 32, "gas": 2}, save_dir, "load")
+    k2, k3 = {"stages": 2, "n": 32, "gas": 2, **CORRECTIONS}, {"stages": 3, "n": 32, "gas": 2, **CORRECTIONS}
+    saved = run_ranks(engine_workers.swap, 2, tmp_path, k2, save_dir, "save")
+    loaded = run_ranks(engine_workers.swap, 3, tmp_path, k3, save_dir, "load")
     full = {k: v for s in saved for k, v in s["state"].items()}
     for lo in loaded:
         assert "has 2 pipeline stages, this job 3" in lo["error"]
         assert "load_optimizer_states=False" in lo["error"]
         for key, value in lo["state"].items():  # weights re-partitioned by layer
             assert torch.equal(value, full[key]), key
+        assert lo["tick"] == 4  # t goes on; delta belongs to another partition and starts at 0
+        assert lo["delta"] is None or all(not d.any() for d in lo["delta"])
 
 
 def test_an_interrupted_save_leaves_latest_on_the_last_complete_checkpoint(tmp_path) -> None:

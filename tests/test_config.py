@@ -20,6 +20,17 @@ def test_defaults_are_the_paper_without_shrinking() -> None:
     assert parse(_ds(full)) == FDGConfig(**full)
 
 
+def test_staleness_corrections_are_off_by_default_and_read_from_the_block() -> None:
+    default = parse(_ds())
+    assert default is not None
+    assert default.delay_lr_ticks == 0 and default.predict_decay is None and default.staleness_every == 100
+    assert parse(_ds({"staleness_every": 0})) == FDGConfig(staleness_every=0)
+    config = parse(_ds({"delay_lr_ticks": 2000, "predict_decay": 0.9}))
+    assert config == FDGConfig(delay_lr_ticks=2000, predict_decay=0.9)
+    assert parse(_ds({"predict_decay": 0})) == FDGConfig(predict_decay=0)  # gamma 0: delta is the last step
+    assert parse(_ds({"predict_decay": None})) == FDGConfig()
+
+
 @pytest.mark.parametrize("pipeline", [None, {}, {"schedule": "1f1b"}, {"schedule": "1F1B", "stages": 2}])
 def test_no_fdg_means_stock_deepspeed(pipeline) -> None:
     cfg = {} if pipeline is None else {"pipeline": pipeline}
@@ -44,8 +55,28 @@ def test_no_fdg_means_stock_deepspeed(pipeline) -> None:
         ({"pipeline": {"fdg": {"grad_shrink": 0.5}}}, 'pipeline.fdg is set but pipeline.schedule is not "fdg"'),
         (_ds(fp16={"enabled": True}), "fp16.enabled=true is not supported"),
         (_ds(amp={"enabled": True}), "amp.enabled=true is not supported"),
+        (
+            _ds(torch_autocast={"enabled": True, "dtype": "fp16"}),
+            "torch_autocast.enabled=true (dtype 'fp16') is not supported with pipeline.schedule=\"fdg\": "
+            "DeepSpeed scales the last stage's loss",
+        ),
+        (_ds(torch_autocast={"enabled": True, "dtype": "torch.float16"}), 'use bf16 ("bf16": {"enabled": true}'),
+        (_ds(torch_autocast={"enabled": True, "dtype": "bfloat16"}), "autocast's forward-time weight casts"),
+        (_ds(torch_autocast={"enabled": True}), "remove torch_autocast and use bf16"),
         (_ds(zero_optimization={"stage": 2}), "zero_optimization.stage=2 is not supported"),
         (_ds(zero_optimization={"stage": 3}), "set zero_optimization.stage to 1"),
+        (_ds({"delay_lr_ticks": -1}), "delay_lr_ticks must be an integer >= 0, got -1 (pipeline.fdg.delay_lr_ticks"),
+        (_ds({"delay_lr_ticks": -1}), "0 turns the delay-aware learning rate off"),
+        (_ds({"delay_lr_ticks": 10.5}), "delay_lr_ticks must be an integer, got float 10.5"),
+        (_ds({"delay_lr_ticks": True}), "delay_lr_ticks must be an integer, got bool True (pipeline.fdg"),
+        (_ds({"delay_lr_ticks": "100"}), "got str '100' (pipeline.fdg.delay_lr_ticks in ds_config); e.g. 2000"),
+        (_ds({"predict_decay": 1.0}), "predict_decay must be in [0, 1) or null, got 1.0 (pipeline.fdg.predict_decay"),
+        (_ds({"predict_decay": -0.1}), "got -0.1 (pipeline.fdg.predict_decay in ds_config); null turns weight"),
+        (_ds({"predict_decay": float("nan")}), "predict_decay must be in [0, 1) or null, got nan"),
+        (_ds({"predict_decay": "0.9"}), "predict_decay must be a number, got str '0.9' (pipeline.fdg.predict_decay"),
+        (_ds({"predict_decay": False}), "predict_decay must be a number, got bool False"),
+        (_ds({"staleness_every": -5}), "staleness_every must be an integer >= 0, got -5 (pipeline.fdg.staleness_every"),
+        (_ds({"staleness_every": 1.5}), "staleness_every must be an integer, got float 1.5 (pipeline.fdg"),
         (_ds({"nonfinite": "ignore"}), "nonfinite must be one of ['error', 'skip'], got 'ignore'"),
         (_ds({"timeout": 0}), "timeout must be > 0 seconds, got 0 (pipeline.fdg.timeout"),
         (_ds({"timeout": "60"}), "timeout must be a number, got str '60'"),
@@ -65,3 +96,4 @@ def test_bad_config_is_rejected_with_value_key_and_fix(ds_config: dict, message:
 def test_supported_precision_and_zero() -> None:
     assert parse(_ds(bf16={"enabled": True}, zero_optimization={"stage": 1})) is not None
     assert parse(_ds(fp16={"enabled": False})) is not None
+    assert parse(_ds(torch_autocast={"enabled": False, "dtype": "fp16"})) is not None

@@ -53,3 +53,61 @@ def test_report_from_stored_runs(tmp_path: Path) -> None:
 
     other = report(out, "--train-subset", "4096")
     assert other.returncode != 0 and "made with other train_subset" in other.stderr + other.stdout
+
+
+def test_report_keeps_unplanned_variants_and_reads_the_full_test_error(tmp_path: Path) -> None:
+    """A --reuse call that plans only some variants keeps the others; the final column is the full
+    test set's error where the run measured it, and reference runs are marked."""
+    runs = {
+        "BP": [{"seed": 0, "test_error": [0.4, 0.3], "full_test_error": 0.25, "backend": "reference"}],
+        "FDG K=4 β=1 stashed, warm-up 2 ep, predict γ=0.9": [
+            {"seed": 0, "test_error": [0.5, 0.3], "full_test_error": 0.27, "backend": "reference"}
+        ],
+    }
+    results = [
+        {"name": name, "stages": 1 if name == "BP" else 4, "runs": [{"samples_per_s": 50.0, **r} for r in rs]}
+        for name, rs in runs.items()
+    ]
+    out = tmp_path / "conv"
+    settings = {**SETTINGS, "epochs": 2, "micro_batch": 32, "final_full_test": True}
+    out.with_suffix(".json").write_text(json.dumps({"args": settings, "wall_s": 60, "results": results}))
+    command = [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--epochs", "2", "--seeds", "0"]
+    command += ["--backend", "reference", "--final-full-test", "--variant", "BP", f"--out={out}"]
+    done = subprocess.run([*command, "--reuse", "--report-only"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    md = out.with_suffix(".md").read_text()
+    assert "| BP | 1† | 25.00% | ± 0.00% | +0.00% ± 0.00% | 30.00% | 50 |" in md
+    assert "| FDG K=4 β=1 stashed, warm-up 2 ep, predict γ=0.9 | 4† | 27.00% | ± 0.00% | +2.00% ± 0.00% |" in md
+    assert "whole test set" in md and "† run with `fdg_reference`" in md
+    stored = json.loads(out.with_suffix(".json").read_text())
+    assert [r["name"] for r in stored["results"]] == list(runs)  # the unplanned variant is still there
+
+
+def test_unknown_correction_options_are_refused(tmp_path: Path) -> None:
+    command = [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), f"--out={tmp_path / 'x'}"]
+    done = subprocess.run([*command, "--variant", "fdg:2:1:stashed:speed=9"], capture_output=True, text=True)
+    assert done.returncode != 0 and "unknown option 'speed=9'" in done.stderr
+
+
+def test_reuse_runs_again_what_a_signal_killed(tmp_path: Path) -> None:
+    """A diverged run is a result and is kept; one the OOM killer stopped (exit code -9) is planned again."""
+    results = [
+        {
+            "name": "FDG K=2 β=0.2 current",
+            "stages": 2,
+            "runs": [
+                {"seed": 0, "failed": "FloatingPointError: non-finite loss"},
+                {"seed": 1, "failed": "exit code -9"},
+            ],
+        }
+    ]
+    out = tmp_path / "conv"
+    out.with_suffix(".json").write_text(
+        json.dumps({"args": {**SETTINGS, "micro_batch": 32}, "wall_s": 1, "results": results})
+    )
+    command = [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--epochs", "4", "--seeds", "0", "1"]
+    command += ["--variant", "fdg:2:0.2:current", f"--out={out}", "--reuse", "--max-ranks", "1"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)  # K=2 > 1 rank: nothing runs
+    assert done.returncode == 0, done.stderr[-2000:]
+    runs = json.loads(out.with_suffix(".json").read_text())["results"][0]["runs"]
+    assert runs == [{"seed": 0, "failed": "FloatingPointError: non-finite loss"}]

@@ -7,6 +7,7 @@ stage at the forward's weights, or by hand for the mixed "current"/"stored" case
 from __future__ import annotations
 
 import copy
+import weakref
 
 import pytest
 import torch
@@ -129,3 +130,23 @@ def test_what_is_held_per_mode() -> None:
     assert held["stashed", "stored"].nbytes() == held["current", "stored"].nbytes() + weights
     last = DelayedBackward(module, FDGConfig(weights="stashed"), delayed=False)  # delay 0: plain autograd
     assert last.forward(lambda: module(x))[1] is None
+
+
+@pytest.mark.parametrize("weights", ["current", "stashed"])
+def test_a_graph_dropped_without_its_backward_is_freed_without_the_cycle_collector(weights: str) -> None:
+    # DeepSpeed's "disable_python_gc": true turns the cycle collector off; a stored forward whose
+    # backward never runs (an exception, a reset) must then be freed by reference counting alone.
+    from deepspeed.runtime.python_gc import python_gc_manager
+
+    module = _stage()
+    delayed = DelayedBackward(module, FDGConfig(weights=weights), delayed=True)
+    generation = python_gc_manager.acquire()
+    try:
+        x = torch.randn(64, 4, requires_grad=True)
+        outputs, held = delayed.forward(lambda: torch.sigmoid(module(x)))  # sigmoid saves its own output
+        freed: list[str] = []
+        weakref.finalize(outputs, freed.append, "outputs")
+        del outputs, held
+        assert freed == ["outputs"], "the dropped stored forward's graph waits for the cycle collector"
+    finally:
+        python_gc_manager.release(generation)

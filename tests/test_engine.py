@@ -17,11 +17,15 @@ import toy
 from dist_harness import run_ranks
 
 from fdg_schedule import FDGConfig, fdg_reference, ticks
+from fdg_schedule.reference import ReferenceState
 
 pytestmark = pytest.mark.distributed
 
 MODES = [(w, a) for w in ("current", "stashed") for a in ("stored", "recomputed")]
 TOL = {"rtol": 1e-6, "atol": 1e-6}
+# The staleness corrections separately and together; T small enough that the ramp ends within a test.
+CORRECTIONS = [{"delay_lr_ticks": 8}, {"predict_decay": 0.5}, {"delay_lr_ticks": 8, "predict_decay": 0.5}]
+BOTH = CORRECTIONS[-1]
 
 
 def reference(case: dict[str, Any], parts: list[int]) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
@@ -49,7 +53,14 @@ def reference(case: dict[str, Any], parts: list[int]) -> tuple[list[dict[str, to
         if tick in snap_at:
             states.append({k: v.detach().clone() for s in stages for k, v in s.state_dict().items()})
 
-    config = FDGConfig(**{k: case[k] for k in ("grad_shrink", "weights", "activations", "accumulate") if k in case})
+    config = FDGConfig(**{k: case[k] for k in engine_workers.FDG_KEYS if k in case})
+    if case.get("drain_each_call"):  # a segment per call; the tick count and delta go on (ReferenceState)
+        carried, data = ReferenceState(), toy.micro_batches(case["n"], 4 * dp)
+        for call in range(case["calls"]):
+            batches = data[call * gas : (call + 1) * gas]
+            fdg_reference(stages, opts, batches, toy.loss_fn, config, drain=True, schedulers=schedulers, state=carried)
+            states.append({k: v.detach().clone() for s in stages for k, v in s.state_dict().items()})
+        return states, []
     losses = fdg_reference(
         stages,
         opts,
@@ -95,16 +106,46 @@ def check_against_reference(results: list[list[dict[str, Any]]], cases: list[dic
                         **TOL,
                         msg=lambda m, key=key, call=call, case=case: f"{case} call {call} {key}: {m}",
                     )
-            want_losses = expected_returned_losses(case, r["stage_id"], stages, ref_losses)
-            torch.testing.assert_close(
-                torch.tensor(r["losses"]), torch.tensor(want_losses, dtype=torch.float32), equal_nan=True, **TOL
-            )
-            ticks_run = case["calls"] * case.get("gas", 3) + (ticks.drain_ticks(stages) if case.get("drain") else 0)
+            if not case.get("drain_each_call"):
+                want_losses = expected_returned_losses(case, r["stage_id"], stages, ref_losses)
+                torch.testing.assert_close(
+                    torch.tensor(r["losses"]), torch.tensor(want_losses, dtype=torch.float32), equal_nan=True, **TOL
+                )
+            drains = case["calls"] if case.get("drain_each_call") else int(case.get("drain", False))
+            ticks_run = case["calls"] * case.get("gas", 3) + drains * ticks.drain_ticks(stages)
             assert r["global_steps"] == ticks_run  # fill and drain ticks included, equal on all stages
             assert r["global_samples"] == case["calls"] * case.get("gas", 3) * 4 * case.get("dp", 1)
-            if case.get("drain"):
+            if case.get("drain") or case.get("drain_each_call"):
                 assert r["in_flight"] == 0
             assert r["running_timers"] == [], f"{case}: DeepSpeed timers left running"
+            if case.get("check_staleness"):
+                want = expected_staleness(case, r["stage_id"], stages, ref_states, set(r["states"][0]))
+                torch.testing.assert_close(
+                    torch.tensor(r["staleness"]), torch.tensor(want), rtol=1e-5, atol=1e-7, equal_nan=True
+                )
+
+
+def expected_staleness(
+    case: dict[str, Any], stage_id: int, stages: int, ref_states: list[dict[str, torch.Tensor]], keys: set[str]
+) -> list[float]:
+    """fdg_stats["staleness"] after each one-tick call, from the reference's weights (no prediction).
+
+    S[t] = the stage's weights at the end of tick t, which its forward at tick t used (the step comes
+    first in a tick). The micro-batch entering stage k at tick f (``f % every == 0``) is measured at
+    its backward, tick f + d, against the weights before that tick's step: ||S[f] - S[f+d-1]|| / ||S[f+d-1]||.
+    """
+    assert case["gas"] == 1 and "predict_decay" not in case
+    every, d = case["staleness_every"], ticks.delay(stages, stage_id)
+    flat = [torch.cat([s[key].flatten() for key in sorted(keys)]) for s in ref_states[: case["calls"]]]
+    out = []
+    for call in range(case["calls"]):
+        forwards = [f for f in range(stage_id, call - d + 1) if f % every == 0]
+        if d == 0 or not forwards:
+            out.append(0.0 if d == 0 else math.nan)
+            continue
+        f = forwards[-1]
+        out.append(float((flat[f] - flat[f + d - 1]).norm() / flat[f + d - 1].norm()))
+    return out
 
 
 def _cases(stages: int, gas: int, calls: int, **extra: Any) -> list[dict[str, Any]]:
@@ -114,8 +155,22 @@ def _cases(stages: int, gas: int, calls: int, **extra: Any) -> list[dict[str, An
     ]
 
 
+def _corrected(stages: int, gas: int, calls: int, **extra: Any) -> list[dict[str, Any]]:
+    """Every mode with both corrections (Note [staleness corrections]), then each correction alone
+    in one mode; SGD and Adam in turn."""
+    base = {"stages": stages, "n": 64, "gas": gas, "calls": calls, "grad_shrink": 0.5, **extra}
+    cases = [
+        {**base, "weights": w, "activations": a, "optimizer": ("sgd", "adam")[i % 2], **BOTH}
+        for i, (w, a) in enumerate(MODES)
+    ]
+    alone = zip(CORRECTIONS[:-1], (("current", "recomputed"), ("stashed", "stored")), ("adam", "sgd"))
+    cases += [{**base, "weights": w, "activations": a, "optimizer": opt, **c} for c, (w, a), opt in alone]
+    return cases
+
+
 def test_two_stages_all_modes_sgd_and_adam(tmp_path) -> None:
     cases = _cases(2, gas=3, calls=4, drain=True)
+    cases += _corrected(2, gas=3, calls=4, drain=True)
     cases += [
         # accumulated decoupled learning, a warm-up LR schedule per tick, stage-local clipping
         dict(stages=2, n=64, gas=3, calls=3, accumulate=2, warmup=5, lr=0.1, clip=0.5, drain=True, grad_shrink=0.8),
@@ -132,11 +187,63 @@ def test_two_stages_all_modes_sgd_and_adam(tmp_path) -> None:
         ),  # fmt: skip
         # DeepSpeed's activation checkpointing recomputes with the weights in the parameters: stashed ones here
         {"stages": 2, "n": 64, "gas": 3, "calls": 3, "checkpoint_interval": 1, "weights": "stashed"},
-        # wall_clock_breakdown: DeepSpeed's output hooks start backward timers a non-last stage must stop
-        {"stages": 2, "n": 64, "gas": 3, "calls": 3, "wall_clock": True, "grad_shrink": 0.5, "drain": True},
+        # wall_clock_breakdown: DeepSpeed's output hooks start backward timers a non-last stage must stop;
+        # DeepSpeed's flops profiler prints stage 0's profile of tick 4 (global rank 0, as under 1F1B)
+        {
+            "stages": 2,
+            "n": 64,
+            "gas": 3,
+            "calls": 3,
+            "wall_clock": True,
+            "grad_shrink": 0.5,
+            "drain": True,
+            "flops_file": str(tmp_path / "flops.txt"),
+        },
+        # the corrections with accumulate 2 (h = 1), a per-tick warm-up, clipping; the DeepSpeed-built
+        # optimizer; ZeRO-1 (delta over the all-gathered weights); batch norm (buffers not predicted)
+        dict(
+            stages=2,
+            n=64,
+            gas=3,
+            calls=3,
+            accumulate=2,
+            warmup=5,
+            lr=0.1,
+            clip=0.5,
+            drain=True,
+            grad_shrink=0.8,
+            weights="stashed",
+            **BOTH,
+        ),  # fmt: skip
+        {"stages": 2, "n": 64, "gas": 2, "calls": 3, "ds_optimizer": True, "weights": "current", **BOTH},
+        {"stages": 2, "n": 64, "gas": 3, "calls": 3, "zero": 1, "grad_shrink": 0.5, "weights": "stashed", **BOTH},
+        {
+            "stages": 2,
+            "n": 64,
+            "gas": 3,
+            "calls": 3,
+            "batch_norm": True,
+            "weights": "stashed",
+            "activations": "recomputed",
+            **BOTH,
+        },  # fmt: skip
+        # t counts every tick since the start, across drains (not the segment's tick)
+        {
+            "stages": 2,
+            "n": 64,
+            "gas": 3,
+            "calls": 3,
+            "drain_each_call": True,
+            "delay_lr_ticks": 20,
+            "predict_decay": 0.5,
+        },  # fmt: skip
     ]
     results = run_ranks(engine_workers.train, 2, tmp_path, cases, deadline_s=300)
     check_against_reference(results, cases)
+    assert "Profile Summary at step 4" in (tmp_path / "flops.txt").read_text()
+    for rank in results:  # get_global_grad_norm(): the stage's own norm at its last step, as DeepSpeed reports
+        for case, r in zip(cases, rank):
+            assert r["grad_norm"] is not None and math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0, case
 
 
 def test_recomputed_forward_draws_the_stored_forwards_dropout_masks(tmp_path) -> None:
@@ -159,8 +266,14 @@ def test_recomputed_forward_draws_the_stored_forwards_dropout_masks(tmp_path) ->
 
 
 def test_three_stages_all_modes_tick_by_tick(tmp_path) -> None:
-    cases = _cases(3, gas=1, calls=9, drain=True)  # one tick per call: compared after every tick
-    cases += [{"stages": 3, "n": 64, "gas": 2, "calls": 4, "wall_clock": True, "grad_shrink": 0.5, "drain": True}]
+    # One tick per call: compared after every tick; the staleness metric against the reference's weights.
+    cases = _cases(3, gas=1, calls=9, drain=True, staleness_every=2, check_staleness=True)
+    cases += _corrected(3, gas=1, calls=9, drain=True)
+    cases += [
+        {"stages": 3, "n": 64, "gas": 2, "calls": 4, "wall_clock": True, "grad_shrink": 0.5, "drain": True},
+        # accumulate 3: h = 4/3 and 2/3 steps, a partial accumulation stepped by the drain
+        {"stages": 3, "n": 64, "gas": 2, "calls": 5, "accumulate": 3, "grad_shrink": 0.5, "drain": True, **BOTH},
+    ]
     results = run_ranks(engine_workers.train, 3, tmp_path, cases, deadline_s=300)
     check_against_reference(results, cases)
 
@@ -171,6 +284,7 @@ def test_data_parallel_2_x_pipeline_2(tmp_path) -> None:
         {**base, "weights": w, "activations": a, "optimizer": opt}
         for w, a, opt in (("current", "stored", "sgd"), ("stashed", "recomputed", "adam"))
     ]
+    cases += [{**base, "weights": "stashed", "activations": "stored", "accumulate": 2, **BOTH}]
     results = run_ranks(engine_workers.train, 4, tmp_path, cases, deadline_s=300)
     check_against_reference(results, cases)
     # Data-parallel peers of a stage hold identical weights.
@@ -184,7 +298,8 @@ def test_data_parallel_2_x_pipeline_2(tmp_path) -> None:
 
 
 def test_one_stage_equals_plain_backprop_bit_for_bit(tmp_path) -> None:
-    case = {"stages": 1, "n": 16, "gas": 4, "calls": 3, "grad_shrink": 0.3, "weights": "stashed"}
+    # The staleness corrections change nothing at K = 1 (h = 0, tau = 1).
+    case = {"stages": 1, "n": 16, "gas": 4, "calls": 3, "grad_shrink": 0.3, "weights": "stashed", **BOTH}
     (result,) = run_ranks(engine_workers.train, 1, tmp_path, [case], deadline_s=120)
     model = toy.Chain(toy.layers(spec=False), 0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -221,7 +336,10 @@ def test_no_collective_across_stages_in_steady_state(tmp_path, extra: dict[str, 
     for trace in traces:
         for name, ranks in trace["seen"]:
             assert set(ranks) <= set(trace["dp_group"]), f"stage {trace['stage_id']}: {name} over ranks {ranks}"
-    if not extra:  # the tracer does see DeepSpeed's own cross-stage collectives under 1F1B
+    if not extra:
+        # Note [gradient reduce with one data-parallel rank]: no collective at all, not even a one-rank reduce.
+        assert all(trace["seen"] == [] for trace in traces), [trace["seen"] for trace in traces]
+        # The tracer does see DeepSpeed's own cross-stage collectives under 1F1B.
         stock = run_ranks(engine_workers.trace_collectives, world, tmp_path, {**case, "schedule": "1f1b"})
         assert any(set(ranks) == {0, 1} for _, ranks in stock[0]["seen"])
 
@@ -256,10 +374,18 @@ def test_bf16_and_zero1_follow_the_fp32_reference_closely(tmp_path) -> None:
         {**base, "weights": w, "activations": a, **extra}
         for (w, a), extra in ((("current", "stored"), {}), (("stashed", "recomputed"), {"zero": 1}))
     ]
+    cases += [{**case, **BOTH} for case in cases]  # delta in fp32 beside bf16 weights
     results = run_ranks(engine_workers.train, 2, tmp_path, cases, deadline_s=300)
     for i, case in enumerate(cases):
         ref_states, _ = reference(case, results[0][i]["parts"])
         for r in results:
             assert r[i]["engine"] == "FDGPipelineEngine"
+            assert r[i]["grad_norm"] is not None and r[i]["grad_norm"] > 0  # the wrapper's stage-local norm
             for key, value in r[i]["states"][-1].items():
                 torch.testing.assert_close(value, ref_states[-1][key], rtol=0.05, atol=0.02, msg=f"{case} {key}")
+        if "predict_decay" in case:  # the corrections did act: the pipeline is far nearer their reference
+            plain, _ = reference({k: v for k, v in case.items() if k not in BOTH}, results[0][i]["parts"])
+            got = {k: v for r in results for k, v in r[i]["states"][-1].items()}
+            near = max((got[k] - ref_states[-1][k]).abs().max().item() for k in got)
+            far = max((got[k] - plain[-1][k]).abs().max().item() for k in got)
+            assert near < far / 3, f"{case}: {near} from the corrected reference, {far} from the plain one"

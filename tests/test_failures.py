@@ -6,6 +6,7 @@ import engine_workers
 import pytest
 import torch
 import toy
+from deepspeed.runtime.lr_schedules import WarmupLR
 from dist_harness import run_ranks
 
 from fdg_schedule import FDGConfig, fdg_reference, ticks
@@ -54,25 +55,30 @@ def test_non_finite_steps_are_skipped_and_counted(tmp_path) -> None:
     stage0, stage1 = run_ranks(engine_workers.failure, 2, tmp_path, case, deadline_s=120)
     for r in (stage0, stage1):
         assert r["error"] is None and r["finite"]
-        assert r["skipped"] > 0
+        assert r["skipped"] > 0 and r["skipped_steps"] == r["skipped"]  # DeepSpeed's counter too
     assert stage1["steps"] == 4  # micro-batches 0..3 stepped, 4.. non-finite
 
 
-@pytest.mark.parametrize("stages,limit", [(2, 10), (3, 7)])
-def test_data_running_out_drains_and_ends_every_rank(tmp_path, stages: int, limit: int) -> None:
+@pytest.mark.parametrize("stages,limit,accumulate", [(2, 10, 1), (3, 7, 1), (1, 7, 2)])
+def test_data_running_out_drains_and_ends_every_rank(tmp_path, stages: int, limit: int, accumulate: int) -> None:
     """The iterator ends mid-call: every rank drains, raises DataExhausted, and the weights are
-    the reference's after ``limit`` micro-batches and a drain."""
-    case = {"stages": stages, "n": 16, "gas": 3, "limit": limit, "grad_shrink": 0.5, "weights": "stashed"}
+    the reference's after ``limit`` micro-batches and a drain. K = 1 with a partial accumulation at
+    the end and a warm-up: its last step uses the reference's learning rate."""
+    case = {"stages": stages, "n": 16, "gas": 3, "limit": limit, "grad_shrink": 0.5, "weights": "stashed",
+            "accumulate": accumulate, "lr": 0.1, "warmup": 4}  # fmt: skip
     results = run_ranks(engine_workers.data_end, stages, tmp_path, case, deadline_s=180)
     for r in results:
         # every rank raises in the call holding the tick stage 0 back-propagates the last micro-batch
         assert r["in_flight"] == 0 and r["calls"] == (limit - 1 + ticks.drain_ticks(stages)) // 3
-        assert r["global_steps"] == limit + ticks.drain_ticks(stages)  # the same on every stage
+        # the same on every stage; K = 1 learns the end one tick after its last micro-batch
+        assert r["global_steps"] == limit + ticks.drain_ticks(stages) + (stages == 1)
         assert r["global_samples"] == limit * 4
     stages_ref = toy.reference_stages(results[0]["parts"])
     opts = [torch.optim.SGD(s.parameters(), lr=0.1, momentum=0.9) for s in stages_ref]
+    scheds = [WarmupLR(o, warmup_min_lr=0.0, warmup_max_lr=0.1, warmup_num_steps=4) for o in opts]
     data = toy.micro_batches(case["n"], 4)[:limit]
-    fdg_reference(stages_ref, opts, data, toy.loss_fn, FDGConfig(grad_shrink=0.5, weights="stashed"), drain=True)
+    config = FDGConfig(grad_shrink=0.5, weights="stashed", accumulate=accumulate)
+    fdg_reference(stages_ref, opts, data, toy.loss_fn, config, drain=True, schedulers=scheds)
     engine_state = {k: v for r in results for k, v in r["state"].items()}
     for s in stages_ref:
         for key, value in s.state_dict().items():

@@ -34,13 +34,13 @@ GOLDEN_DATA_END = {
         "4     G0 B0 R S X[rg] T    G1 B1 R S X[sg] T             A2 X[] T",
         "5     G1 B1 R S X[] T      X[] T                         X[] T",
     ]),
-    # K = 1 learns the end one tick after its last backward; the partial accumulation is stepped after it.
+    # K = 1 learns the end one tick after its last backward; the partial accumulation is stepped then,
+    # before that tick's T can move the learning rate (Note [learning rate per optimizer step]).
     "k1-partial-step": ((1, 4, 2, {"accumulate": 3}), [
         "tick  stage 0",
         "0     L0 F0 B0 X[] T+",
         "1     L1 F1 B1 X[] T+",
-        "2     L2 X[] T",
-        "+     R S",
+        "2     L2 R S X[] T",
     ]),
 }  # fmt: skip
 

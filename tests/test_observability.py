@@ -40,7 +40,9 @@ def _config(tmp: Path, schedule: str) -> dict[str, Any]:
     }
     if schedule == "fdg":
         trace = {**WINDOW, "dir": str(tmp / "fdg_trace")}
-        cfg["pipeline"] = {"schedule": "fdg", "fdg": {"grad_shrink": 0.5, "trace": trace}}
+        # the staleness corrections and metric on: their keys in W&B and the trace, no new collective
+        fdg = {"grad_shrink": 0.5, "trace": trace, "staleness_every": 2, "delay_lr_ticks": 100, "predict_decay": 0.5}
+        cfg["pipeline"] = {"schedule": "fdg", "fdg": fdg}
         cfg["wandb"] = {"enabled": True, "project": "fdg-test"}
         cfg["csv_monitor"] = {"enabled": True, "output_path": str(tmp / "csv"), "job_name": "fdg"}
     return cfg
@@ -229,6 +231,17 @@ def test_wandb_runs_per_stage_in_one_group(job: tuple[Path, list[dict[str, Any]]
         assert all(row["fdg/max_memory_allocated"] >= row["fdg/memory_allocated"] > 0 for row in rows)
         held = [row["fdg/held_bytes"] for row in rows]
         assert (held[0] > 0) == (stage == 0) and held[-1] == 0  # stage 0 holds 2 micro-batches until drained
+        # The delay-aware lr at each call's last tick t: tau = 2 on stage 0, 1 on the last stage.
+        tau = 2.0 if stage == 0 else 1.0
+        assert [row["fdg/lr_factor"] for row in rows] == pytest.approx(
+            [tau ** -(1 - (t - 1) / 100) for t in (3, 6, 9, 11)]
+        )
+        # Staleness (every 2 ticks): the micro-batch that entered stage 0 at tick 0 came back at tick 2
+        # before any step (0), later ones after two steps; the last stage has none.
+        staleness = [row["fdg/staleness"] for row in rows]
+        assert staleness[0] == 0.0 and (
+            all(0 < s < 0.5 for s in staleness[1:]) if stage == 0 else set(staleness) == {0.0}
+        )
     # The micro-batch each loss belongs to: stage 1 back-propagates b at tick b + 1, stage 0 at b + 2.
     rows0 = [row for row in runs["stage0-dp0"]["history"] if "fdg/tick" in row]
     rows1 = [row for row in runs["stage1-dp0"]["history"] if "fdg/tick" in row]
@@ -263,6 +276,9 @@ def test_fdg_trace_has_both_ranks_in_schedule_order(job: tuple[Path, list[dict[s
     for b in range(1, 6):  # stage 0's forward of b ends before stage 1's forward of b starts
         f0, f1 = start[(0, f"F{b}")], start[(1, f"F{b}")]
         assert f0["ts"] + f0["dur"] <= f1["ts"]
+    counters = [e for e in trace["traceEvents"] if e["ph"] == "C"]  # stage 0's staleness, measured at ticks 2, 4
+    assert [(e["pid"], e["name"]) for e in counters] == [(0, "staleness")] * 2
+    assert counters[0]["args"]["staleness"] == 0.0 and counters[1]["args"]["staleness"] > 0
     png = timeline.render(merged, tmp / "timeline.png")
     assert png.stat().st_size > 10_000
 

@@ -29,6 +29,7 @@ EXPECTED = {
     "resnet_fdg_k2_bf16",
     "resnet_1f1b_bf16",
     "resnet_fdg_k2_wandb",
+    "resnet_fdg_k4_warmuplr",
 }
 
 
@@ -125,14 +126,40 @@ def test_fdg_k2_trains_on_fashion_mnist(tmp_path: Path) -> None:
         2,
         "--deepspeed_config", str(tmp_path / "fdg_k2.json"),
         "--epochs", "2", "--train-subset", "2048", "--test-subset", "1000",
+        "--profile-dir", str(tmp_path / "profiles"),  # measured afresh, not read from an earlier run's cache
         cwd=ROOT,  # the recipe caches the unpacked data set in ROOT/data (git-ignored)
         timeout=400,
     )  # fmt: skip
     epochs = re.findall(r"epoch (\d)/2: train_loss ([\d.]+) test_loss ([\d.]+) test_acc ([\d.]+)%", output)
     assert len(epochs) == 2, output[-3000:]
-    assert "schedule fdg" in output and "partition [0, 5, 12]" in output
+    assert "schedule fdg" in output
+    # --partition balanced (the default): the layers are profiled, split, and the split's prediction reported
+    assert "balanced partition of 12 layers into 2 stages" in output, output[-3000:]
+    assert re.search(r"^1 \| \d+-11 \| [\d.]+ \| [\d.]+ \| [+-][\d.]+% \|", output, re.MULTILINE), output[-3000:]
     (_, loss1, _, _), (_, loss2, test_loss, test_acc) = epochs
     assert float(loss2) < float(loss1), "training loss did not decrease"
     assert float(test_loss) < 2.30, "test loss not below a uniform guess (ln 10)"
     assert float(test_acc) > 30, "test accuracy not clearly above chance (10%)"
     assert re.search(r"final: test_acc [\d.]+% .* samples/s \| wall", output)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(420)
+@pytest.mark.skipif(not fashion_mnist_available(), reason="needs `apt-get install -y dataset-fashion-mnist`")
+def test_reference_trainer_prints_what_the_recipe_prints_on_the_engine(tmp_path: Path) -> None:
+    """benchmarks/resnet_reference.py (fdg_reference in one process) and the recipe on 2 ranks: the same
+    epoch lines to the printed digits (losses to 1e-6), warm-up included, so grids at K >= 3 can run there."""
+    config = json.loads((ROOT / "ds_configs" / "resnet_fdg_k2.json").read_text())
+    config["train_micro_batch_size_per_gpu"] = 32
+    (tmp_path / "fdg_k2.json").write_text(json.dumps(config))
+    args = ["--deepspeed_config", str(tmp_path / "fdg_k2.json"), "--epochs", "2", "--train-subset", "512"]
+    args += ["--test-subset", "128", "--seed", "1", "--warmup-epochs", "1"]
+    engine = launch(2, *args, cwd=ROOT, timeout=300)
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, str(ROOT / "benchmarks" / "resnet_reference.py"), "--stages", "2", *args]
+    reference = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    pattern = r"^(epoch \d/2: train_loss \S+ test_loss \S+ test_acc \S+ lr \S+) \("
+    lines = re.findall(pattern, reference.stdout, re.M)
+    assert len(lines) == 2 and "lr 0.01" in lines[0], reference.stdout[-3000:]
+    assert lines == re.findall(pattern, re.sub(r"^\[rank\d+\]:", "", engine, flags=re.M), re.M)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fdg_schedule import FDGConfig, fdg_reference
+from fdg_schedule.reference import ReferenceState
 
 MODES = [(w, a) for w in ("current", "stashed") for a in ("stored", "recomputed")]
 
@@ -24,14 +25,15 @@ def _mlp(seed: int = 0) -> nn.Sequential:
     return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
 
 
+@pytest.mark.parametrize("corrections", [{}, {"delay_lr_ticks": 3, "predict_decay": 0.9}])
 @pytest.mark.parametrize("accumulate", [1, 3])
 @pytest.mark.parametrize("weights,activations", MODES)
-def test_one_stage_is_plain_backprop_bit_for_bit(weights: str, activations: str, accumulate: int) -> None:
+def test_one_stage_is_plain_backprop_bit_for_bit(weights: str, activations: str, accumulate: int, corrections) -> None:
     data = _data(7)
     fdg_model, bp_model = _mlp(), _mlp()
     fdg_opt = torch.optim.SGD(fdg_model.parameters(), lr=0.1, momentum=0.9)
     bp_opt = torch.optim.SGD(bp_model.parameters(), lr=0.1, momentum=0.9)
-    config = FDGConfig(grad_shrink=0.3, weights=weights, activations=activations, accumulate=accumulate)
+    config = FDGConfig(grad_shrink=0.3, weights=weights, activations=activations, accumulate=accumulate, **corrections)
     losses = fdg_reference([fdg_model], [fdg_opt], data, F.cross_entropy, config, drain=True)
     bp_losses = []
     for i, (x, y) in enumerate(data):
@@ -120,7 +122,8 @@ def test_each_mode_equals_its_definition(weights: str, activations: str) -> None
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_stored_and_recomputed_agree_with_stashed_weights_even_with_dropout_and_batchnorm() -> None:
+@pytest.mark.parametrize("predict_decay", [None, 0.8])
+def test_stored_and_recomputed_agree_with_stashed_weights_even_with_dropout_and_batchnorm(predict_decay) -> None:
     def stages() -> list[nn.Module]:
         torch.manual_seed(1)
         return [
@@ -134,7 +137,8 @@ def test_stored_and_recomputed_agree_with_stashed_weights_even_with_dropout_and_
         torch.manual_seed(123)  # the same dropout masks in both runs
         st = stages()
         opts = [torch.optim.SGD(s.parameters(), lr=0.1, momentum=0.9) for s in st]
-        losses = fdg_reference(st, opts, _data(9), F.cross_entropy, FDGConfig(0.5, "stashed", activations), drain=True)
+        config = FDGConfig(0.5, "stashed", activations, predict_decay=predict_decay)
+        losses = fdg_reference(st, opts, _data(9), F.cross_entropy, config, drain=True)
         results.append((losses, [t.detach().clone() for s in st for t in s.state_dict().values()]))
     assert results[0][0] == results[1][0]
     for a, b in zip(results[0][1], results[1][1]):
@@ -164,3 +168,263 @@ def test_schedulers_step_every_tick_and_clipping_is_stage_local() -> None:
         assert torch.equal(snapshots[tick][stage], snapshots[0][stage])
         step = (snapshots[tick + 1][stage] - snapshots[tick][stage]).norm().item()
         assert step == pytest.approx(lr * clip, rel=1e-4)
+
+
+# --- staleness corrections (Note [staleness corrections] in reference.py) ---------------------------
+
+
+class _StepLog(torch.optim.SGD):
+    """Plain SGD that records, at each step, the lr it was given and the parameters before and after."""
+
+    def __init__(self, params, lr: float) -> None:
+        super().__init__(params, lr=lr)
+        self.steps: list[dict] = []
+
+    def step(self, closure=None):  # type: ignore[override]
+        params = [p for g in self.param_groups for p in g["params"]]
+        entry = {
+            "lr": self.param_groups[0]["lr"],
+            "grads": [p.grad.clone() for p in params],
+            "before": [p.detach().clone() for p in params],
+        }
+        result = super().step(closure)
+        entry["after"] = [p.detach().clone() for p in params]
+        self.steps.append(entry)
+        return result
+
+
+def _linear_stages(K: int, seed: int = 0, width: int = 4) -> list[nn.Module]:
+    torch.manual_seed(seed)
+    return [nn.Linear(width, width if k < K - 1 else 3, bias=False) for k in range(K)]
+
+
+def _step_lrs(K: int, config: FDGConfig, n: int, lr: float = 1.0, calls: int = 1) -> list[list[float]]:
+    stages = _linear_stages(K)
+    opts = [_StepLog(s.parameters(), lr) for s in stages]
+    state = ReferenceState()
+    for call in range(calls):
+        fdg_reference(stages, opts, _data(n, seed=call), F.cross_entropy, config, drain=True, state=state)
+    for opt in opts:
+        assert opt.param_groups[0]["lr"] == lr  # put back after every step
+        for entry in opt.steps:  # the step ran with the lr it was given
+            for g, before, after in zip(entry["grads"], entry["before"], entry["after"], strict=True):
+                torch.testing.assert_close(after, before - entry["lr"] * g, rtol=0, atol=1e-7)
+    return [[entry["lr"] / lr for entry in opt.steps] for opt in opts]
+
+
+def test_delay_lr_factor_per_stage_and_tick() -> None:
+    """K=3, accumulate 1, T=8: h = 4, 2, 0. Stage 0 steps at ticks 4..9, stage 1 at ticks 3..8, the
+    last stage at ticks 2..7 (6 micro-batches and a drain); factor tau ** -max(0, 1 - t/8)."""
+    factors = _step_lrs(3, FDGConfig(delay_lr_ticks=8), n=6)
+    expected = [
+        [4 ** -(4 / 8), 4 ** -(3 / 8), 4 ** -(2 / 8), 4 ** -(1 / 8), 1.0, 1.0],  # ticks 4, 5, 6, 7, 8, 9
+        [2 ** -(5 / 8), 2 ** -(4 / 8), 2 ** -(3 / 8), 2 ** -(2 / 8), 2 ** -(1 / 8), 1.0],  # ticks 3 .. 8
+        [1.0] * 6,
+    ]
+    for got, want in zip(factors, expected, strict=True):
+        assert got == pytest.approx(want, rel=1e-12)
+
+
+def test_delay_lr_uses_the_delay_in_optimizer_steps() -> None:
+    """accumulate 2: h = 4/2 = 2 and 2/2 = 1 (tau 1: no factor). Stage 0 steps after the backward of
+    micro-batches 1, 3, 4 (the drain steps the partial one) at ticks 5, 7, 8."""
+    factors = _step_lrs(3, FDGConfig(delay_lr_ticks=10, accumulate=2), n=5)
+    assert factors[0] == pytest.approx([2 ** -(5 / 10), 2 ** -(3 / 10), 2 ** -(2 / 10)], rel=1e-12)
+    assert factors[1] == [1.0, 1.0, 1.0]
+
+
+def test_delay_lr_tick_continues_across_calls() -> None:
+    """K=2, two calls of 3 micro-batches, each drained (5 ticks): stage 0 (tau 2) steps at ticks
+    2, 3, 4, then 7, 8, 9 -- not 2, 3, 4 again."""
+    factors = _step_lrs(2, FDGConfig(delay_lr_ticks=10), n=3, calls=2)
+    want = [2 ** -(8 / 10), 2 ** -(7 / 10), 2 ** -(6 / 10), 2 ** -(3 / 10), 2 ** -(2 / 10), 2 ** -(1 / 10)]
+    assert factors[0] == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of")
+def test_delay_lr_multiplies_what_the_scheduler_gives_and_leaves_it_alone() -> None:
+    stages = _linear_stages(2)
+    opts = [_StepLog(s.parameters(), 1.0) for s in stages]
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda t: 1 / (t + 1)) for o in opts]
+    seen: list[float] = []
+    config = FDGConfig(delay_lr_ticks=4)
+    fdg_reference(
+        stages, opts, _data(4), F.cross_entropy, config, drain=True, schedulers=scheds,
+        after_tick=lambda tick: seen.append(opts[0].param_groups[0]["lr"]),
+    )  # fmt: skip
+    assert seen == pytest.approx([1 / (t + 2) for t in range(6)])  # the scheduler's values, untouched
+    # stage 0 steps at ticks 2..5 with lr(t) = 1/(t+1) times 2 ** -max(0, 1 - t/4)
+    want = [1 / 3 * 2 ** -(2 / 4), 1 / 4 * 2 ** -(1 / 4), 1 / 5, 1 / 6]
+    assert [e["lr"] for e in opts[0].steps] == pytest.approx(want, rel=1e-12)
+
+
+class _Inputs(nn.Module):
+    """Records the activations entering the stage it starts (what the previous stage sent)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[Tensor] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.seen.append(x.detach().clone())
+        return x
+
+
+@pytest.mark.parametrize("weights,activations", MODES)
+def test_prediction_in_each_mode_equals_its_definition(weights: str, activations: str) -> None:
+    """K = 2, stage 0 = Wb tanh(Wa x), h = 2, gamma 0.5, SGD lr 0.5 without momentum.
+
+    Stage 0 steps at tick 2 (w0 -> w1) and tick 3 (w1 -> w2), so delta = (1-gamma)(w1 - w0) when it
+    forwards micro-batch 2 at tick 2, on w_hat = w1 + 2 delta; it back-propagates micro-batch 2 at
+    tick 4, when the live weights are w2."""
+    torch.manual_seed(0)
+    stage0 = nn.Sequential(nn.Linear(4, 6, bias=False), nn.Tanh(), nn.Linear(6, 5, bias=False))
+    capture, inputs = _Capture(), _Inputs()
+    stage1 = nn.Sequential(inputs, capture, nn.Linear(5, 3))
+    lr, beta, gamma = 0.5, 0.7, 0.5
+    opt0, opt1 = _StepLog(stage0.parameters(), lr), torch.optim.SGD(stage1.parameters(), lr=lr)
+    data = _data(5)
+    config = FDGConfig(grad_shrink=beta, weights=weights, activations=activations, predict_decay=gamma)
+    state = ReferenceState()
+    fdg_reference([stage0, stage1], [opt0, opt1], data, F.cross_entropy, config, state=state)
+    assert len(opt0.steps) == 3  # ticks 2, 3, 4
+    w0, w1, w2 = opt0.steps[0]["before"], opt0.steps[1]["before"], opt0.steps[2]["before"]
+    delta1 = [(1 - gamma) * (b - a) for a, b in zip(w0, w1)]
+    Wa_hat, Wb_hat = (w + 2 * d for w, d in zip(w1, delta1))
+    x = data[2][0]
+    # The activation micro-batch 2 carried to stage 1 came from the predicted weights...
+    torch.testing.assert_close(inputs.seen[2], torch.tanh(x @ Wa_hat.T) @ Wb_hat.T, rtol=1e-5, atol=1e-6)
+    # ...micro-batches 0 and 1 were forwarded before any step: delta was zero.
+    torch.testing.assert_close(inputs.seen[1], torch.tanh(data[1][0] @ w0[0].T) @ w0[1].T)
+    g = beta * capture.grads[2]
+    if weights == "stashed":  # the gradient of the forward that ran, at w_hat
+        Wb, h = Wb_hat, torch.tanh(x @ Wa_hat.T)
+    elif activations == "stored":  # activations from w_hat, saved weights read live (w2)
+        Wb, h = w2[1], torch.tanh(x @ Wa_hat.T)
+    else:  # recomputed on the live weights
+        Wb, h = w2[1], torch.tanh(x @ w2[0].T)
+    d_pre = (g @ Wb) * (1 - h * h)
+    for got, want in zip(opt0.steps[2]["grads"], [d_pre.T @ x, g.T @ h]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # delta after three steps, by its recursion over the steps actually taken
+    delta = [torch.zeros_like(w) for w in w0]
+    for entry in opt0.steps:
+        delta = [gamma * d + (1 - gamma) * (a - b) for d, a, b in zip(delta, entry["after"], entry["before"])]
+    for got, want in zip(state.delta[0].values(), delta):
+        torch.testing.assert_close(got, want)
+    assert 1 not in state.delta  # the last stage has h = 0: nothing to predict
+
+
+def test_prediction_uses_the_delay_in_optimizer_steps() -> None:
+    """K = 2, accumulate 2: h = 2/2 = 1. Stage 0 first steps at tick 3 (after the backward of
+    micro-batch 1, before the forward of micro-batch 3), so micro-batches 3 and 4 run on
+    w1 + 1 * (1-gamma)(w1 - w0) and micro-batch 2 (tick 2) on w0."""
+    torch.manual_seed(0)
+    stage0, inputs = nn.Linear(4, 5, bias=False), _Inputs()
+    stage1 = nn.Sequential(inputs, nn.Linear(5, 3))
+    gamma = 0.25
+    opt0 = _StepLog(stage0.parameters(), 0.5)
+    opts = [opt0, torch.optim.SGD(stage1.parameters(), lr=0.5)]
+    data = _data(6)
+    config = FDGConfig(accumulate=2, predict_decay=gamma)
+    fdg_reference([stage0, stage1], opts, data, F.cross_entropy, config)
+    w0, w1 = opt0.steps[0]["before"][0], opt0.steps[0]["after"][0]
+    w_hat = w1 + 1 * (1 - gamma) * (w1 - w0)
+    torch.testing.assert_close(inputs.seen[2], data[2][0] @ w0.T)
+    torch.testing.assert_close(inputs.seen[3], data[3][0] @ w_hat.T)
+    torch.testing.assert_close(inputs.seen[4], data[4][0] @ w_hat.T)  # no step at tick 4 (accumulating)
+
+
+def _simulate(weights0: list[Tensor], data, K: int, beta: float, A: int, T: int, gamma: float, lr: float,
+              stashed: bool) -> tuple[list[Tensor], list[float]]:  # fmt: skip
+    """FDG with both corrections for linear stages y = x W_k^T and loss sum((y - t)^2) / (2 batch),
+    written from the definitions: stage k forwards micro-batch b at tick b + k and back-propagates it
+    at tick b + 2(K-1) - k; within a tick a stage back-propagates and steps before it forwards."""
+    n = len(data)
+    W = [w.clone() for w in weights0]
+    delta = [torch.zeros_like(w) for w in W]
+    acc = [torch.zeros_like(w) for w in W]
+    h = [2 * (K - 1 - k) / A for k in range(K)]
+    inputs: dict[tuple[int, int], Tensor] = {}  # (stage, b) -> input the forward saw
+    used: dict[tuple[int, int], Tensor] = {}  # (stage, b) -> weights the forward used
+    grad_out: dict[tuple[int, int], Tensor] = {}  # (stage, b) -> gradient w.r.t. the stage output
+    losses = []
+
+    def step(k: int, b: int, t: int) -> None:
+        if (b + 1) % A and b != n - 1:
+            return
+        factor = max(1.0, h[k]) ** -max(0.0, 1 - t / T)
+        new = W[k] - lr * factor * acc[k]
+        delta[k] = gamma * delta[k] + (1 - gamma) * (new - W[k])
+        W[k], acc[k] = new, torch.zeros_like(acc[k])
+
+    for t in range(n + 2 * (K - 1)):
+        for k in range(K):
+            b = t - k - 2 * (K - 1 - k)  # backward (non-last stages)
+            if k < K - 1 and 0 <= b < n:
+                g = beta * grad_out[k, b]
+                acc[k] += g.T @ inputs[k, b]
+                if k > 0:
+                    grad_out[k - 1, b] = g @ (used[k, b] if stashed else W[k])
+                step(k, b, t)
+            b = t - k  # forward
+            if not 0 <= b < n:
+                continue
+            x = data[b][0] if k == 0 else inputs[k, b]
+            inputs[k, b] = x
+            used[k, b] = W[k] + h[k] * delta[k] if k < K - 1 else W[k]
+            y = x @ used[k, b].T
+            if k < K - 1:
+                inputs[k + 1, b] = y
+                continue
+            target = data[b][1]
+            losses.append(float(((y - target) ** 2).sum() / (2 * len(x))))
+            g = (y - target) / len(x) / A
+            acc[k] += g.T @ x
+            grad_out[k - 1, b] = g @ W[k]
+            step(k, b, t)
+    return W, losses
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+@pytest.mark.parametrize("weights,activations", MODES)
+def test_both_corrections_with_beta_and_accumulate_equal_a_hand_simulation(
+    weights: str, activations: str, accumulate: int
+) -> None:
+    """Three linear stages (for which stored and recomputed activations give the same gradients)."""
+    torch.manual_seed(3)
+    stages = [nn.Linear(4, 4, bias=False).double() for _ in range(3)]
+    weights0 = [s.weight.detach().clone() for s in stages]
+    g = torch.Generator().manual_seed(5)
+    data = [(torch.randn(2, 4, generator=g).double(), torch.randn(2, 4, generator=g).double()) for _ in range(9)]
+    beta, T, gamma, lr = 0.6, 7, 0.7, 0.05
+    config = FDGConfig(
+        grad_shrink=beta, weights=weights, activations=activations, accumulate=accumulate,
+        delay_lr_ticks=T, predict_decay=gamma,
+    )  # fmt: skip
+    opts = [torch.optim.SGD(s.parameters(), lr=lr) for s in stages]
+
+    def mse(y: Tensor, target: Tensor) -> Tensor:
+        return ((y - target) ** 2).sum() / (2 * len(y))
+
+    losses = fdg_reference(stages, opts, data, mse, config, drain=True)
+    want_weights, want_losses = _simulate(weights0, data, 3, beta, accumulate, T, gamma, lr, weights == "stashed")
+    assert losses == pytest.approx(want_losses, rel=1e-12)
+    for s, want in zip(stages, want_weights, strict=True):
+        torch.testing.assert_close(s.weight.detach(), want, rtol=1e-12, atol=1e-14)
+    # and the corrections changed something: without them the weights differ
+    plain = _simulate(weights0, data, 3, beta, accumulate, 10**9, 0.0, lr, weights == "stashed")[0]
+    assert not torch.allclose(plain[0], want_weights[0], rtol=1e-6, atol=0)
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of")
+def test_schedulers_step_once_per_accumulate_ticks() -> None:
+    # Note [learning rate per optimizer step]: accumulate = 2 -> one scheduler step every 2 ticks.
+    st = [_mlp()[0:2], _mlp()[2:]]
+    opts = [torch.optim.SGD(s.parameters(), lr=1.0) for s in st]
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in opts]
+    lrs: list[float] = []
+    config = FDGConfig(accumulate=2)
+    after = lambda tick: lrs.append(opts[0].param_groups[0]["lr"])  # noqa: E731
+    fdg_reference(st, opts, _data(3), F.cross_entropy, config, drain=True, schedulers=scheds, after_tick=after)
+    assert lrs == [1.0, 0.5, 0.5, 0.25, 0.25]  # 3 micro-batches + 2 drain ticks

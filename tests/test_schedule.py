@@ -206,3 +206,18 @@ def test_first_and_last_stage_read_each_micro_batch_at_the_same_tick() -> None:
 def test_buffers() -> None:
     assert [ticks.num_buffers(4, k) for k in range(4)] == [7, 5, 3, 1]
     assert [ticks.delay(3, k) for k in range(3)] == [4, 2, 0]
+
+
+def test_a_drain_learns_an_earlier_end_of_the_data_on_its_way_down() -> None:
+    # K = 2, 5 micro-batches: stage 0 learned the end at tick 5; a drain starts at tick 6 on stage 1,
+    # which learns it from the dummy activation and stops at the segment's last tick (6), not after 2.
+    drain = FDGTrainSchedule(ticks.drain_ticks(2), 2, 1, start_tick=6, drain=True)
+    rendered = []
+    for step in drain.steps():
+        cmds = []
+        for cmd in step:
+            cmds.append(str(cmd))
+            if isinstance(cmd, WaitActivation):
+                drain.end_data(5)
+        rendered.append(" ".join(cmds))
+    assert rendered == ["A5 X[] T"]

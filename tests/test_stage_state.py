@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from fdg_schedule import checkpoint
 from fdg_schedule.comm import NeighbourExchange, meta_of
 from fdg_schedule.config import FDGConfig
 from fdg_schedule.delayed import DelayedBackward
@@ -50,6 +51,7 @@ def test_capture_and_restore_round_trip(one_rank_group: None, weights: str, acti
         state.buffers["inputs"][buffer_id], state.buffers["outputs"][buffer_id] = inputs, outputs
         state.held[buffer_id], state.sent_meta[buffer_id] = held, meta_of([outputs])
     state.segment_tick, state.micro_batches_read = 2, 2
+    state.segment_limit = 1  # stage 0 learned at tick 1 that the data ended (Note [end of data])
     state.labels_in_flight.append(torch.tensor([1, 2]))
     file = io.BytesIO()
     torch.save(state.capture(), file)  # as a checkpoint writes it
@@ -63,7 +65,7 @@ def test_capture_and_restore_round_trip(one_rank_group: None, weights: str, acti
     restored.restore(torch.load(file, weights_only=False), rebuild, needs_grad=True)
 
     assert torch.equal(torch.get_rng_state(), rng)
-    assert (restored.segment_tick, restored.micro_batches_read) == (2, 2)
+    assert (restored.segment_tick, restored.micro_batches_read, restored.segment_limit) == (2, 2, 1)
     assert [t.tolist() for t in restored.labels_in_flight] == [[1, 2]]
     assert restored.sent_meta == state.sent_meta
     assert restored.in_flight() == state.in_flight() == 2
@@ -100,3 +102,17 @@ def test_reset_forgets_the_work_in_flight(one_rank_group: None) -> None:
     state.reset()
     assert state.in_flight() == 0 and state.segment_tick == 0
     assert all(b is None for buffers in state.buffers.values() for b in buffers)
+
+
+def test_a_checkpoint_loads_onto_the_engine_device(one_rank_group: None, tmp_path) -> None:
+    config = FDGConfig(weights="stashed")
+    state, delayed = _state(_stage(), config)
+    inputs = torch.randn(2, 4)
+    state.buffers["outputs"][0], state.held[0] = delayed.forward(lambda: delayed.module(inputs))
+    state.buffers["inputs"][0] = inputs
+    expected = checkpoint.identity(2, 1, config)
+    checkpoint.save(checkpoint.state_path(str(tmp_path), "t", 0, 0), expected, state.capture())
+    loaded = checkpoint.load(str(tmp_path), "t", 0, 0, expected, log=True, device=torch.device("meta"))
+    assert loaded is not None
+    record = loaded["in_flight"][0]
+    assert {t.device.type for t in (record["inputs"], *record["weights"], *record["saved"])} == {"meta"}

@@ -144,3 +144,44 @@ def test_pipeline_module_stages_hold_the_whole_model(tmp_path, partition: str) -
     # One input channel instead of three: the stem conv has 2 x 16 x 3 x 3 fewer weights.
     assert params0 + params1 == KNOWN_PARAMS["resnet20"] - 2 * 16 * 9
     assert params0 > 0 and params1 > 0
+
+
+def _stage_state_worker(rank: int, world_size: int, partition: str) -> tuple[list[int], dict, bool]:
+    net = resnet.build_pipeline("resnet20", world_size, num_classes=10, in_channels=1, partition=partition, base_seed=3)
+    return list(net.parts), {k: v.clone() for k, v in net.state_dict().items()}, net.seed_layers
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_build_stages_gives_each_stage_the_pipeline_modules_weights(tmp_path) -> None:
+    """The one-process stages of benchmarks/resnet_reference.py start where the engine's do."""
+    results = run_ranks(_stage_state_worker, 2, tmp_path, "paper", deadline_s=150)
+    parts = resnet.stage_parts("resnet20", 2, "paper")
+    stages = resnet.build_stages("resnet20", parts, num_classes=10, in_channels=1, base_seed=3)
+    for k, (engine_parts, state, reseeds) in enumerate(results):
+        assert engine_parts == parts
+        assert not reseeds  # Note [seeded layers reseed every forward]
+        # PipelineModule names a layer by its global index; nn.Sequential by its index in the stage
+        ours = {
+            f"{int(key.split('.', 1)[0]) + parts[k]}.{key.split('.', 1)[1]}": v
+            for key, v in stages[k].state_dict().items()
+        }
+        assert ours.keys() == state.keys()
+        for key, value in state.items():
+            assert torch.equal(ours[key], value), key
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+@pytest.mark.parametrize("partition", ["paper", "parameters", "uniform"])
+def test_stage_parts_are_the_pipeline_modules_parts(partition: str, stages: int) -> None:
+    want = deepspeed_parts("resnet56", stages, partition)
+    assert resnet.stage_parts("resnet56", stages, partition) == [int(p) for p in want]
+    # no preset (resnet20 at K=4): "paper" falls back to "parameters", as the recipe does
+    assert resnet.stage_parts("resnet20", 4, "paper") == [int(p) for p in deepspeed_parts("resnet20", 4, "parameters")]
+
+
+def test_paper_lr_decays_at_the_papers_epochs_and_warms_up_at_a_tenth() -> None:
+    # 16 epochs: decay at round(0.5 * 16) = 8, 12 and round(0.9167 * 16) = 15
+    lrs = [resnet.paper_lr(0.1, epoch, 16, warmup_epochs=2) for epoch in range(16)]
+    assert lrs == pytest.approx([0.01] * 2 + [0.1] * 6 + [0.01] * 4 + [0.001] * 3 + [0.0001])
+    assert resnet.paper_lr(0.1, 3, 16, decay_epochs=[2]) == pytest.approx(0.01)

@@ -46,8 +46,9 @@ def layers(spec: bool = True, batch_norm: bool = False, dropout: float | None = 
     """The layer list; ``spec=False`` gives built modules (for the reference).
 
     ``batch_norm`` adds a BatchNorm1d on each stage side of the K=2 split (running statistics are
-    buffers a recomputed forward must not update twice); ``dropout`` adds a Dropout of that probability
-    on stage 0's side (random masks a recomputed forward must draw again exactly).
+    buffers a recomputed forward must not update twice). ``dropout`` (not None) adds a Dropout of that
+    probability near each end (a model that draws random numbers in its forward; a recomputed forward
+    must draw the same masks again); ``0.0`` gives the same layers drawing nothing.
     """
 
     def make(cls, *args):
@@ -69,6 +70,7 @@ def layers(spec: bool = True, batch_norm: bool = False, dropout: float | None = 
         out.insert(8, make(nn.BatchNorm1d, HIDDEN))
     if dropout is not None:
         out.insert(2, make(nn.Dropout, dropout))
+        out.insert(len(out) - 1, make(nn.Dropout, dropout))
     return out
 
 

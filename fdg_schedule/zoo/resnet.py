@@ -48,7 +48,10 @@ import torch
 import torch.nn.functional as F
 import torchvision
 from deepspeed.pipe import LayerSpec, PipelineModule
+from deepspeed.runtime import utils as ds_utils
 from torch import nn
+
+from fdg_schedule.pipe_partition import parse_parts
 
 Layer: TypeAlias = LayerSpec | nn.Module
 
@@ -285,25 +288,61 @@ def paper_split(name: str, stages: int) -> list[int]:
     return list(presets[stages])
 
 
+def stage_parts(name: str, stages: int, partition: str = "paper") -> list[int]:
+    """The stage boundaries `build_pipeline` uses, without a process group.
+
+    "paper" falls back to DeepSpeed's "parameters" (as the recipe does) where there is no preset;
+    "parameters" and "uniform" are computed with DeepSpeed's own functions.
+    """
+    if partition == "paper":
+        partition = "paper" if stages == 1 or stages in PAPER_SPLITS.get(name, {}) else "parameters"
+    if partition == "paper":
+        return paper_split(name, stages)
+    if partition.startswith("parts:"):
+        return parse_parts(partition, stages, num_layers(name))
+    layers = resnet_layers(name)
+    if partition == "uniform":
+        return [int(p) for p in ds_utils.partition_uniform(num_items=len(layers), num_parts=stages)]
+    if partition == "parameters":  # PipelineModule._count_layer_params: trainable parameters per layer
+        built = [layer.build() if isinstance(layer, LayerSpec) else layer for layer in layers]
+        counts = [sum(p.numel() for p in m.parameters() if p.requires_grad) for m in built]
+        return [int(p) for p in ds_utils.partition_balanced(weights=counts, num_parts=stages)]
+    raise ValueError(f"partition {partition!r}: use 'paper', 'parameters', 'uniform' or 'parts:...'")
+
+
+def build_stages(
+    name: str, parts: Sequence[int], num_classes: int = 10, in_channels: int = 3, base_seed: int = 0
+) -> list[nn.Sequential]:
+    """Model `name` cut at `parts` into one module per stage, in one process, with the initial weights
+    `build_pipeline` gives (every layer built after seeding with ``base_seed + layer index``, as
+    ``PipelineModule(seed_layers=True)`` does)."""
+    built: list[nn.Module] = []
+    for index, layer in enumerate(resnet_layers(name, num_classes, in_channels)):
+        ds_utils.set_random_seed(base_seed + index)
+        built.append(layer.build() if isinstance(layer, LayerSpec) else layer)
+    return [nn.Sequential(*built[start:stop]) for start, stop in zip(parts, parts[1:], strict=False)]
+
+
+def paper_lr(
+    base_lr: float,
+    epoch: int,
+    epochs: int,
+    decay_epochs: Sequence[int] | None = None,
+    warmup_epochs: int = 0,
+    decay: float = 0.1,
+) -> float:
+    """The FDG paper's learning rate for `epoch` (from 0): ``base_lr`` divided by 10 at each decay
+    epoch reached (default: 150, 225 and 275 of 300, scaled to `epochs`), and 0.1 x that during the
+    first `warmup_epochs` epochs (the paper's code warms up for 3 epochs at a constant 0.1 x lr)."""
+    if decay_epochs is None:
+        decay_epochs = sorted({round(f * epochs) for f in (0.5, 0.75, 0.9167)} - {0})
+    lr = base_lr * decay ** sum(epoch >= e for e in decay_epochs)
+    return lr * 0.1 if epoch < warmup_epochs else lr
+
+
 def parts_method(parts: Sequence[int]) -> str:
     """The ``partition_method`` string that makes `SplitPipelineModule` use these exact boundaries."""
     return "parts:" + ",".join(str(p) for p in parts)
-
-
-def parse_parts(method: str, stages: int, layers: int) -> list[int]:
-    """Boundaries from ``"parts:0,5,12"``, checked against the stage and layer counts."""
-    try:
-        parts = [int(p) for p in method.split(":", 1)[1].split(",")]
-    except ValueError:
-        raise ValueError(f"partition_method {method!r} must be 'parts:' then comma-separated integers") from None
-    if len(parts) != stages + 1 or parts[0] != 0 or parts[-1] != layers:
-        raise ValueError(
-            f"partition_method {method!r} must list {stages + 1} boundaries from 0 to {layers} "
-            f"({stages} stages, {layers} layers)"
-        )
-    if any(b <= a for a, b in zip(parts, parts[1:], strict=False)):
-        raise ValueError(f"partition_method {method!r}: every stage needs at least one layer (strictly increasing)")
-    return parts
 
 
 class SplitPipelineModule(PipelineModule):
@@ -339,16 +378,28 @@ def build_pipeline(
     `partition` is "paper" (the FDG paper's split, `paper_split`), "parts:..." or any DeepSpeed
     ``partition_method``. Layers are seeded one by one (``seed_layers=True``) so the initial weights
     do not depend on the number of stages or the partition.
+
+    Note [seeded layers reseed every forward]
+        With ``seed_layers=True`` DeepSpeed's ``PipelineModule.forward`` also calls
+        ``set_random_seed(base_seed * (forwards + 1) + layer)`` before every layer, which resets the
+        global RNG that data augmentation draws from: the crops and flips then depend on the stage
+        split, and with base seed 0 every micro-batch gets the same ones. Unless the caller asks for
+        ``seed_layers`` itself, it is turned off once the layers are built (the weights are seeded
+        already), so augmentation draws one RNG stream whatever K is.
     """
     layers = resnet_layers(name, num_classes, in_channels)
     if stages > len(layers):
         raise ValueError(f"{name} has {len(layers)} layers and cannot be cut into {stages} stages")
     method = parts_method(paper_split(name, stages)) if partition == "paper" else partition
+    asked = "seed_layers" in kwargs
     kwargs.setdefault("seed_layers", True)
-    return SplitPipelineModule(
+    module = SplitPipelineModule(
         layers=layers,
         num_stages=stages,
         loss_fn=loss_fn or nn.CrossEntropyLoss(),
         partition_method=method,
         **kwargs,
     )
+    if not asked:
+        module.seed_layers = False  # Note [seeded layers reseed every forward]
+    return module

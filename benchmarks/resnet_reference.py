@@ -1,0 +1,197 @@
+"""Train a ResNet as recipes/train_resnet.py does, but with fdg_reference: K stages in one process, no ranks.
+
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 PYTHONPATH=$PWD python benchmarks/resnet_reference.py \\
+        --deepspeed_config ds_configs/resnet_fdg_k4.json --stages 4 --model resnet56 --epochs 16 \\
+        --train-subset 4096 --test-subset 2000 --seed 0 --warmup-epochs 2 --final-full-test
+
+Why: FDG at K stages needs K ranks, more than a 2-core machine runs well; `fdg_reference` computes
+the engine's update (equal to 1e-6 in tests/test_engine.py) tick by tick in one process. Everything
+else is the recipe's, so a run here equals the recipe's run (checked in docs/staleness.md):
+
+- the model split (`resnet.stage_parts`: the paper's presets, else DeepSpeed's "parameters") and the
+  initial weights (every layer seeded as `PipelineModule(seed_layers=True)` seeds it);
+- the data: the recipe's subsets, sampler, augmentation and loaders, consumed in the recipe's order
+  (a new DataLoader iterator draws from torch's global RNG, which the augmentation also uses);
+- the optimizer block of the DeepSpeed config (SGD, one per stage), its ``pipeline.fdg`` block,
+  stage-local ``gradient_clipping``; the paper's step decay and ``--warmup-epochs``, set per epoch;
+- one tick per micro-batch; the pipeline never drains between epochs; evaluation with the weights of
+  the moment, in eval mode; a drain before the final evaluation; the same log lines.
+"""
+
+import argparse
+import json
+import math
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from deepspeed.runtime.utils import set_random_seed
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, DistributedSampler, Subset
+
+from fdg_schedule.config import FDGConfig
+from fdg_schedule.reference import fdg_reference
+from fdg_schedule.zoo import resnet, vision_data
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+parser.add_argument("--deepspeed_config", required=True, help="optimizer, micro-batch and pipeline.fdg come from here")
+parser.add_argument("--stages", type=int, default=1, help="K (1 = plain backprop)")
+parser.add_argument("--model", default="resnet20", choices=list(resnet.MODELS))
+parser.add_argument("--dataset", default="fashion-mnist", choices=vision_data.DATASETS)
+parser.add_argument("--data-dir", default=None)
+parser.add_argument("--epochs", type=int, default=3)
+parser.add_argument("--train-subset", type=int, default=None)
+parser.add_argument("--test-subset", type=int, default=None)
+parser.add_argument("--partition", default="paper")
+parser.add_argument("--lr-decay-epochs", type=int, nargs="*", default=None, help="default: the paper's, scaled")
+parser.add_argument("--warmup-epochs", type=int, default=0, help="epochs at 0.1 x lr first")
+parser.add_argument("--final-full-test", action="store_true", help="after training, also test on the whole test set")
+parser.add_argument("--seed", type=int, default=0)
+args = parser.parse_args()
+
+ds_config = json.loads(Path(args.deepspeed_config).read_text())
+optimizer = ds_config.get("optimizer", {})
+if optimizer.get("type", "").lower() != "sgd" or "scheduler" in ds_config:
+    raise SystemExit("resnet_reference.py: error: only an SGD optimizer block and no scheduler block (the recipe's)")
+if ds_config.get("gradient_accumulation_steps", 1) != 1 or ds_config.get("bf16", {}).get("enabled"):
+    raise SystemExit("resnet_reference.py: error: gradient_accumulation_steps 1 and fp32 only")
+pipeline = ds_config.get("pipeline", {})
+fdg = FDGConfig.from_dict(pipeline.get("fdg")) if pipeline.get("schedule") == "fdg" else FDGConfig()
+if args.stages > 1 and pipeline.get("schedule") != "fdg":
+    raise SystemExit("resnet_reference.py: error: --stages > 1 needs a config with pipeline.schedule 'fdg'")
+micro_batch = ds_config["train_micro_batch_size_per_gpu"]
+torch.set_num_threads(1)
+
+# The recipe's model, data and loaders (one data-parallel rank).
+data = vision_data.load_vision_data(args.dataset, args.data_dir)
+parts = resnet.stage_parts(args.model, args.stages, args.partition)
+stages = resnet.build_stages(args.model, parts, data.num_classes, data.in_channels, base_seed=args.seed)
+set_random_seed(args.seed)
+optimizers = [torch.optim.SGD(s.parameters(), **optimizer["params"]) for s in stages]
+train_set = vision_data.subset(data.train, args.train_subset, args.seed)
+test_set = vision_data.subset(data.test, args.test_subset, args.seed)
+sampler = DistributedSampler(train_set, num_replicas=1, rank=0, shuffle=True, seed=args.seed, drop_last=True)
+train_iter = vision_data.forever(DataLoader(train_set, micro_batch, sampler=sampler, drop_last=True))
+steps_per_epoch = len(train_set) // micro_batch
+ticks = args.epochs * steps_per_epoch
+base_lr = optimizer["params"]["lr"]
+
+
+class MicroBatches:
+    """Micro-batch i of the run, read from the training iterator when stage 0 first asks for it
+    (so the reads interleave with evaluations as in the recipe); kept until the last stage used it."""
+
+    def __init__(self, source: Iterator[tuple[Tensor, Tensor]], length: int, keep: int) -> None:
+        self.source, self.length, self.keep = source, length, keep
+        self.read: dict[int, tuple[Tensor, Tensor]] = {}
+        self.count = 0  # micro-batches read so far
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+        while self.count <= index:
+            self.read[self.count] = next(self.source)
+            self.read.pop(self.count - self.keep, None)
+            self.count += 1
+        return self.read[index]
+
+
+def evaluate(dataset) -> tuple[float, float]:
+    """Test accuracy and loss with the current weights (the recipe's padded micro-batches)."""
+    loader = DataLoader(Subset(dataset, list(range(len(dataset)))), micro_batch, shuffle=False)
+    correct = count = loss = 0.0
+    for stage in stages:
+        stage.eval()
+    with torch.no_grad():
+        for x, labels in vision_data.padded_batches(loader, micro_batch, math.ceil(len(dataset) / micro_batch)):
+            logits = x
+            for stage in stages:
+                logits = stage(logits)
+            counted = labels != -100
+            correct += (logits.argmax(1) == labels)[counted].sum().item()
+            count += counted.sum().item()
+            loss += F.cross_entropy(logits.float(), labels, reduction="sum").item()
+    for stage in stages:
+        stage.train()
+    return correct / count, loss / count
+
+
+def set_lr(epoch: int) -> None:
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] = resnet.paper_lr(base_lr, epoch, args.epochs, args.lr_decay_epochs, args.warmup_epochs)
+
+
+losses: list[float] = []  # every micro-batch's loss, in order (the last stage computes them)
+criterion = nn.CrossEntropyLoss()
+
+
+def loss_fn(outputs: Tensor, labels: Tensor) -> Tensor:
+    loss = criterion(outputs, labels)
+    if not math.isfinite(loss.item()):  # as the engine's default pipeline.fdg.nonfinite "error"
+        raise FloatingPointError(f"non-finite loss {loss.item()} at micro-batch {len(losses)}: the run diverged")
+    losses.append(loss.item())
+    return loss
+
+
+epoch_start = wall_start = time.time()
+train_time = 0.0
+last_test: tuple[float, float] = (float("nan"), float("nan"))  # accuracy, loss
+
+
+def end_of_epoch(epoch: int) -> None:
+    """The recipe's epoch line: its train_loss is the mean of what stage 0's train_batch returned, the
+    losses of the micro-batches stage 0 back-propagated in the epoch's ticks (the fill's are NaN)."""
+    global epoch_start, train_time, last_test
+    train_time += time.time() - epoch_start
+    delay = 2 * (args.stages - 1)
+    ticks_of_epoch = range(epoch * steps_per_epoch, (epoch + 1) * steps_per_epoch)
+    seen = [losses[t - delay] for t in ticks_of_epoch if t - delay >= 0]
+    train_loss = sum(seen) / len(seen) if seen else float("nan")
+    test_acc, test_loss = last_test = evaluate(test_set)
+    lr = optimizers[0].param_groups[0]["lr"]
+    print(
+        f"epoch {epoch + 1}/{args.epochs}: train_loss {train_loss:.6f} test_loss {test_loss:.6f} "
+        f"test_acc {test_acc:.2%} lr {lr:.4g} ({time.time() - epoch_start:.1f} s)",
+        flush=True,
+    )
+    if epoch + 1 < args.epochs:
+        set_lr(epoch + 1)
+    epoch_start = time.time()
+
+
+def after_tick(tick: int) -> None:
+    if (tick + 1) % steps_per_epoch == 0 and tick + 1 < ticks:  # the last epoch ends after the drain
+        end_of_epoch(tick // steps_per_epoch)
+
+
+print(
+    f"{args.model} on {args.dataset}: {args.stages} stage(s) in one process (fdg_reference), partition {parts}, "
+    f"{len(train_set)} train / {len(test_set)} test images, {steps_per_epoch} steps/epoch of {micro_batch}",
+    flush=True,
+)
+set_lr(0)
+fdg_reference(
+    stages,
+    optimizers,
+    MicroBatches(train_iter, ticks, keep=2 * args.stages),
+    loss_fn,
+    fdg,
+    drain=True,
+    clip_grad_norm=float(ds_config.get("gradient_clipping", 0.0)),
+    after_tick=after_tick,
+)
+end_of_epoch(args.epochs - 1)
+test_acc, test_loss = last_test
+if args.final_full_test:
+    full_acc, full_loss = evaluate(data.test)
+    print(f"full test set: test_acc {full_acc:.2%} test_loss {full_loss:.6f} ({len(data.test)} images)")
+print(
+    f"final: test_acc {test_acc:.2%} test_loss {test_loss:.4f} | "
+    f"{ticks * micro_batch / max(train_time, 1e-9):.1f} samples/s | wall {time.time() - wall_start:.1f} s | "
+    f"{args.model} {args.dataset} K={args.stages} fdg_reference",
+    flush=True,
+)

@@ -1,0 +1,203 @@
+"""The partitioner against brute force on small cases, its memory formulas, its errors and its determinism."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from fdg_schedule.partition import Objective, Partition, balanced_partition, evaluate_partition, parameter_split
+from fdg_schedule.profile import LayerCost, ModelProfile
+
+OBJECTIVES = [
+    Objective(),
+    Objective(activations="recomputed"),
+    Objective(weights="stashed"),
+    Objective(weights="stashed", activations="recomputed", accumulate=3),
+    Objective(schedule="1f1b", micro_batches=4),
+    Objective(schedule="1f1b", micro_batches=1),
+]
+
+
+def random_profile(rng: random.Random, layers: int, zero_time_share: float = 0.2) -> ModelProfile:
+    def seconds() -> float:
+        return 0.0 if rng.random() < zero_time_share else rng.choice([1e-3, 2e-3, 5e-3]) * rng.randint(1, 9)
+
+    costs = [
+        LayerCost(
+            name=f"L{i}",
+            forward_s=seconds(),
+            backward_s=seconds(),
+            recompute_s=seconds(),
+            step_s=seconds() / 4,
+            param_bytes=rng.choice([0, 4096, 65536]),
+            activation_bytes=rng.choice([1024, 8192, 262144]),
+            saved_bytes=rng.choice([0, 2048, 131072, 1048576]),
+            params=rng.choice([0, 10, 1000]),
+            optimizer_state_bytes=rng.choice([0, 4096]),
+        )
+        for i in range(layers)
+    ]
+    return ModelProfile(layers=tuple(costs), micro_batch=8, device="cpu", dtype="float32", input_bytes=4096)
+
+
+def brute_force(profile: ModelProfile, stages: int, objective: Objective) -> tuple[float, float] | None:
+    """Over every split that fits the memory limit: the least bottleneck, and the largest fastest-stage
+    time among the splits with that bottleneck (None: no split fits)."""
+    n, best = len(profile.layers), None
+    for cuts in itertools.combinations(range(1, n), stages - 1):
+        plan = evaluate_partition(profile, [0, *cuts, n], objective)
+        if objective.memory_limit is not None and any(s.peak_bytes > objective.memory_limit for s in plan.stages):
+            continue
+        key = (plan.bottleneck_s, -min(s.time_s for s in plan.stages))
+        best = key if best is None or key < best else best
+    return None if best is None else (best[0], -best[1])
+
+
+def achieved(plan: Partition) -> tuple[float, float]:
+    return plan.bottleneck_s, min(s.time_s for s in plan.stages)
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_bottleneck_equals_brute_force(seed: int) -> None:
+    rng = random.Random(seed)
+    profile = random_profile(rng, rng.randint(1, 9))
+    for objective in OBJECTIVES:
+        for stages in range(1, min(5, len(profile.layers)) + 1):
+            expected = brute_force(profile, stages, objective)
+            plan = balanced_partition(profile, stages, objective)
+            assert achieved(plan) == expected, (seed, objective, stages, plan.parts)
+            assert plan.parts[0] == 0 and plan.parts[-1] == len(profile.layers) and len(plan.parts) == stages + 1
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_bottleneck_equals_brute_force_under_a_memory_limit(seed: int) -> None:
+    rng = random.Random(1000 + seed)
+    profile = random_profile(rng, rng.randint(2, 9))
+    n = len(profile.layers)
+    for objective in OBJECTIVES:
+        for stages in range(2, min(5, n) + 1):
+            # Limits between the smallest and largest peak any split has: some splits fit, some do not.
+            peaks = sorted(
+                max(s.peak_bytes for s in evaluate_partition(profile, [0, *cuts, n], objective).stages)
+                for cuts in itertools.combinations(range(1, n), stages - 1)
+            )
+            for limit in {peaks[0] - 1, peaks[0], peaks[len(peaks) // 2], peaks[-1]} - {0}:
+                limited = Objective(**{**objective.__dict__, "memory_limit": limit})
+                expected = brute_force(profile, stages, limited)
+                if expected is None:
+                    with pytest.raises(ValueError, match="memory_limit"):
+                        balanced_partition(profile, stages, limited)
+                    continue
+                plan = balanced_partition(profile, stages, limited)
+                assert achieved(plan) == expected, (seed, limited, stages, plan.parts)
+                assert all(s.peak_bytes <= limit for s in plan.stages)
+
+
+def layer(forward: float, backward: float, recompute: float = 0.0, step: float = 0.0, **sizes: int) -> LayerCost:
+    fields = {"param_bytes": 0, "activation_bytes": 0, "saved_bytes": 0, **sizes}
+    return LayerCost("L", forward, backward, recompute, step, **fields)
+
+
+def profile_of(*layers: LayerCost, input_bytes: int = 0) -> ModelProfile:
+    return ModelProfile(layers=layers, micro_batch=1, device="cpu", dtype="float32", input_bytes=input_bytes)
+
+
+def test_recomputation_moves_the_cut_towards_stage_0() -> None:
+    # Eight equal layers, forward 1 + backward 2 ms: stored 4 | 4 (12 ms each). Recomputed, stage 0
+    # pays the extra forward (4 ms per layer): 4 | 4 would be 16 vs 12 ms, 3 | 5 is 12 vs 15 ms.
+    profile = profile_of(*[layer(1e-3, 2e-3, recompute=1e-3) for _ in range(8)])
+    assert balanced_partition(profile, 2).parts == [0, 4, 8]
+    recomputed = balanced_partition(profile, 2, Objective(activations="recomputed"))
+    assert recomputed.parts == [0, 3, 8]
+    assert [s.time_s for s in recomputed.stages] == [12e-3, 15e-3]
+    assert recomputed.stages[0].recompute_s == pytest.approx(3e-3) and recomputed.stages[1].recompute_s == 0
+
+
+def test_step_is_shared_by_accumulated_ticks_and_1f1b_micro_batches() -> None:
+    profile = profile_of(layer(1e-3, 1e-3, step=4e-3), layer(1e-3, 1e-3))
+    assert evaluate_partition(profile, [0, 1, 2]).stages[0].time_s == pytest.approx(6e-3)
+    assert evaluate_partition(profile, [0, 1, 2], Objective(accumulate=4)).stages[0].time_s == pytest.approx(3e-3)
+    assert evaluate_partition(profile, [0, 1, 2], Objective(schedule="1f1b", micro_batches=2)).stages[
+        0
+    ].time_s == pytest.approx(4e-3)
+
+
+def test_held_and_peak_memory_follow_each_mode() -> None:
+    # Per layer: input I (the previous output), saved A, weights W; K = 3: delays 4, 2, 0.
+    a, w, i0, out = 1000, 100, 7, 10
+    layers = [layer(1e-3, 1e-3, param_bytes=w, saved_bytes=a, activation_bytes=out) for _ in range(3)]
+    profile = profile_of(*layers, input_bytes=i0)
+    parts = [0, 1, 2, 3]
+    static = 2 * w
+
+    def memory(objective: Objective) -> list[tuple[int, int]]:
+        return [(s.held_bytes, s.peak_bytes) for s in evaluate_partition(profile, parts, objective).stages]
+
+    assert memory(Objective()) == [
+        (4 * (i0 + a), 4 * (i0 + a) + static),
+        (2 * (out + a), 2 * (out + a) + static),
+        (0, out + a + static),
+    ]
+    assert memory(Objective(weights="stashed", activations="recomputed")) == [
+        (4 * (i0 + w), 4 * (i0 + w) + a + static),
+        (2 * (out + w), 2 * (out + w) + a + static),
+        (0, out + a + static),
+    ]
+    assert memory(Objective(weights="stashed")) == [
+        (4 * (i0 + a + w), 4 * (i0 + a + w) + static),
+        (2 * (out + a + w), 2 * (out + a + w) + static),
+        (0, out + a + static),
+    ]
+    # 1F1B: min(K - k, micro_batches) micro-batches in flight.
+    assert [p for _, p in memory(Objective(schedule="1f1b", micro_batches=2))] == [
+        2 * (i0 + a) + static,
+        2 * (out + a) + static,
+        out + a + static,
+    ]
+
+
+def test_a_memory_limit_moves_layers_off_stage_0() -> None:
+    # Equal times; stage 0 (delay 2 at K = 2) holds 2 micro-batches' activations, so a limit that
+    # fits two saved layers on stage 0 only as one layer forces 1 | 3.
+    profile = profile_of(*[layer(1e-3, 2e-3, saved_bytes=1000) for _ in range(4)])
+    assert balanced_partition(profile, 2).parts == [0, 2, 4]
+    limited = balanced_partition(profile, 2, Objective(memory_limit=3000))
+    assert limited.parts == [0, 1, 3 + 1] and limited.stages[0].peak_bytes == 2000
+    with pytest.raises(ValueError, match=r"memory_limit 1999 bytes .* raise the limit"):
+        balanced_partition(profile, 2, Objective(memory_limit=1999))
+
+
+def test_result_is_deterministic_and_spreads_slack() -> None:
+    # One heavy layer sets the bottleneck; the other stages share the rest evenly rather than
+    # packing the last stages full.
+    profile = profile_of(layer(10e-3, 10e-3), *[layer(1e-3, 1e-3) for _ in range(12)])
+    plans = [balanced_partition(profile, 4).parts for _ in range(3)]
+    assert plans[0] == plans[1] == plans[2]
+    times = [s.time_s for s in balanced_partition(profile, 4).stages]
+    assert times[0] == pytest.approx(20e-3) and max(times[1:]) - min(times[1:]) <= 2e-3 + 1e-12
+
+
+def test_bad_requests_name_the_value() -> None:
+    profile = profile_of(layer(1e-3, 1e-3), layer(1e-3, 1e-3))
+    with pytest.raises(ValueError, match="cannot cut 2 layers into 3 stages"):
+        balanced_partition(profile, 3)
+    with pytest.raises(ValueError, match=r"parts \[0, 2, 2\] must rise strictly"):
+        evaluate_partition(profile, [0, 2, 2])
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        Objective(schedule="gpipe")
+    with pytest.raises(ValueError, match="accumulate must be an integer >= 1, got 0"):
+        Objective(accumulate=0)
+
+
+def test_objective_from_ds_config() -> None:
+    fdg = {"pipeline": {"schedule": "fdg", "fdg": {"activations": "recomputed", "weights": "stashed", "accumulate": 2}}}
+    assert Objective.from_ds_config(fdg) == Objective(activations="recomputed", weights="stashed", accumulate=2)
+    stock = {"gradient_accumulation_steps": 4}
+    assert Objective.from_ds_config(stock, memory_limit=10) == Objective("1f1b", micro_batches=4, memory_limit=10)
+
+
+def test_parameter_split_is_deepspeeds() -> None:
+    profile = profile_of(*[layer(1e-3, 1e-3, params=p) for p in (10, 10, 10, 30)])
+    assert parameter_split(profile, 2) == [0, 3, 4]

@@ -1,0 +1,102 @@
+"""The layer profiler: what it measures, that it leaves the model and RNG alone, and its file format."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import toy
+from torch import nn
+
+from fdg_schedule import profile as profiling
+from fdg_schedule.profile import LayerCost, ModelProfile, layer_name, optimizer_from_ds_config, profile_layers
+
+
+@pytest.fixture(scope="module")
+def measured() -> ModelProfile:
+    torch.set_num_threads(1)
+    x, y = toy.micro_batches(1, 4)[0]
+    return profile_layers(toy.layers(), x, y, toy.loss_fn, repeats=3, warmup=1)
+
+
+def test_every_layer_is_measured(measured: ModelProfile) -> None:
+    layers = toy.layers()
+    assert measured.names == [layer_name(layer) for layer in layers]
+    assert measured.micro_batch == 4 and measured.dtype == "float32" and measured.device == "cpu"
+    assert measured.input_bytes == 4 * toy.IN * 4
+    for index, cost in enumerate(measured.layers):
+        assert cost.forward_s > 0 and cost.recompute_s > 0
+        has_params = index in (0, 2, 4, 6, 8)  # the linear layers (specs and one built module)
+        assert (cost.params > 0) == has_params, cost
+        assert (cost.step_s > 0) == has_params and (cost.optimizer_state_bytes > 0) == has_params, cost
+    linear = measured.layers[0]  # SeededLinear(6, 8): 56 parameters, output 4 x 8 floats, saves its input
+    assert (linear.params, linear.param_bytes, linear.activation_bytes) == (56, 224, 4 * 8 * 4)
+    assert linear.saved_bytes == 4 * toy.IN * 4  # the (cloned) input; the weight is not counted
+    pair = measured.layers[3]  # h -> (h, h * h): two outputs; h * h saves h twice (counted per save, as the engine)
+    assert pair.activation_bytes == 2 * 4 * 8 * 4 and pair.saved_bytes == 2 * 4 * 8 * 4
+    assert measured.layers[-1].backward_s > 0  # from the loss
+
+
+def test_the_model_and_the_random_stream_are_untouched() -> None:
+    layers = toy.layers()
+    raw = layers[6]  # a built module: profiled on a copy
+    before = {k: v.clone() for k, v in raw.state_dict().items()}
+    torch.manual_seed(3)
+    state = torch.get_rng_state()
+    x, y = toy.micro_batches(1, 4)[0]
+    profile_layers(layers, x, y, toy.loss_fn, repeats=1, warmup=0)
+    assert torch.equal(torch.get_rng_state(), state)
+    for key, value in raw.state_dict().items():
+        assert torch.equal(value, before[key])
+    assert raw.weight.grad is None
+
+
+def test_file_round_trip_and_errors(measured: ModelProfile, tmp_path: Path) -> None:
+    path = measured.save(tmp_path / "p.json")
+    assert ModelProfile.load(path) == measured
+    data = json.loads(path.read_text())
+    # What the planner reads: per layer eight fields, per model micro_batch, device, dtype.
+    planner_fields = {"name", "forward_s", "backward_s", "recompute_s", "step_s", "param_bytes"}
+    planner_fields |= {"activation_bytes", "saved_bytes"}
+    assert planner_fields <= set(data["layers"][0]) and {"micro_batch", "device", "dtype"} <= set(data)
+    # A profile with only those fields (e.g. estimated elsewhere) loads; params default to 0.
+    minimal = {"micro_batch": 4, "device": "cpu", "dtype": "float32"}
+    minimal["layers"] = [{k: v for k, v in layer.items() if k in planner_fields} for layer in data["layers"]]
+    assert ModelProfile.from_dict(minimal).layers[0].params == 0
+    with pytest.raises(ValueError, match="forward_s must be a number >= 0, got -1"):
+        LayerCost("x", -1, 0, 0, 0, 0, 0, 0)
+    with pytest.raises(ValueError, match=r"p.json: missing key\(s\) \['micro_batch'\]"):
+        ModelProfile.from_dict({"layers": [], "device": "cpu", "dtype": "float32"}, source="p.json")
+    with pytest.raises(ValueError, match="format 'other/2' is not 'fdg_schedule.profile/1'"):
+        ModelProfile.from_dict({**data, "format": "other/2"})
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ValueError, match="not a JSON layer profile"):
+        ModelProfile.load(tmp_path / "bad.json")
+
+
+def test_cache_measures_once_per_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    x, y = toy.micro_batches(1, 4)[0]
+    first, path = profiling.cached_profile(toy.layers(), x, tmp_path, y, toy.loss_fn, repeats=1, warmup=0)
+    assert path.exists() and path.name == f"profile-{first.key}.json"
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("measured again although the profile is cached")
+
+    monkeypatch.setattr(profiling, "profile_layers", refuse)
+    again, same = profiling.cached_profile(toy.layers(), x, tmp_path, y, toy.loss_fn, repeats=1, warmup=0)
+    assert same == path and again == first
+    # Another micro-batch size or optimizer is another profile.
+    assert profiling.profile_key(toy.layers(), x[:2]) != first.key
+    adam = optimizer_from_ds_config({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    assert profiling.profile_key(toy.layers(), x, optimizer=adam) != first.key
+
+
+def test_optimizer_from_ds_config() -> None:
+    params = [nn.Parameter(torch.zeros(2))]
+    sgd = optimizer_from_ds_config({"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}})(params)
+    assert isinstance(sgd, torch.optim.SGD) and sgd.defaults["momentum"] == 0.9
+    adamw = optimizer_from_ds_config({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95]}}})
+    assert isinstance(adamw(params), torch.optim.AdamW)
+    assert isinstance(optimizer_from_ds_config({})(params), torch.optim.SGD)  # a client optimizer: SGD stands in

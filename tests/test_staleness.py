@@ -1,0 +1,155 @@
+"""The staleness corrections and metric of one stage on their own (fdg_schedule.staleness): no process group.
+
+The engine's parity with ``fdg_reference`` is tested in test_engine.py; here each piece is checked
+against values written by hand, including what the engine tests cannot see (w restored bit for bit,
+a skipped step, bf16 weights, checkpoint contents).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from fdg_schedule.config import FDGConfig
+from fdg_schedule.staleness import Corrections, StalenessMeter
+
+
+def _params(dtype: torch.dtype = torch.float32) -> list[nn.Parameter]:
+    g = torch.Generator().manual_seed(0)
+    return [nn.Parameter(torch.randn(4, 3, generator=g).to(dtype)), nn.Parameter(torch.randn(3, generator=g).to(dtype))]
+
+
+def test_lr_factor_per_stage_and_tick() -> None:
+    config = FDGConfig(delay_lr_ticks=8)
+    stage0 = Corrections([], 3, 0, config)  # K = 3: delay 4, tau 4
+    assert [stage0.lr_factor(t) for t in (0, 4, 8, 100)] == [0.25, 0.5, 1.0, 1.0]
+    assert Corrections([], 3, 1, config).lr_factor(4) == 2**-0.5  # delay 2
+    assert Corrections([], 3, 2, config).lr_factor(0) == 1.0  # the last stage: tau 1
+    accumulated = Corrections([], 3, 1, FDGConfig(delay_lr_ticks=8, accumulate=4))
+    assert accumulated.h == 0.5 and accumulated.lr_factor(0) == 1.0  # tau = max(1, 2/4)
+    assert Corrections([], 3, 0, FDGConfig()).lr_factor(0) == 1.0  # off
+
+
+def test_the_step_runs_at_the_scaled_lr_and_the_lr_is_written_back() -> None:
+    params = _params()
+    optimizer = torch.optim.SGD([{"params": params[:1], "lr": 0.3}, {"params": params[1:], "lr": 0.1}])
+    corrections = Corrections(params, 2, 0, FDGConfig(delay_lr_ticks=4))  # tau 2
+    seen: list[list[float]] = []
+
+    def step() -> bool:
+        seen.append([group["lr"] for group in optimizer.param_groups])
+        return True
+
+    assert corrections.step(optimizer, 2, step)
+    assert seen == [[0.3 * 2**-0.5, 0.1 * 2**-0.5]]
+    assert [group["lr"] for group in optimizer.param_groups] == [0.3, 0.1]  # the same floats, not divided back
+
+    def failing() -> bool:
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError):
+        corrections.step(optimizer, 0, failing)
+    assert [group["lr"] for group in optimizer.param_groups] == [0.3, 0.1]
+
+
+def test_delta_follows_taken_steps_only() -> None:
+    params = _params()
+    corrections = Corrections(params, 3, 0, FDGConfig(predict_decay=0.75, accumulate=2))  # h = 4/2
+    assert corrections.h == 2.0
+    moves = [torch.full_like(p, 0.1) for p in params]
+
+    def move() -> bool:
+        with torch.no_grad():
+            for p, m in zip(params, moves):
+                p.add_(m)
+        return True
+
+    before = [p.detach().clone() for p in params]
+    corrections.step(torch.optim.SGD(params, lr=0.1), 0, move)
+    assert corrections.delta is not None
+    for d, p, b in zip(corrections.delta, params, before):  # 0.75 * 0 + 0.25 * (w_after - w_before)
+        assert torch.equal(d, torch.zeros_like(b).mul_(0.75).add_(p.detach() - b, alpha=0.25))
+    kept = corrections.capture()
+    assert kept is not None
+    assert not corrections.step(torch.optim.SGD(params, lr=0.1), 1, lambda: False)  # skipped: no step
+    for d, k in zip(corrections.delta, kept):
+        assert torch.equal(d, k)
+
+
+def test_forward_weights_are_predicted_and_w_comes_back_bit_for_bit() -> None:
+    params = _params()
+    corrections = Corrections(params, 3, 1, FDGConfig(predict_decay=0.9, accumulate=3))  # h = 2/3
+    assert corrections.delta is not None
+    g = torch.Generator().manual_seed(1)
+    for d in corrections.delta:
+        d.copy_(torch.randn(d.shape, generator=g) * 1e-3)
+    w = [p.detach().clone() for p in params]
+    with corrections.predicted():
+        for p, wp, d in zip(params, w, corrections.delta):
+            assert torch.equal(p, wp + corrections.h * d)  # the reference's w + h*delta
+    for p, wp in zip(params, w):
+        assert torch.equal(p, wp)
+    last = Corrections(params, 3, 2, FDGConfig(predict_decay=0.9))
+    assert last.delta is None  # the last stage predicts nothing and keeps no delta
+
+
+def test_bf16_weights_keep_an_fp32_delta() -> None:
+    params = _params(torch.bfloat16)
+    corrections = Corrections(params, 2, 0, FDGConfig(predict_decay=0.5))
+    assert corrections.delta is not None and all(d.dtype == torch.float32 for d in corrections.delta)
+
+    def move() -> bool:
+        with torch.no_grad():
+            params[0].add_(1.0)
+        return True
+
+    before = params[0].detach().clone()
+    corrections.step(torch.optim.SGD(params, lr=0.1), 0, move)
+    moved = params[0].detach().float() - before.float()  # the bf16 weights' own step, not the 1.0 asked for
+    assert torch.equal(corrections.delta[0], 0.5 * moved)
+    w = params[0].detach().clone()
+    with corrections.predicted():  # h = 2: w + 2 * delta, added in fp32 and rounded once to bf16
+        assert params[0].dtype == torch.bfloat16
+        assert torch.equal(params[0], (w.float() + 2 * corrections.delta[0]).bfloat16())
+    assert torch.equal(params[0], w)
+
+
+def test_delta_round_trip_and_what_a_checkpoint_without_one_gives() -> None:
+    params = _params()
+    corrections = Corrections(params, 2, 0, FDGConfig(predict_decay=0.5))
+    assert corrections.delta is not None
+    corrections.delta[0].fill_(3.0)
+    saved = corrections.capture()
+    other = Corrections(_params(), 2, 0, FDGConfig(predict_decay=0.5))
+    other.restore(saved)
+    assert other.delta is not None and all(torch.equal(a, b) for a, b in zip(other.delta, corrections.delta))
+    other.restore(None)  # saved without prediction: delta starts at zero
+    assert all(not d.any() for d in other.delta)
+    with pytest.raises(ValueError, match="parameter shapes"):
+        other.restore([torch.zeros(2)])
+    Corrections(params, 2, 0, FDGConfig()).restore(saved)  # a job without prediction ignores it
+
+
+@pytest.mark.parametrize("stashed", [False, True])
+def test_the_meter_measures_the_relative_distance_every_n_ticks(stashed: bool) -> None:
+    params = _params()
+    meter = StalenessMeter(params, every=3, delayed=True)
+    w_fwd = [p.detach().clone() for p in params]
+    for tick, buffer_id in ((0, 0), (1, 1), (2, 2)):
+        meter.after_forward(tick, buffer_id, [w.clone() for w in w_fwd] if stashed else None)
+    assert sorted(meter.probes) == [0]  # only tick 0 of ticks 0-2
+    with torch.no_grad():
+        params[0][0, 0] += 3.0
+        params[1][1] -= 4.0
+    meter.before_backward(2, 1)  # not measured
+    assert meter.count == 0 and math.isnan(meter.read())
+    meter.before_backward(2, 0)
+    norm = math.sqrt(sum(float(p.detach().pow(2).sum()) for p in params))
+    assert meter.count == 1 and meter.tick == 2 and meter.probes == {}
+    assert meter.read() == pytest.approx(5.0 / norm, rel=1e-6)
+    assert isinstance(meter.value, torch.Tensor)  # kept on the device until read
+    assert StalenessMeter(params, every=3, delayed=False).every == 0  # the last stage
+    assert StalenessMeter(params, every=0, delayed=True).every == 0
