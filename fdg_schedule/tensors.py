@@ -68,6 +68,8 @@ def on_cpu(x: Any) -> Any:
         return x.cpu()
     if isinstance(x, dict):
         return {k: on_cpu(v) for k, v in x.items()}
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a named tuple, e.g. rng.RngState
+        return type(x)(*(on_cpu(t) for t in x))
     if isinstance(x, (tuple, list)):
         return type(x)(on_cpu(t) for t in x)
     return x
