@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     specs = variants(fdg_gas)
     if args.variants:
         specs = [s for s in specs if s["name"] in args.variants.split(",")]
-    command = "DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 python " + " ".join(
+    command = f"DS_ACCELERATOR={os.environ['DS_ACCELERATOR']} OMP_NUM_THREADS=1 python " + " ".join(
         [os.path.relpath(__file__, ROOT), *(sys.argv[1:] if argv is None else argv)]
     )
     print(f"command: {command}", flush=True)
@@ -168,7 +168,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report: dict[str, Any] = {
         "command": command,
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "machine": f"{platform.node()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
+        "machine": f"{platform.node()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+        f"DS_ACCELERATOR={os.environ['DS_ACCELERATOR']}",
         "engine": " ".join(filter(None, [engine_version(), args.engine_note])),
         "load_start": os.getloadavg(),
         "repeats": repeats,

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 from throughput_variants import DeepSpeedVariant, PlainBP, build_variant
 from torch import nn
 
@@ -46,10 +47,12 @@ def _window(variant: PlainBP | DeepSpeedVariant | None, spec: dict[str, Any], mi
     load_before = os.getloadavg()[0]
     before = dict(variant.stats) if variant is not None else {}
     cpu_before = _cpu_seconds()
+    get_accelerator().synchronize()  # on a GPU: the window holds exactly its own kernels (no-op on CPU)
     start = time.perf_counter()
     if variant is not None:
         for _ in range(units):
             variant.unit()
+    get_accelerator().synchronize()
     local_wall = time.perf_counter() - start
     cpu = _cpu_seconds() - cpu_before
     wall = torch.tensor([local_wall], dtype=torch.float64)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from bench_models import MODELS, build_layers, fixed_data, loss_fn, model_layers
+from deepspeed.accelerator import get_accelerator
 from torch import nn
 
 STAGES = 2  # this machine has 2 cores: one per stage
@@ -69,10 +70,11 @@ class PlainBP:
 
     def __init__(self, model: str) -> None:
         torch.manual_seed(0)
-        self.module = nn.Sequential(*build_layers(model))
+        device = get_accelerator().current_device_name()  # the host on the CPU accelerator
+        self.module = nn.Sequential(*build_layers(model)).to(device)
         self.loss_fn = loss_fn(model)
         self.optimizer = torch.optim.SGD(self.module.parameters(), lr=LR, momentum=MOMENTUM)
-        self.data = itertools.cycle(fixed_data(model))
+        self.data = itertools.cycle([(x.to(device), y.to(device)) for x, y in fixed_data(model)])
         self.stats: dict[str, float] = {k: 0.0 for k in COMPUTE_KINDS}
         self.stage_id = 0
 

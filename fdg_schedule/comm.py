@@ -10,10 +10,37 @@ messages). Every wait is bounded by the configured timeout and names the neighbo
 
 Shapes and dtypes of activations travel once, before the first activation, in a small int64
 header (and before every activation when the module has ``dynamic_shape=True``).
+
+Note [three ways to wait]: :func:`choose_path` picks how tensors travel and how a stage waits,
+from the process group's backend and the stage's device:
+
+    path       backend, device        tensors travel          a wait                      timeout
+    BLOCKING   gloo, host memory      as they are             host waits for the work     work.wait(timeout)
+               (or another backend)
+    STAGED     gloo, an accelerator   through host memory     host waits, copies back     work.wait(timeout)
+    STREAM     nccl                   as they are (device)    the compute stream waits    a watchdog thread
+
+STREAM is what a GPU job runs: ``work.wait()`` without a timeout orders the compute stream after
+the transfer and returns at once, so the host keeps queuing kernels; the failure timeout is kept by
+:class:`~fdg_schedule.watchdog.Watchdog` (Note [a timeout without a blocking wait]) and send
+buffers stay referenced until their transfer completes (:class:`~fdg_schedule.watchdog.InFlightSends`).
+STAGED exists so that several ranks can share one GPU (NCCL refuses two ranks on one device), as
+the device check does; it synchronises every tick and is not for training. gloo jobs on host
+memory keep exactly the behaviour they always had. The STREAM path has not yet run on a GPU (no
+device was lent while it was written); docs/gpu.md says how to check it.
+
+Note [control words on the host]: the end-of-data word that travels with every activation, and
+the shape header, must be read on the host (they decide what the next instructions are). They are
+host-memory tensors on every path -- sent in the same batch as the data under gloo (or any
+backend on host memory), through a gloo group of all ranks beside NCCL (or any backend on an
+accelerator) -- so reading them (``guards.read_host``)
+waits for the neighbour's message, never for the device's queue.
 """
 
 from __future__ import annotations
 
+import enum
+import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -23,6 +50,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fdg_schedule.errors import FDGRuntimeError
+from fdg_schedule.guards import read_host
+from fdg_schedule.tensors import HOST
+from fdg_schedule.watchdog import InFlightSends, Watchdog
 
 _HEADER_INTS = 256
 _DTYPES = [
@@ -33,6 +63,45 @@ TAG = 0x0FD6  # FDG traffic never matches DeepSpeed's own (tag 0) point-to-point
 NO_END = -1  # the control word of an activation while data keeps coming
 
 Meta = list[tuple[torch.Size, torch.dtype]]
+
+
+class Path(enum.Enum):
+    """How tensors travel and a stage waits for them (Note [three ways to wait])."""
+
+    BLOCKING = "blocking"
+    STAGED = "staged"
+    STREAM = "stream"
+
+
+def choose_path(backend: str, device: torch.device) -> Path:
+    """The exchange path for a process group ``backend`` and the stage's ``device`` (Note [three ways to wait])."""
+    if backend == "nccl":
+        return Path.STREAM
+    if backend == "gloo" and device.type != HOST.type:
+        return Path.STAGED
+    return Path.BLOCKING
+
+
+_host_groups: dict[int, Any] = {}
+
+
+def needs_host_group(backend: str, device: torch.device) -> bool:
+    """Whether control words need a gloo group of their own: the data goes through a backend on an accelerator."""
+    return backend != "gloo" and device.type != HOST.type
+
+
+def host_group(backend: str, device: torch.device) -> Any:
+    """The group control words travel in (Note [control words on the host]): None for the default group,
+    or a gloo group of all ranks beside an accelerator backend (NCCL).
+
+    Creating it is collective: every rank builds its engine (and so calls this) at the same point.
+    """
+    if not needs_host_group(backend, device):
+        return None
+    key = id(dist.group.WORLD)
+    if key not in _host_groups:
+        _host_groups[key] = dist.new_group(backend="gloo")
+    return _host_groups[key]
 
 
 def meta_of(tensors: Sequence[Tensor]) -> Meta:
@@ -51,6 +120,7 @@ class NeighbourExchange:
         plan: the schedule of every stage around the current tick, as text, for errors that
             mean the stages disagree on it (a wait with no receive posted).
         describe: names a stage in error messages, given its stage id and global rank.
+        path: how to move and wait (default: :func:`choose_path` for the default group and ``device``).
     """
 
     def __init__(
@@ -63,7 +133,11 @@ class NeighbourExchange:
         timeout_s: float,
         plan: Callable[[], str] = lambda: "",
         describe: Callable[[int, int | None], str] = lambda stage, rank: f"stage {stage} (global rank {rank})",
+        path: Path | None = None,
     ) -> None:
+        self.path = choose_path(dist.get_backend(), device) if path is None else path
+        self.wire = HOST if self.path is Path.STAGED else device  # where tensors travel from and arrive in
+        self.host_group = host_group(dist.get_backend(), device)
         self.plan = plan
         self.prev_rank, self.next_rank = prev_rank, next_rank
         self.device, self.dynamic_shape = device, dynamic_shape
@@ -73,10 +147,12 @@ class NeighbourExchange:
         self.timeout = timedelta(seconds=timeout_s)
         self.sent_meta: Meta | None = None
         self.recv_meta: Meta | None = None
-        self._sends: list[tuple[dist.Work, str]] = []
+        self._sends: list[tuple[Any, str]] = []  # waited on the host before the next post
         self._send_refs: list[Tensor] = []
-        self._activation: tuple[list[dist.Work], list[Tensor]] | None = None
-        self._grad: tuple[list[dist.Work], list[Tensor], Tensor] | None = None
+        self._in_flight = InFlightSends()  # STREAM: sends nobody waits for
+        self.watchdog = Watchdog(timeout_s, self.describe) if self.path is Path.STREAM else None
+        self._activation: tuple[list[Any], list[Tensor]] | None = None  # works: dist.Work or HostWork
+        self._grad: tuple[list[Any], list[Tensor], Tensor] | None = None
 
     def post(
         self,
@@ -95,27 +171,42 @@ class NeighbourExchange:
         """
         if end != NO_END:
             activation = self._dummy_activation()
+        if self.watchdog is not None:
+            self.watchdog.raise_if_failed()
         self.wait_sends()
         self._exchange_headers(activation, recv_activation)  # shapes and dtypes as the stage made them
-        if activation is not None:
-            activation = [*(_wire(t) for t in activation), torch.tensor([end], dtype=torch.int64, device=self.device)]
-        to_prev = [] if grads is None else [*(g.contiguous() for g in grads), _loss_message(loss)]
-        to_next = [] if activation is None else activation
+        to_prev = [] if grads is None else [*(self._out(g) for g in grads), self._out(_loss_message(loss))]
+        to_next = [] if activation is None else [self._out(t) for t in activation]
+        word_out = [] if activation is None else [torch.tensor([end], dtype=torch.int64)]  # on the host
         from_prev: list[Tensor] = []
+        word_in: list[Tensor] = []
         if recv_activation:
             assert self.recv_meta is not None
-            from_prev = [torch.empty(s, dtype=_wire_dtype(d), device=self.device) for s, d in self.recv_meta]
-            from_prev.append(torch.empty(1, dtype=torch.int64, device=self.device))
+            from_prev = [torch.empty(s, dtype=_wire_dtype(d), device=self.wire) for s, d in self.recv_meta]
+            word_in = [torch.empty(1, dtype=torch.int64)]
         from_next: list[Tensor] = []
         if recv_grad_meta is not None:
-            from_next = [torch.empty(s, dtype=d, device=self.device) for s, d in recv_grad_meta]
-            from_next.append(torch.empty(1, dtype=torch.float32, device=self.device))
-        prev_works = self._batch(self.prev_rank, self._prev, to_prev, from_prev)
-        next_works = self._batch(self.next_rank, self._next, to_next, from_next)
+            from_next = [torch.empty(s, dtype=d, device=self.wire) for s, d in recv_grad_meta]
+            from_next.append(torch.empty(1, dtype=torch.float32, device=self.wire))
+        if self.host_group is None:  # Note [control words on the host]: one batch per neighbour
+            prev_works = self._batch(self.prev_rank, self._prev, to_prev, from_prev + word_in)
+            next_works = self._batch(self.next_rank, self._next, to_next + word_out, from_next)
+        else:
+            prev_works = self._batch(self.prev_rank, self._prev, to_prev, from_prev)
+            prev_works += self._batch(self.prev_rank, self._prev, [], word_in, self.host_group)
+            next_works = self._batch(self.next_rank, self._next, to_next, from_next)
+            self._batch(self.next_rank, self._next, word_out, [], self.host_group)
         if recv_activation:
-            self._activation = (prev_works, from_prev)
+            self._activation = (prev_works, from_prev + word_in)
         if recv_grad_meta is not None:
             self._grad = (next_works, from_next[:-1], from_next[-1])
+
+    def _out(self, t: Tensor) -> Tensor:
+        """``t`` as it travels: contiguous, bool as bytes, in host memory on the STAGED path."""
+        return _wire(t).to(self.wire)
+
+    def _in(self, t: Tensor) -> Tensor:
+        return t.to(self.device)
 
     def _dummy_activation(self) -> tuple[Tensor, ...]:
         if self.sent_meta is None:
@@ -125,19 +216,28 @@ class NeighbourExchange:
             )
         return tuple(torch.zeros(s, dtype=d, device=self.device) for s, d in self.sent_meta)
 
-    def _batch(self, peer: int | None, name: str, sends: list[Tensor], recvs: list[Tensor]) -> list[dist.Work]:
+    def _batch(
+        self, peer: int | None, name: str, sends: list[Tensor], recvs: list[Tensor], group: Any = None
+    ) -> list[Any]:
         """One batched exchange with one neighbour; returns the receives' works (sends are kept)."""
         if not sends and not recvs:
             return []
-        ops = [dist.P2POp(dist.isend, t, peer, tag=TAG) for t in sends]
-        ops += [dist.P2POp(dist.irecv, t, peer, tag=TAG) for t in recvs]
+        ops = [dist.P2POp(dist.isend, t, peer, group=group, tag=TAG) for t in sends]
+        ops += [dist.P2POp(dist.irecv, t, peer, group=group, tag=TAG) for t in recvs]
         try:
-            works = dist.batch_isend_irecv(ops)
+            works: list[Any] = list(dist.batch_isend_irecv(ops))
         except RuntimeError as err:
             raise self._failed(f"reaching {name}", err) from err
-        self._sends += [(w, name) for w in works[: len(sends)]]
-        self._send_refs += sends  # isend does not copy: keep the tensors alive until it completes
-        return list(works[len(sends) :])
+        if group is not None:  # Note [control words on the host]: waited on the host
+            works = [HostWork(w) for w in works]
+        send_works, recv_works = split_works(works, len(sends), len(recvs))
+        if self.watchdog is not None and group is None:  # stream-ordered: nobody waits for these sends
+            self.watchdog.watch(send_works, f"{name} to take what this stage sent")
+            self._in_flight.keep(send_works, sends)
+        else:
+            self._sends += [(w, name) for w in send_works]
+            self._send_refs += sends  # isend does not copy: keep the tensors alive until it completes
+        return recv_works
 
     def wait_activation(self) -> tuple[tuple[Tensor, ...], int]:
         """The activation posted for this tick and its control word (blocks until it has arrived)."""
@@ -147,7 +247,8 @@ class NeighbourExchange:
         self._activation = None
         self._wait(works, f"the activation from {self._prev}")
         assert self.recv_meta is not None
-        return tuple(_unwire(t, d) for t, (_, d) in zip(bufs, self.recv_meta)), int(bufs[-1].item())
+        tensors = tuple(self._in(_unwire(t, d)) for t, (_, d) in zip(bufs, self.recv_meta))
+        return tensors, read_host(bufs[-1])[0]  # Note [control words on the host]
 
     def wait_grad(self) -> tuple[tuple[Tensor, ...], Tensor]:
         """The gradients and carried loss posted for this tick (blocks until they have arrived)."""
@@ -156,13 +257,15 @@ class NeighbourExchange:
         works, grads, loss = self._grad
         self._grad = None
         self._wait(works, f"the gradient from {self._next}")
-        return tuple(grads), loss[0]
+        return tuple(self._in(g) for g in grads), self._in(loss)[0]
 
     def wait_sends(self) -> None:
+        """Wait for the host-waited sends; let go of stream-ordered send buffers whose transfer completed."""
         while self._sends:
             work, name = self._sends.pop(0)
             self._wait([work], f"{name} to take what this stage sent")
         self._send_refs = []
+        self._in_flight.release_completed()
 
     def complete(self) -> None:
         """Wait for everything posted: sends, and receives (kept for the next tick's waits)."""
@@ -172,9 +275,22 @@ class NeighbourExchange:
         if self._grad is not None:
             self._wait(self._grad[0], f"the gradient from {self._next}")
 
+    def settle(self) -> None:
+        """Until every stream-ordered send has completed (polled, bounded by the timeout): before a checkpoint."""
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        self._in_flight.release_completed()
+        while self._in_flight.held():
+            if self.watchdog is not None:
+                self.watchdog.raise_if_failed()
+            if time.monotonic() > deadline:
+                raise self._failed("waiting for the sends to complete", TimeoutError("stream-ordered sends"))
+            time.sleep(0.001)
+            self._in_flight.release_completed()
+
     def received(self) -> dict[str, Any]:
         """What arrived for the next tick and the shape headers, after :meth:`complete` (for checkpoints)."""
-        if self._sends or any(p is not None and p[0] for p in (self._activation, self._grad)):
+        self.settle()
+        if self._sends or self._in_flight.held() or any(p is not None and p[0] for p in (self._activation, self._grad)):
             raise FDGRuntimeError(f"{self.describe}: messages still in flight; complete() the exchange first")
         return {
             "activation": None if self._activation is None else self._activation[1],
@@ -186,7 +302,7 @@ class NeighbourExchange:
     def restore_received(self, state: dict[str, Any] | None) -> None:
         """Undo :meth:`received` in a new process (or forget everything with None)."""
         state = state or {"activation": None, "grad": None, "sent_meta": None, "recv_meta": None}
-        self._sends, self._send_refs = [], []
+        self._sends, self._send_refs, self._in_flight = [], [], InFlightSends()
         self.sent_meta, self.recv_meta = state["sent_meta"], state["recv_meta"]
         self._activation = None if state["activation"] is None else ([], list(state["activation"]))
         grad = state["grad"]
@@ -203,11 +319,14 @@ class NeighbourExchange:
         if send:
             assert activation is not None
             self.sent_meta = meta_of(activation)
-            ops.append(dist.P2POp(dist.isend, _encode(self.sent_meta).to(self.device), self.next_rank, tag=TAG))
-        header = torch.empty(_HEADER_INTS, dtype=torch.int64, device=self.device)
+            ops.append(dist.P2POp(dist.isend, _encode(self.sent_meta), self.next_rank, self.host_group, TAG))
+        header = torch.empty(_HEADER_INTS, dtype=torch.int64)  # Note [control words on the host]
         if recv:
-            ops.append(dist.P2POp(dist.irecv, header, self.prev_rank, tag=TAG))
-        self._wait(dist.batch_isend_irecv(ops), f"the activation header from {self._prev}")
+            ops.append(dist.P2POp(dist.irecv, header, self.prev_rank, self.host_group, TAG))
+        works: list[Any] = list(dist.batch_isend_irecv(ops))
+        if self.host_group is not None:
+            works = [HostWork(w) for w in works]
+        self._wait(works, f"the activation header from {self._prev}")
         if recv:
             self.recv_meta = _decode(header)
 
@@ -219,11 +338,24 @@ class NeighbourExchange:
                 "PipelineModule with dynamic_shape=True to send varying shapes (costs one header per tick)"
             )
 
-    def _wait(self, works: list[dist.Work], what: str) -> None:
-        """Wait for and forget each work (a gloo receive waited twice waits for a second message)."""
+    def _wait(self, works: list[Any], what: str) -> None:
+        """Wait for and forget each work (a gloo receive waited twice waits for a second message).
+
+        STREAM: a device transfer's ``wait()`` orders the compute stream after it and returns; the
+        watchdog keeps its timeout (Note [a timeout without a blocking wait]). Host messages (gloo)
+        are waited for on the host, bounded by the timeout, on every path.
+        """
+        if self.watchdog is not None:
+            self.watchdog.raise_if_failed()
+            stream_ordered = [w for w in works if not _is_host_work(w)]
+            self.watchdog.watch(stream_ordered, what)
         while works:
+            work = works.pop(0)
             try:
-                works.pop(0).wait(timeout=self.timeout)
+                if self.watchdog is not None and not _is_host_work(work):
+                    work.wait()
+                else:
+                    work.wait(timeout=self.timeout)
             except RuntimeError as err:
                 raise self._failed(f"waiting for {what}", err) from err
 
@@ -232,6 +364,36 @@ class NeighbourExchange:
             f"{self.describe}: gave up {doing} (timeout {self.timeout.total_seconds():g} s): that rank failed, was "
             f"killed or stopped sending -- see its log (the wait is pipeline.fdg.timeout) [{err}]"
         )
+
+
+class HostWork:
+    """A work of the host group under STREAM (control words): waited on the host, with the timeout."""
+
+    def __init__(self, work: dist.Work) -> None:
+        self.work = work
+
+    def wait(self, timeout: timedelta) -> bool:
+        return self.work.wait(timeout=timeout)
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
+def split_works(works: list[Any], sends: int, recvs: int) -> tuple[list[Any], list[Any]]:
+    """The works of a batch's sends and of its receives.
+
+    gloo returns one work per operation, in order. NCCL coalesces the whole batch into one work
+    (``batch_isend_irecv``'s coalescing manager): it stands for the sends and for the receives.
+    """
+    if len(works) == sends + recvs:
+        return works[:sends], works[sends:]
+    if len(works) != 1:
+        raise FDGRuntimeError(f"batch_isend_irecv returned {len(works)} works for {sends + recvs} operations")
+    return (works if sends else []), (works if recvs else [])
+
+
+def _is_host_work(work: Any) -> bool:
+    return isinstance(work, HostWork)
 
 
 def _loss_message(loss: Tensor | None) -> Tensor:
@@ -262,7 +424,7 @@ def _encode(meta: Meta) -> Tensor:
 
 
 def _decode(header: Tensor) -> Meta:
-    ints = header.tolist()
+    ints = read_host(header)
     meta, i = [], 1
     for _ in range(ints[0]):
         dtype, ndim = _DTYPES[ints[i]], ints[i + 1]

@@ -14,6 +14,7 @@ The public keys::
         "staleness_every": 100,       # measure ||w_fwd - w_bwd|| / ||w|| every N ticks; 0 = off
         "nonfinite": "error",         # "error" | "skip": a non-finite loss or gradient on a stage
         "timeout": 60,                # seconds a stage waits for a neighbour before failing
+        "check_every": 0,             # ticks between host reads of the non-finite flags; 0 = once per call
         "trace": null                 # {"start_tick": 0, "ticks": 64, "dir": "fdg_trace"}: a timeline
       }
     }
@@ -86,6 +87,11 @@ class FDGConfig:
     """Seconds a stage waits for a neighbour's message before it fails with an error naming the
     neighbour (a rank that died or stopped sending)."""
 
+    check_every: int = 0
+    """Ticks between host reads of the non-finite flags (Note [no host sync in a tick] in
+    :mod:`fdg_schedule.guards`): 0 reads them once, at the end of each ``train_batch()`` / ``drain()``
+    call; N >= 1 also every N ticks inside a call (an earlier stop, one host synchronisation each)."""
+
     trace: Mapping[str, Any] | None = None
     """Opt-in timeline of per-stage events: ``{"start_tick": 0, "ticks": 64, "dir": "fdg_trace"}``
     (any key may be omitted); None records nothing."""
@@ -129,6 +135,12 @@ class FDGConfig:
         if not self.timeout > 0:
             raise FDGConfigError(
                 f"timeout must be > 0 seconds, got {self.timeout!r} (pipeline.fdg.timeout in ds_config)"
+            )
+        _check_number("check_every", self.check_every, int)
+        if self.check_every < 0:
+            raise FDGConfigError(
+                f"check_every must be an integer >= 0, got {self.check_every!r} (pipeline.fdg.check_every in "
+                "ds_config); 0 reads the non-finite flags once per train_batch() call"
             )
         if self.trace is not None:
             object.__setattr__(self, "trace", _check_trace(self.trace))

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from fdg_schedule import rng
 from fdg_schedule.config import FDGConfig
 from fdg_schedule.errors import FDGRuntimeError
 
@@ -45,7 +46,7 @@ class Held:
     """What is kept for one micro-batch in flight on one stage (the stage's state owns it between ticks)."""
 
     weights: list[Tensor] | None = None  # weights="stashed": the forward's weights
-    rng_state: tuple[Tensor, Tensor | None] | None = None  # RNG state the forward started from
+    rng_state: tuple[Tensor, Tensor | None] | None = None  # host and accelerator RNG state the forward started from
     saved: list[Tensor] | None = None  # activations="stored": what autograd saved, in order
 
     def nbytes(self) -> int:
@@ -77,7 +78,7 @@ class DelayedBackward:
         """Run ``run()`` (the stage forward); returns its outputs and what its backward needs (None: no delay)."""
         if not self.delayed:  # the backward follows at once: plain autograd
             return run(), None
-        held = Held(rng_state=_rng_state())
+        held = Held(rng_state=rng.capture())
         if self.stash:
             held.weights = [p.detach().clone() for p in self.params]
         if self.recompute:
@@ -96,7 +97,7 @@ class DelayedBackward:
         assert held.saved is not None and held.rng_state is not None
         saved, held.saved = held.saved, []
         replaced = _saved_tensors_read_live(held, self.state_storages, replace=iter(saved))
-        with _replayed_rng(held.rng_state), _buffers_kept(self.module), replaced:
+        with rng.replayed(held.rng_state), _buffers_kept(self.module), replaced:
             outputs = run()
         if len(held.saved) != len(saved):
             raise FDGRuntimeError(
@@ -118,7 +119,7 @@ class DelayedBackward:
                 yield stored_outputs
                 return
             assert held.rng_state is not None
-            with _replayed_rng(held.rng_state), _buffers_kept(self.module):
+            with rng.replayed(held.rng_state), _buffers_kept(self.module):
                 yield run()  # the backward runs in here, before the buffers are put back
 
     @contextlib.contextmanager
@@ -180,22 +181,6 @@ def _saved_tensors_read_live(
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield
-
-
-def _rng_state() -> tuple[Tensor, Tensor | None]:
-    device = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), device
-
-
-@contextlib.contextmanager
-def _replayed_rng(state: tuple[Tensor, Tensor | None]) -> Iterator[None]:
-    cpu, device = state
-    devices = [torch.cuda.current_device()] if device is not None else []
-    with torch.random.fork_rng(devices=devices):
-        torch.set_rng_state(cpu)
-        if device is not None:
-            torch.cuda.set_rng_state(device)
         yield
 
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.pipe.engine import PipelineEngine
-from deepspeed.runtime.pipe.schedule import PipeInstruction
+from deepspeed.runtime.pipe.schedule import PipeInstruction, ReduceGrads
 from deepspeed.utils import logger
 from torch import Tensor
 
@@ -34,6 +34,7 @@ from fdg_schedule.comm import NO_END, NeighbourExchange, meta_of
 from fdg_schedule.config import FDGConfig
 from fdg_schedule.delayed import DelayedBackward
 from fdg_schedule.errors import DataExhausted, FDGRuntimeError
+from fdg_schedule.replicas import Replicas
 from fdg_schedule.report import report_call, stop_backward_timers
 from fdg_schedule.schedule import OPS, FDGTrainSchedule, Kind
 from fdg_schedule.stage_state import StageState
@@ -60,8 +61,9 @@ class FDGPipelineEngine(PipelineEngine):
         rank = lambda stage: self.grid.stage_to_global(stage) if 0 <= stage < self.num_stages else None  # noqa: E731
         self._exchange = NeighbourExchange(
             rank(self.stage_id - 1), rank(self.stage_id + 1), self.device, self.dynamic_shape, self.stage_id,
-            timeout_s=fdg_config.timeout, plan=self._plan,
+            timeout_s=fdg_config.timeout, plan=self._plan, describe=self._describe,
         )  # fmt: skip
+        self._replicas = Replicas(self.grid, self.stage_id, fdg_config.timeout, self._where())
         delayed = not self.is_last_stage()
         self._delayed = DelayedBackward(self.module, fdg_config, delayed=delayed)
         params, every = self._delayed.params, fdg_config.staleness_every
@@ -70,6 +72,7 @@ class FDGPipelineEngine(PipelineEngine):
             corrections=Corrections(params, self.num_stages, self.stage_id, fdg_config),
             meter=StalenessMeter(params, every, delayed),
         )  # fmt: skip
+        self._watch = guards.NonFiniteWatch()  # Note [no host sync in a tick]
         self._running: FDGTrainSchedule | None = None  # the call in progress: told when the data ends
         # Counters, seconds spent per kind of instruction ("<kind>_s", see schedule.Kind), and the
         # latest staleness measured (NaN until then; the last stage's is 0 by definition).
@@ -228,6 +231,7 @@ class FDGPipelineEngine(PipelineEngine):
         dp_id, log = self.grid.data_parallel_id, self.global_rank == 0
         saved = checkpoint.load(load_dir, tag, self.stage_id, dp_id, self._identity(), log=log, device=self.device)
         self.fdg_state.reset()
+        self._watch.clear()
         if saved is None:  # Note [what a layout change keeps] in fdg_schedule.checkpoint
             tick, delta = checkpoint.carried(load_dir, tag, self.stage_id, self.num_stages)
             self.fdg_state.tick = tick
@@ -263,6 +267,15 @@ class FDGPipelineEngine(PipelineEngine):
             self._exec_schedule(plan)
         finally:
             self._running = None
+        limit = self.fdg_state.segment_limit
+        try:
+            self._watch.check(self._where())  # the call's one host read (Note [no host sync in a tick])
+        except guards.NonFiniteError as err:
+            others = self._replicas.agree(limit, failed=err.what)  # Note [replicas end together]
+            if others:
+                raise guards.NonFiniteError(f"{err}; {others}", err.what) from err
+            raise
+        self._replicas.agree(limit)
         wait_start = time.perf_counter()
         self._exchange.complete()
         self.fdg_stats["wait_s"] += time.perf_counter() - wait_start
@@ -309,7 +322,8 @@ class FDGPipelineEngine(PipelineEngine):
         losses = self.fdg_state.call_losses
         loss = torch.stack(losses).mean() if losses else torch.tensor(math.nan, device=self.device)
         if self.is_data_parallel:  # stage-local: the data-parallel peers of this stage only
-            dist.all_reduce(loss, group=self.grid.get_data_parallel_group())
+            with self._replicas.collective("the loss all-reduce"):
+                dist.all_reduce(loss, group=self.grid.get_data_parallel_group())
             loss /= self.dp_world_size
         return loss
 
@@ -378,8 +392,8 @@ class FDGPipelineEngine(PipelineEngine):
     def _exec_fdg_backward(self, buffer_id: int, micro_batch: int) -> None:
         if self.is_last_stage():
             loss = self.fdg_state.losses.pop(buffer_id)
-            if not guards.finite(loss.detach()):
-                self._non_finite("loss", micro_batch)
+            if self.fdg_config.nonfinite == "error":  # under "skip" the gradient's check skips the step
+                self._watch.record("loss", loss, self.global_steps, micro_batch)
             # One micro-batch per tick: no division by gradient_accumulation_steps.
             DeepSpeedEngine.backward(self, loss / self.fdg_config.accumulate, scale_wrt_gas=False)
             carried = loss.detach().float()
@@ -399,23 +413,17 @@ class FDGPipelineEngine(PipelineEngine):
             self.pipe_buffers[key][buffer_id] = None
 
     def _exec_reduce_grads(self) -> None:
+        """DeepSpeed's gradient all-reduce among this stage's replicas, bounded (Note [replicas end together])."""
         # Note [gradient reduce with one data-parallel rank]: skip the identity all-reduce every tick.
         if not (self._reduce_is_identity and optim.fill_missing_grads(self.module)):
-            super()._exec_reduce_grads()
+            with self._replicas.collective("the gradient all-reduce"):
+                super()._exec_reduce_grads()
 
     def _exec_local_optimizer_step(self) -> None:
         wrapped = self.bfloat16_enabled() or self.zero_optimization()
         self._force_grad_boundary = True
         try:
-            # The bf16 and ZeRO wrappers check (and skip) non-finite steps themselves.
-            finite = True
-            if not wrapped:
-                # one host read serves the finite check and get_global_grad_norm() (this stage's own norm)
-                norm = optim.clip_stage_local(self.module.parameters(), self.gradient_clipping()).item()
-                finite = math.isfinite(norm)
-                self._global_grad_norm = norm
-            if finite:  # with the delay-aware lr; delta follows the step (fdg_schedule.staleness)
-                finite = self.fdg_state.corrections.step(self.optimizer, self.fdg_state.tick, self._optimizer_step)
+            finite = self._step(wrapped)
             self.optimizer.zero_grad() if wrapped else self.zero_grad()
         finally:
             self._force_grad_boundary = False
@@ -426,6 +434,24 @@ class FDGPipelineEngine(PipelineEngine):
         else:
             self.skipped_steps += 1  # as DeepSpeed counts an overflow step
             self._non_finite("gradient")
+
+    def _step(self, wrapped: bool) -> bool:
+        """One optimizer step of this stage, with the delay-aware lr (fdg_schedule.staleness); False when it was
+        skipped for a non-finite gradient.
+
+        Note [no host sync in a tick]: under ``nonfinite="error"`` the stage norm's check is queued
+        and the step taken (the run stops at the next read); only ``"skip"`` reads it before stepping.
+        The bf16 and ZeRO wrappers check (and skip) non-finite steps themselves, inside DeepSpeed.
+        """
+        if not wrapped:
+            norm = optim.clip_stage_local(self.module.parameters(), self.gradient_clipping())
+            self._global_grad_norm = norm  # get_global_grad_norm(): this stage's own norm, left on the device
+            if self.fdg_config.nonfinite == "skip":
+                if not guards.finite(norm):
+                    return False
+            else:
+                self._watch.record("gradient", norm, self.global_steps)
+        return self.fdg_state.corrections.step(self.optimizer, self.fdg_state.tick, self._optimizer_step)
 
     def _optimizer_step(self) -> bool:
         """One step of the optimizer DeepSpeed built; False when it skipped it (a wrapper's overflow check)."""
@@ -462,6 +488,9 @@ class FDGPipelineEngine(PipelineEngine):
         if self.lr_scheduler is not None and ticks.scheduler_steps_after(self.global_steps, self.fdg_config.accumulate):
             self.lr_scheduler.step()  # Note [learning rate per optimizer step]
         self.fdg_stats["ticks"] += 1
+        every = self.fdg_config.check_every
+        if every and self.global_steps % every == 0:
+            self._watch.check(self._where())
 
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,
@@ -474,6 +503,7 @@ class FDGPipelineEngine(PipelineEngine):
         schedule.LocalOptimizerStep: _exec_local_optimizer_step,
         schedule.Exchange: _exec_exchange,
         schedule.AdvanceTick: _exec_advance_tick,
+        ReduceGrads: _exec_reduce_grads,
     }
 
     # -- helpers --------------------------------------------------------------------------------
@@ -498,7 +528,12 @@ class FDGPipelineEngine(PipelineEngine):
         self.fdg_stats["skipped"] += what == "gradient"
 
     def _where(self) -> str:
-        return f"stage {self.stage_id} (global rank {self.global_rank})"
+        return self._describe(self.stage_id, self.global_rank)
+
+    def _describe(self, stage: int, rank: int | None) -> str:
+        """A stage of this pipeline replica in messages: ``stage 1 (global rank 3, data-parallel replica 1)``."""
+        replica = f", data-parallel replica {self.grid.data_parallel_id}" if self.dp_world_size > 1 else ""
+        return f"stage {stage} (global rank {rank}{replica})"
 
     def _stage_forward(self, inputs: Any) -> Any:
         # A clone, as in DeepSpeed: layers may write into their input; the buffer stays the leaf.

@@ -14,7 +14,10 @@ no hostfile, no port to pick::
 
 The function must be importable by name (defined at module level in a ``.py`` file, not in a
 notebook cell): each rank is a fresh ``spawn``-ed process. Each rank gets ``RANK``, ``LOCAL_RANK``,
-``WORLD_SIZE`` set, ``threads`` CPU threads, ``DS_ACCELERATOR=cpu`` unless set, and DeepSpeed's
+``WORLD_SIZE`` set (``LOCAL_RANK`` is the rank modulo ``FDG_LAUNCH_DEVICES`` when that is set: ``1``
+puts every rank on device 0, as the device check does on a one-GPU machine; ``FDG_LAUNCH_BACKEND``
+replaces gloo, e.g. ``nccl`` with one rank per GPU), ``threads`` CPU threads,
+``DS_ACCELERATOR=cpu`` unless set, and DeepSpeed's
 process group over gloo with a ``file://`` rendezvous in ``workdir`` (no port collisions). Return
 values travel back through ``torch.save`` (tensors are fine). A rank that raises, dies, or does not
 finish within ``deadline_s`` makes :func:`run` kill the others and raise :class:`RankFailed` with the
@@ -159,7 +162,8 @@ def _rank_main(
     faulthandler.dump_traceback_later(dump_after_s, exit=False)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.update(
-        OMP_NUM_THREADS=str(threads), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS=str(threads), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank % int(os.environ.get("FDG_LAUNCH_DEVICES", world_size))),
         LOCAL_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=_MASTER_PORT,
     )  # fmt: skip
     try:
@@ -168,7 +172,7 @@ def _rank_main(
 
         torch.set_num_threads(threads)
         deepspeed.init_distributed(
-            dist_backend="gloo",
+            dist_backend=os.environ.get("FDG_LAUNCH_BACKEND", "gloo"),  # "nccl": the device check, one rank per GPU
             init_method=f"file://{init_file}",
             rank=rank,
             world_size=world_size,

@@ -80,6 +80,7 @@ def clip_stage_local(parameters: Iterable[nn.Parameter], clip: float) -> Tensor:
     """Clip the gradients to norm ``clip`` (0: no clipping) by this stage's own norm; returns the norm before clipping.
 
     For plain torch optimizers: DeepSpeed's ``clip_fp32_gradients`` would all-reduce the norm across stages.
+    The norm stays on the device (Note [no host sync in a tick] in :mod:`fdg_schedule.guards`).
     """
     params = list(parameters)
     if clip > 0:

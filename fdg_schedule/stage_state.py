@@ -34,10 +34,9 @@ import collections
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import Tensor
 
-from fdg_schedule import ticks
+from fdg_schedule import rng, ticks
 from fdg_schedule.comm import Meta, NeighbourExchange
 from fdg_schedule.config import FDGConfig
 from fdg_schedule.delayed import Held
@@ -172,13 +171,12 @@ class StageState:
 
 
 def rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
+    """Host and accelerator generator states (:mod:`fdg_schedule.rng`), as a checkpoint keeps them."""
+    host, device = rng.capture()
+    return {"host": host, "device": device}
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    if "host" not in state:  # an earlier version of this package wrote {"cpu": ..., "cuda": ...}
+        state = {"host": state["cpu"], "device": state.get("cuda")}
+    rng.restore((state["host"], state["device"]))

@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+HOST = torch.device("cpu")  # host memory (gloo moves bytes from there; control words live there)
+
 
 def as_tuple(x: Any) -> tuple[Any, ...]:
     return tuple(x) if isinstance(x, (tuple, list)) else (x,)
@@ -66,6 +68,8 @@ def on_cpu(x: Any) -> Any:
         return x.cpu()
     if isinstance(x, dict):
         return {k: on_cpu(v) for k, v in x.items()}
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a named tuple, e.g. rng.RngState
+        return type(x)(*(on_cpu(t) for t in x))
     if isinstance(x, (tuple, list)):
         return type(x)(on_cpu(t) for t in x)
     return x

@@ -25,6 +25,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 import torch
+from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.pipe.schedule import ReduceGrads
 
 from fdg_schedule import ticks
@@ -54,6 +55,8 @@ METRICS = {
     "fdg/loss": "mean loss of the micro-batches back-propagated in the call (what train_batch() returned)",
     "fdg/loss_last": "loss of the newest micro-batch back-propagated in the call",
     "fdg/loss_micro_batch": "run-wide index of that micro-batch (0 = the first that entered stage 0)",
+    "fdg/memory_allocated": "bytes allocated on the stage's device now (DeepSpeed's accelerator API; RSS on CPU)",
+    "fdg/max_memory_allocated": "peak bytes allocated on the stage's device so far (the same; peak RSS on CPU)",
 }
 
 _hint_printed = False
@@ -208,22 +211,24 @@ class StageTracker:
             "fdg/in_flight": engine.in_flight(),
             "fdg/steps": int(stats["steps"]),
             "fdg/skipped": int(stats.get("skipped", 0)),
+            "fdg/memory_allocated": get_accelerator().memory_allocated(),
+            "fdg/max_memory_allocated": get_accelerator().max_memory_allocated(),
         }
+        on_device = {"fdg/loss": engine.agg_train_loss}
         staleness = stats.get("staleness", math.nan)
         if not math.isnan(staleness):  # measured every pipeline.fdg.staleness_every ticks
             row["fdg/staleness"] = staleness
         if engine.fdg_config.delay_lr_ticks:
             row["fdg/lr_factor"] = engine.fdg_state.corrections.lr_factor(engine.fdg_state.tick - 1)
         if self._grad_norm is not None:
-            row["fdg/grad_norm"] = self._grad_norm.item()
-        loss = engine.agg_train_loss.item()
-        if not math.isnan(loss):
-            row["fdg/loss"] = loss
+            on_device["fdg/grad_norm"] = self._grad_norm
         if self._last_loss is not None:
-            micro_batch, last = self._last_loss
-            row["fdg/loss_last"] = last.item()
+            micro_batch, on_device["fdg/loss_last"] = self._last_loss
             row["fdg/loss_micro_batch"] = micro_batch
             self._last_loss = None
+        # One host read for the call's device values (Note [no host sync in a tick] in fdg_schedule.guards).
+        values = torch.stack([t.detach().float().reshape(()) for t in on_device.values()]).tolist()
+        row.update((key, value) for key, value in zip(on_device, values) if not math.isnan(value) or key != "fdg/loss")
         return row
 
     def close(self) -> None:

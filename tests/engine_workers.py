@@ -16,7 +16,10 @@ import toy
 from deepspeed.pipe import PipelineModule
 
 # The pipeline.fdg keys a test case may set (the same keys build the reference's FDGConfig).
-FDG_KEYS = ("grad_shrink", "weights", "activations", "accumulate", "delay_lr_ticks", "predict_decay", "staleness_every")
+FDG_KEYS = (
+    "grad_shrink", "weights", "activations", "accumulate", "delay_lr_ticks", "predict_decay", "staleness_every",
+    "check_every", "nonfinite",
+)  # fmt: skip
 
 
 def ds_config(case: dict[str, Any]) -> dict[str, Any]:
@@ -70,7 +73,7 @@ def build(case: dict[str, Any], world: int, import_fdg: bool = True):
     initialize = deepspeed.initialize if import_fdg else stock
     stages = case["stages"]
     model = PipelineModule(
-        layers=toy.layers(batch_norm=case.get("batch_norm", False), dropout=case.get("dropout", 0.0)),
+        layers=toy.layers(batch_norm=case.get("batch_norm", False), dropout=case.get("dropout")),
         num_stages=stages,
         loss_fn=toy.loss_fn,
         partition_method="uniform",
@@ -102,8 +105,11 @@ def build(case: dict[str, Any], world: int, import_fdg: bool = True):
 
 
 def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The stage's weights and buffers, in fp32, in host memory (compared with the reference there)."""
+    host = torch.device("cpu")
     return {
-        k: (v.detach().float() if v.is_floating_point() else v.detach()).clone() for k, v in model.state_dict().items()
+        k: (v.detach().float() if v.is_floating_point() else v.detach()).to(host, copy=True)
+        for k, v in model.state_dict().items()
     }
 
 
@@ -289,13 +295,15 @@ def swap(rank: int, world: int, case: dict[str, Any], save_dir: str, phase: str)
 
 
 class Saboteur(torch.nn.Module):
-    """Identity until its ``trigger``-th forward, then dies, raises, hangs or returns inf."""
+    """Identity until its ``trigger``-th forward, then dies, raises, hangs or returns inf (only on ``ranks``)."""
 
-    def __init__(self, trigger: int, how: str) -> None:
+    def __init__(self, trigger: int, how: str, ranks: list[int] | None = None) -> None:
         super().__init__()
-        self.trigger, self.how, self.calls = trigger, how, 0
+        self.trigger, self.how, self.calls, self.ranks = trigger, how, 0, ranks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ranks is not None and dist.get_rank() not in self.ranks:
+            return x
         self.calls += 1
         if self.calls == self.trigger:
             if self.how == "die":
@@ -312,23 +320,26 @@ class Saboteur(torch.nn.Module):
 
 
 def failure(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
-    """K=2; stage 1 misbehaves at its ``trigger``-th forward. Report how this rank ended."""
+    """K=2 (world/2 data-parallel replicas); stage 1 misbehaves at its ``trigger``-th forward (on
+    ``ranks`` only, when given); replica r reads ``lengths[r]`` micro-batches. Report how this rank ended."""
     import fdg_schedule
 
     layers = toy.layers()
-    layers.insert(8, Saboteur(case["trigger"], case["how"]))  # on the last stage, before the output layer
+    saboteur = Saboteur(case["trigger"], case["how"], case.get("ranks"))
+    layers.insert(8, saboteur)  # on the last stage, before the output layer
     model = PipelineModule(layers=layers, num_stages=2, loss_fn=toy.loss_fn, partition_method="uniform")
     cfg = ds_config({"gas": 2, "grad_shrink": 0.5})
     cfg["pipeline"]["fdg"].update(timeout=case.get("timeout", 60), nonfinite=case.get("nonfinite", "error"))
     engine, *_ = deepspeed.initialize(model=model, config=cfg, optimizer=make_optimizer({}),
                                       model_parameters=model.parameters())  # fmt: skip
-    it = iter(toy.micro_batches(40, 4))
+    it = iter(toy.micro_batches(case.get("lengths", {}).get(model._grid.data_parallel_id, 40), 4))
     start = time.monotonic()
     try:
         for _ in range(case.get("calls", 6)):
             engine.train_batch(it)
-    except (fdg_schedule.FDGRuntimeError, ValueError) as err:
-        return {"error": str(err), "seconds": time.monotonic() - start, "stage_id": engine.stage_id}
+    except (fdg_schedule.FDGRuntimeError, ValueError, fdg_schedule.DataExhausted) as err:
+        error = f"{type(err).__name__}: {err}" if isinstance(err, StopIteration) else str(err)
+        return {"error": error, "seconds": time.monotonic() - start, "stage_id": engine.stage_id}
     finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
     return {"error": None, "skipped": engine.fdg_stats["skipped"], "steps": engine.fdg_stats["steps"],
             "finite": finite, "stage_id": engine.stage_id, "skipped_steps": engine.skipped_steps}  # fmt: skip
@@ -421,3 +432,81 @@ def interrupted_save(rank: int, world: int, save_dir: str) -> dict[str, Any]:
     except Exception as err:  # noqa: BLE001 - the neighbour vanished mid-save
         return {"error": f"{type(err).__name__}: {err}"}
     return {"error": None}
+
+
+# -- host reads during ticks ------------------------------------------------------------------------
+
+HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy")
+
+
+def host_reads(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Fill the pipeline, then record every host read of a tensor made inside the next calls' ticks.
+
+    Every method in HOST_READS is patched on ``torch.Tensor`` while ``_exec_schedule`` runs (the
+    ticks; not the call's end, where the flags are read). ``guards.read_host`` -- the exchange's one
+    sanctioned read, of the control word in host memory -- is counted separately with what it read.
+    Not recorded: reads of torch optimizers' ``step`` counters, which torch keeps in host memory on
+    every device (unless ``capturable``) precisely so that reading them never synchronises.
+    """
+    out = []
+    for case in cases:
+        torch.manual_seed(1234)
+        engine, model, data = build(case, world)
+        it = iter(data)
+        for _ in range(2):  # fill: the first tick's header is exchanged once
+            engine.train_batch(it)
+        out.append({**_recorded_calls(engine, it, case.get("measured_calls", 2)), "stage_id": engine.stage_id})
+    return out
+
+
+def _recorded_calls(engine: Any, it: Any, calls: int) -> dict[str, Any]:
+    import traceback
+
+    from fdg_schedule import comm
+
+    host_kept = {id(s["step"]) for s in engine.optimizer.state.values() if torch.is_tensor(s.get("step"))}
+    recording = [False]
+    seen: list[tuple[str, str]] = []
+    control_words: list[tuple[tuple[int, ...], str]] = []
+    originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+
+    def wrap(name, fn):
+        def recorded(self, *args, **kwargs):
+            if recording[0] and id(self) not in host_kept:
+                seen.append((name, "".join(traceback.format_stack(limit=8)[:-1])))
+            return fn(self, *args, **kwargs)
+
+        return recorded
+
+    sanctioned = comm.read_host
+
+    def read_control_word(t):
+        control_words.append((tuple(t.shape), str(t.dtype)))
+        recording[0] = False
+        try:
+            return sanctioned(t)
+        finally:
+            recording[0] = True
+
+    run_ticks = engine._exec_schedule
+
+    def ticks_recorded(plan):
+        recording[0] = True
+        try:
+            run_ticks(plan)
+        finally:
+            recording[0] = False
+
+    engine._exec_schedule = ticks_recorded
+    comm.read_host = read_control_word
+    for name, fn in originals.items():
+        setattr(torch.Tensor, name, wrap(name, fn))
+    try:
+        ticks_before = engine.global_steps
+        for _ in range(calls):
+            engine.train_batch(it)
+    finally:
+        for name, fn in originals.items():
+            setattr(torch.Tensor, name, fn)
+        comm.read_host = sanctioned
+    return {"seen": seen, "control_words": control_words, "ticks": engine.global_steps - ticks_before}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from dist_harness import run_ranks
@@ -57,3 +59,108 @@ def test_a_wait_with_no_receive_posted_prints_every_stages_plan(one_rank_group: 
     with pytest.raises(FDGRuntimeError, match="no activation receive was posted") as failed:
         comm.wait_activation()
     assert "> A0 L1 F0 B0 R S X[sg,ra] T+ <" in str(failed.value)  # stage 1's cell at tick 1, marked
+
+
+# -- the path and the stream-ordered machinery, without NCCL (Note [three ways to wait]) ------------
+
+
+@pytest.mark.parametrize(
+    "backend,device,path",
+    [
+        ("gloo", "cpu", "blocking"),  # today's behaviour, unchanged
+        ("gloo", "cuda", "staged"),  # several ranks on one GPU: gloo moves host memory
+        ("nccl", "cuda", "stream"),
+        ("ccl", "xpu", "blocking"),  # a backend this package does not know: host waits, as on gloo
+    ],
+)
+def test_the_path_follows_backend_and_device(backend: str, device: str, path: str) -> None:
+    from fdg_schedule.comm import choose_path, needs_host_group
+
+    assert choose_path(backend, torch.device(device)).value == path
+    # control words beside the data unless the data goes through a backend on an accelerator
+    assert needs_host_group(backend, torch.device(device)) == (backend != "gloo" and device != "cpu")
+
+
+class FakeWork:
+    """A stream-ordered work as the watchdog sees it: only ``is_completed()`` (NCCL cannot run here)."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+def test_watchdog_fails_the_stage_when_a_transfer_outlives_the_timeout() -> None:
+    from fdg_schedule.errors import FDGRuntimeError
+    from fdg_schedule.watchdog import Watchdog
+
+    stuck: list[FDGRuntimeError] = []
+    dog = Watchdog(0.2, "stage 1 (global rank 1)", on_stuck=stuck.append, poll_s=0.01, grace_s=0.2)
+    arrives, never = FakeWork(), FakeWork()
+    dog.watch([arrives], "the gradient from stage 2 (global rank 2)")
+    arrives.done = True
+    dog.poll()
+    assert dog.watching() == 0 and dog.failure is None  # completed in time: forgotten
+    dog.watch([never], "the activation from stage 0 (global rank 0)")
+    dog.raise_if_failed()  # not late yet
+    deadline = time.monotonic() + 5
+    while not stuck and time.monotonic() < deadline:  # the thread fails it, then gives the main thread grace
+        time.sleep(0.02)
+    assert stuck and "gave up waiting for the activation from stage 0 (global rank 0) (timeout 0.2 s)" in str(stuck[0])
+    with pytest.raises(FDGRuntimeError, match="stage 1 \\(global rank 1\\): gave up waiting"):
+        dog.raise_if_failed()
+
+
+def test_watchdog_leaves_a_main_thread_that_raised_alone() -> None:
+    from fdg_schedule.errors import FDGRuntimeError
+    from fdg_schedule.watchdog import Watchdog
+
+    stuck: list[FDGRuntimeError] = []
+    dog = Watchdog(0.05, "stage 0 (global rank 0)", on_stuck=stuck.append, poll_s=0.01, grace_s=0.5)
+    dog.watch([FakeWork()], "stage 1 (global rank 1) to take what this stage sent")
+    deadline = time.monotonic() + 5
+    while dog.failure is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(FDGRuntimeError):
+        dog.raise_if_failed()  # the main thread got the error: the process is not ended under it
+    time.sleep(0.7)
+    assert stuck == []
+
+
+def test_send_buffers_live_until_their_transfer_completes() -> None:
+    import gc
+    import weakref
+
+    from fdg_schedule.watchdog import InFlightSends
+
+    kept = InFlightSends()
+    work = FakeWork()
+    buffer = torch.ones(4)
+    alive = weakref.ref(buffer)
+    kept.keep([work], [buffer])
+    del buffer
+    gc.collect()
+    kept.release_completed()
+    assert alive() is not None and kept.held() == 1  # the transfer may still read it
+    work.done = True
+    kept.release_completed()
+    gc.collect()
+    assert alive() is None and kept.held() == 0
+
+
+def test_control_words_are_read_only_from_host_memory() -> None:
+    from fdg_schedule.errors import FDGRuntimeError
+    from fdg_schedule.guards import read_host
+
+    assert read_host(torch.tensor([-1], dtype=torch.int64)) == [-1]
+    with pytest.raises(FDGRuntimeError, match="read_host\\(\\) is for tensors in host memory, got one on meta"):
+        read_host(torch.empty(1, dtype=torch.int64, device="meta"))
+
+
+def test_a_coalesced_batch_work_stands_for_its_sends_and_receives() -> None:
+    from fdg_schedule.comm import split_works
+
+    assert split_works(["s1", "s2", "r1"], 2, 1) == (["s1", "s2"], ["r1"])  # gloo: one work per operation
+    assert split_works(["all"], 2, 1) == (["all"], ["all"])  # NCCL: one work for the batch
+    assert split_works(["all"], 0, 2) == ([], ["all"])

@@ -80,6 +80,8 @@ def test_no_fdg_means_stock_deepspeed(pipeline) -> None:
         (_ds({"nonfinite": "ignore"}), "nonfinite must be one of ['error', 'skip'], got 'ignore'"),
         (_ds({"timeout": 0}), "timeout must be > 0 seconds, got 0 (pipeline.fdg.timeout"),
         (_ds({"timeout": "60"}), "timeout must be a number, got str '60'"),
+        (_ds({"check_every": -1}), "check_every must be an integer >= 0, got -1 (pipeline.fdg.check_every"),
+        (_ds({"check_every": 2.5}), "check_every must be an integer, got float 2.5"),
         (_ds({"trace": {"tick": 3}}), "unknown key(s) ['tick'] in pipeline.fdg.trace; known keys:"),
         (_ds({"trace": {"ticks": 0}}), "trace.ticks must be an integer >= 1, got 0"),
         (_ds({"trace": "yes"}), "trace must be a JSON object or null, got 'yes'"),

@@ -189,8 +189,16 @@ def test_two_stages_all_modes_sgd_and_adam(tmp_path) -> None:
         {"stages": 2, "n": 64, "gas": 3, "calls": 3, "checkpoint_interval": 1, "weights": "stashed"},
         # wall_clock_breakdown: DeepSpeed's output hooks start backward timers a non-last stage must stop;
         # DeepSpeed's flops profiler prints stage 0's profile of tick 4 (global rank 0, as under 1F1B)
-        {"stages": 2, "n": 64, "gas": 3, "calls": 3, "wall_clock": True, "grad_shrink": 0.5, "drain": True,
-         "flops_file": str(tmp_path / "flops.txt")},
+        {
+            "stages": 2,
+            "n": 64,
+            "gas": 3,
+            "calls": 3,
+            "wall_clock": True,
+            "grad_shrink": 0.5,
+            "drain": True,
+            "flops_file": str(tmp_path / "flops.txt"),
+        },
         # the corrections with accumulate 2 (h = 1), a per-tick warm-up, clipping; the DeepSpeed-built
         # optimizer; ZeRO-1 (delta over the all-gathered weights); batch norm (buffers not predicted)
         dict(
@@ -236,6 +244,25 @@ def test_two_stages_all_modes_sgd_and_adam(tmp_path) -> None:
     for rank in results:  # get_global_grad_norm(): the stage's own norm at its last step, as DeepSpeed reports
         for case, r in zip(cases, rank):
             assert r["grad_norm"] is not None and math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0, case
+
+
+def test_recomputed_forward_draws_the_stored_forwards_dropout_masks(tmp_path) -> None:
+    """Dropout on stage 0: with the forward's weights (stashed), recomputing the activations at backward
+    time must give the stored run's weights exactly -- the recomputed forward replays the RNG state
+    (host and accelerator, through DeepSpeed's accelerator API) the first forward drew its masks from."""
+    base = {"stages": 2, "n": 64, "gas": 3, "calls": 3, "grad_shrink": 0.5, "weights": "stashed", "drain": True}
+    cases = [{**base, "dropout": 0.3, "activations": a} for a in ("stored", "recomputed")]
+    cases.append({**base, "dropout": 0.0, "activations": "stored"})  # masks of nothing: they change the result
+    results = run_ranks(engine_workers.train, 2, tmp_path, cases, deadline_s=200)
+    for r in results:
+        stored, recomputed, plain = (c["states"] for c in r)
+        for call, (a, b) in enumerate(zip(stored, recomputed)):
+            for key in a:
+                torch.testing.assert_close(
+                    b[key], a[key], **TOL, msg=lambda m, key=key, call=call: f"{key} {call}: {m}"
+                )
+        if r[0]["stage_id"] == 0:
+            assert any(not torch.equal(stored[-1][k], plain[-1][k]) for k in plain[-1]), "dropout had no effect"
 
 
 def test_three_stages_all_modes_tick_by_tick(tmp_path) -> None:

@@ -83,3 +83,29 @@ def test_data_running_out_drains_and_ends_every_rank(tmp_path, stages: int, limi
     for s in stages_ref:
         for key, value in s.state_dict().items():
             torch.testing.assert_close(engine_state[key], value, rtol=1e-6, atol=1e-6)
+
+
+def test_a_non_finite_loss_on_one_replica_ends_every_rank_naming_it(tmp_path) -> None:
+    """K=2 x 2 replicas; global rank 3 (stage 1 of replica 1) meets an inf loss (Note [replicas end together])."""
+    case = {"trigger": 3, "how": "inf", "ranks": [3], "timeout": 5, "calls": 8}
+    results = run_ranks(engine_workers.failure, 4, tmp_path, case, deadline_s=150)
+    assert "stage 1 (global rank 3, data-parallel replica 1): non-finite loss" in results[3]["error"]
+    # its peer in stage 1 (which the all-reduce gave a non-finite gradient) is told where it came from
+    told = "data-parallel replica 1 of stage 1 (global rank 3) stopped in the same call: non-finite loss"
+    assert results[2]["error"].startswith("stage 1 (global rank 2, data-parallel replica 0)")
+    assert told in results[2]["error"]
+    for r in results:
+        assert r["error"] is not None and r["seconds"] < 5 + 10, r
+
+
+def test_uneven_data_across_replicas_ends_every_rank(tmp_path) -> None:
+    """Replica 0 reads 10 micro-batches, replica 1 40: no rank trains on, none hangs past the timeout."""
+    case = {"trigger": 10**6, "how": "none", "timeout": 5, "calls": 30, "lengths": {0: 10, 1: 40}}
+    results = run_ranks(engine_workers.failure, 4, tmp_path, case, deadline_s=150)
+    for r in results:
+        assert r["error"] is not None and not r["error"].startswith("DataExhausted"), r
+        assert "data-parallel" in r["error"] and r["seconds"] < 5 + 15, r
+    # stage 0's replicas meet at the end of the call in which replica 0's data ended
+    uneven = "read data of different lengths (replica 0: after 10 micro-batches, replica 1: not ended)"
+    for stage0 in results[:2]:
+        assert uneven in stage0["error"]

@@ -228,6 +228,7 @@ def test_wandb_runs_per_stage_in_one_group(job: tuple[Path, list[dict[str, Any]]
         for row in rows:
             assert row["fdg/tick_s"] >= row["fdg/compute_s"] > 0
             assert 0 <= row["fdg/wait_fraction"] <= 1
+        assert all(row["fdg/max_memory_allocated"] >= row["fdg/memory_allocated"] > 0 for row in rows)
         held = [row["fdg/held_bytes"] for row in rows]
         assert (held[0] > 0) == (stage == 0) and held[-1] == 0  # stage 0 holds 2 micro-batches until drained
         # The delay-aware lr at each call's last tick t: tau = 2 on stage 0, 1 on the last stage.

@@ -42,12 +42,13 @@ class PairMix(nn.Module):
         return self.a(h) + 0.5 * self.b(sq)
 
 
-def layers(spec: bool = True, batch_norm: bool = False, dropout: float = 0.0) -> list:
+def layers(spec: bool = True, batch_norm: bool = False, dropout: float | None = None) -> list:
     """The layer list; ``spec=False`` gives built modules (for the reference).
 
     ``batch_norm`` adds a BatchNorm1d on each stage side of the K=2 split (running statistics are
-    buffers a recomputed forward must not update twice). ``dropout`` adds a Dropout of that
-    probability near each end (a model that draws random numbers in its forward).
+    buffers a recomputed forward must not update twice). ``dropout`` (not None) adds a Dropout of that
+    probability near each end (a model that draws random numbers in its forward; a recomputed forward
+    must draw the same masks again); ``0.0`` gives the same layers drawing nothing.
     """
 
     def make(cls, *args):
@@ -67,7 +68,7 @@ def layers(spec: bool = True, batch_norm: bool = False, dropout: float = 0.0) ->
     if batch_norm:
         out.insert(1, make(nn.BatchNorm1d, HIDDEN))
         out.insert(8, make(nn.BatchNorm1d, HIDDEN))
-    if dropout:
+    if dropout is not None:
         out.insert(2, make(nn.Dropout, dropout))
         out.insert(len(out) - 1, make(nn.Dropout, dropout))
     return out

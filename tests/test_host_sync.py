@@ -1,0 +1,38 @@
+"""Note [no host sync in a tick]: a steady-state tick never reads a tensor on the host (real ranks, gloo).
+
+On CPU there is no device queue to stall, so the check is on the code path: every host read of a
+tensor (``.item()``, ``.tolist()``, ``bool()``, ``float()``, ``int()``, ``.cpu()``, ``.numpy()``) is
+patched while the ticks of two steady-state calls run, and none may happen. The one read the
+exchange makes, of the control word that lives in host memory (Note [control words on the host]),
+goes through ``guards.read_host`` and is counted: one per tick on a stage that receives activations.
+"""
+
+from __future__ import annotations
+
+import engine_workers
+import pytest
+from dist_harness import run_ranks
+
+pytestmark = pytest.mark.distributed
+
+BASE = {"stages": 2, "n": 64, "gas": 3, "grad_shrink": 0.5, "clip": 1.0}
+
+
+def test_steady_state_ticks_read_nothing_on_the_host(tmp_path) -> None:
+    cases = [
+        {**BASE},  # fp32, torch SGD, stage-local clipping, nonfinite="error"
+        {**BASE, "weights": "stashed", "activations": "recomputed", "optimizer": "adam", "accumulate": 2},
+        {**BASE, "check_every": 1},  # the knob: flags read every tick -- the patch must see those reads
+    ]
+    results = run_ranks(engine_workers.host_reads, 2, tmp_path, cases, deadline_s=200)
+    for rank_results in results:
+        for case, r in zip(cases, rank_results):
+            reads = [name for name, _ in r["seen"]]
+            if case.get("check_every"):
+                assert "tolist" in reads, f"stage {r['stage_id']}: the flag reads every tick were not seen"
+                continue
+            assert not r["seen"], f"stage {r['stage_id']} {case}: host reads in a tick:\n" + "\n".join(
+                f"{name} at\n{where}" for name, where in r["seen"]
+            )
+            want = r["ticks"] if r["stage_id"] > 0 else 0  # one control word per received activation
+            assert r["control_words"] == [((1,), "torch.int64")] * want
