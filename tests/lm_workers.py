@@ -42,7 +42,7 @@ def build(model: str, seed: int, untie: bool = False) -> tuple[list[Any], Pipeli
             vocab_size=VOCAB, hidden_size=32, num_layers=4, num_attention_heads=4, max_position_embeddings=SEQ,
             untie_embeddings_and_output_weights=untie,
         )  # fmt: skip
-        return megatron_gpt.gpt_specs(config), megatron_gpt.GPTModelPipe(config, num_stages=2, seed_layers=True), None
+        return megatron_gpt.gpt_specs(config), megatron_gpt.GPTModelPipe(config, num_stages=2), None
     hf = hf_lm.build_model(hf_lm.build_config(model, "tiny", VOCAB, SEQ))
     layers = hf_lm.pipeline_layers(hf, untie=untie)
     pipe = PipelineModule(layers=layers, loss_fn=hf_lm.lm_loss, num_stages=2, partition_method=hf_lm.PARTITION_METHOD)
