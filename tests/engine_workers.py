@@ -72,8 +72,12 @@ def build(case: dict[str, Any], world: int, import_fdg: bool = True):
     stock = getattr(deepspeed.initialize, "__wrapped__", deepspeed.initialize)
     initialize = deepspeed.initialize if import_fdg else stock
     stages = case["stages"]
+    if case.get("tied"):  # an embedding tied to the head ("three": and a key with a copy on 3 stages)
+        layers = toy.tied_layers(three_owners=case["tied"] == "three")
+    else:
+        layers = toy.layers(batch_norm=case.get("batch_norm", False), dropout=case.get("dropout"))
     model = PipelineModule(
-        layers=toy.layers(batch_norm=case.get("batch_norm", False), dropout=case.get("dropout")),
+        layers=layers,
         num_stages=stages,
         loss_fn=toy.loss_fn,
         partition_method="uniform",

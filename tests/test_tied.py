@@ -1,0 +1,136 @@
+"""Tied layers across stages (Note [tied layers across stages] in fdg_schedule/tied.py): the engine against the
+reference, copies bit-identical on every owner after every call, no collective across stages, checkpoints."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import engine_workers
+import pytest
+import torch
+import toy
+from dist_harness import run_ranks
+from test_engine import MODES, TOL, expected_returned_losses
+
+from fdg_schedule import FDGConfig, fdg_reference, ticks
+
+pytestmark = pytest.mark.distributed
+
+
+def tied_reference(
+    case: dict[str, Any], parts: list[int]
+) -> tuple[list[list[dict[str, torch.Tensor]]], list[float], list[list[tuple[int, str]]]]:
+    """Per call, each reference stage's state; the losses; the ties (per key, (stage, name) of each copy)."""
+    stages, ties = toy.tied_reference(parts, three_owners=case["tied"] == "three")
+    lr = case.get("lr", 0.1)
+    if case.get("optimizer", "sgd") == "adam":
+        opts = [torch.optim.Adam(s.parameters(), lr=lr * 0.1) for s in stages]
+    else:
+        opts = [torch.optim.SGD(s.parameters(), lr=lr, momentum=0.9) for s in stages]
+    schedulers = []
+    if case.get("warmup"):
+        from deepspeed.runtime.lr_schedules import WarmupLR
+
+        schedulers = [WarmupLR(o, warmup_min_lr=0.0, warmup_max_lr=lr, warmup_num_steps=case["warmup"]) for o in opts]
+    gas = case.get("gas", 3)
+    n_ticks = case["calls"] * gas
+    snap_at = {(c + 1) * gas - 1 for c in range(case["calls"])}
+    if case.get("drain"):
+        snap_at.add(n_ticks + ticks.drain_ticks(len(stages)) - 1)
+    states: list[list[dict[str, torch.Tensor]]] = []
+
+    def after_tick(tick: int) -> None:
+        if tick in snap_at:
+            states.append([{k: v.detach().clone() for k, v in s.state_dict().items()} for s in stages])
+
+    config = FDGConfig(**{k: case[k] for k in engine_workers.FDG_KEYS if k in case})
+    losses = fdg_reference(
+        stages, opts, toy.micro_batches(case["n"], 4 * case.get("dp", 1))[:n_ticks], toy.loss_fn, config,
+        drain=case.get("drain", False), schedulers=schedulers, clip_grad_norm=case.get("clip", 0.0),
+        after_tick=after_tick, ties=ties,
+    )  # fmt: skip
+    return states, losses, ties
+
+
+def check_tied(results: list[list[dict[str, Any]]], cases: list[dict[str, Any]]) -> None:
+    """Every rank's stage equals the reference's after every call; every owner's copies are torch.equal."""
+    for i, case in enumerate(cases):
+        per_rank = [r[i] for r in results]
+        assert {r["engine"] for r in per_rank} == {"FDGPipelineEngine"}
+        parts = per_rank[0]["parts"]
+        ref_states, ref_losses, ties = tied_reference(case, parts)
+        stages = len(parts) - 1
+        for r in per_rank:
+            assert len(r["states"]) == len(ref_states), case
+            for call, (got, want) in enumerate(zip(r["states"], ref_states)):
+                assert set(got) == set(want[r["stage_id"]]), (case, set(got) ^ set(want[r["stage_id"]]))
+                where = f"{case} stage {r['stage_id']} call {call}"
+                for key, value in got.items():
+                    torch.testing.assert_close(
+                        value, want[r["stage_id"]][key], **TOL, msg=lambda m, key=key, where=where: f"{where} {key}: {m}"
+                    )
+            want_losses = expected_returned_losses(case, r["stage_id"], stages, ref_losses)
+            torch.testing.assert_close(
+                torch.tensor(r["losses"]), torch.tensor(want_losses, dtype=torch.float32), equal_nan=True, **TOL
+            )
+        # The reference's own copies are equal bit for bit, and so are the engine's, on every owner and replica.
+        for tie in ties:
+            name = tie[0][1]
+            for call in range(len(ref_states)):
+                copies = [ref_states[call][k][name] for k, _ in tie]
+                assert all(torch.equal(copies[0], c) for c in copies), f"{case} reference call {call} {name}"
+                engine = [r["states"][call][name] for r in per_rank if name in r["states"][call]]
+                assert len(engine) == len(tie) * case.get("dp", 1)
+                assert all(torch.equal(engine[0], c) for c in engine), f"{case} call {call} {name}: copies differ"
+            moved = not torch.equal(ref_states[-1][tie[0][0]][name], ref_states[0][tie[0][0]][name])
+            assert moved or len(ref_states) == 1, f"{case}: the tied weight {name} never moved"
+
+
+def _cases(stages: int, gas: int, calls: int, **extra: Any) -> list[dict[str, Any]]:
+    base = {"stages": stages, "n": 64, "gas": gas, "calls": calls, "grad_shrink": 0.5, "tied": True, "drain": True}
+    return [
+        {**base, "weights": w, "activations": a, "optimizer": ("sgd", "adam")[j % 2], "accumulate": 1 + j % 2, **extra}
+        for j, (w, a) in enumerate(MODES)
+    ]
+
+
+def test_reference_keeps_tied_copies_equal_and_steps_them_once_per_accumulation() -> None:
+    """The reference alone: an embedding tied to the head, K = 2, accumulate 2. The copies stay equal at every
+    tick, and they move only at ticks t with t % 2 == 0 once contributions have arrived (Note [tied layers
+    across stages, the reference])."""
+    stages, ties = toy.tied_reference([0, 4, 8])
+    assert ties == [[(0, "tied_modules.emb.weight"), (1, "tied_modules.emb.weight")]]
+    opts = [torch.optim.SGD(s.parameters(), lr=0.1, momentum=0.9) for s in stages]
+    seen: list[torch.Tensor] = []
+
+    def after_tick(tick: int) -> None:
+        a, b = (s.tied_modules["emb"].weight for s in stages)
+        assert torch.equal(a, b), tick
+        seen.append(a.detach().clone())
+
+    config = FDGConfig(grad_shrink=0.5, accumulate=2)
+    data = toy.micro_batches(8, 4)
+    fdg_reference(stages, opts, data, toy.loss_fn, config, drain=True, after_tick=after_tick, ties=ties)
+    moved = [t for t in range(1, len(seen)) if not torch.equal(seen[t], seen[t - 1])]
+    # Stage 1 back-propagates from tick 0, so G(0) != 0: steps at t = 2, 4, 6, 8 (ends of ticks 1, 3, 5, 7),
+    # and the drain's last tick (tick 9: t = 10) steps too.
+    assert moved == [1, 3, 5, 7, 9], moved
+    assert all(not any(id(p) == id(s.tied_modules["emb"].weight) for g in o.param_groups for p in g["params"])
+               for s, o in zip(stages, opts))  # fmt: skip
+
+
+def test_tied_embedding_and_head_two_stages_every_mode(tmp_path) -> None:
+    cases = _cases(2, gas=3, calls=4)
+    # a per-tick warm-up (the tied step takes the stage optimizer's lr) and clipping (P by its own norm)
+    cases += [{**cases[0], "warmup": 5, "lr": 0.1, "clip": 0.05, "accumulate": 2, "weights": "stashed"}]
+    results = run_ranks(engine_workers.train, 2, tmp_path, cases, deadline_s=300)
+    check_tied(results, cases)
+
+
+def test_tied_embedding_and_head_three_stages_every_mode_tick_by_tick(tmp_path) -> None:
+    cases = _cases(3, gas=1, calls=9)
+    cases += [{**cases[1], "gas": 2, "calls": 5, "accumulate": 3}]
+    results = run_ranks(engine_workers.train, 3, tmp_path, cases, deadline_s=300)
+    check_tied(results, cases)
+    assert math.isfinite(results[0][0]["losses"][-1])
