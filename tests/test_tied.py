@@ -67,9 +67,8 @@ def check_tied(results: list[list[dict[str, Any]]], cases: list[dict[str, Any]])
                 assert set(got) == set(want[r["stage_id"]]), (case, set(got) ^ set(want[r["stage_id"]]))
                 where = f"{case} stage {r['stage_id']} call {call}"
                 for key, value in got.items():
-                    torch.testing.assert_close(
-                        value, want[r["stage_id"]][key], **TOL, msg=lambda m, key=key, where=where: f"{where} {key}: {m}"
-                    )
+                    msg = lambda m, key=key, where=where: f"{where} {key}: {m}"  # noqa: E731
+                    torch.testing.assert_close(value, want[r["stage_id"]][key], **TOL, msg=msg)
             want_losses = expected_returned_losses(case, r["stage_id"], stages, ref_losses)
             torch.testing.assert_close(
                 torch.tensor(r["losses"]), torch.tensor(want_losses, dtype=torch.float32), equal_nan=True, **TOL
