@@ -59,6 +59,7 @@ class FDGPipelineEngine(PipelineEngine):
         # Note [tied layers across stages]: the tied copies get an optimizer of their own, never DeepSpeed's.
         ties = tied.find_ties(kwargs.get("model"))
         if ties:
+            tied.check_own_parameters(kwargs["model"], ties)
             kwargs["model_parameters"] = tied.without_tied(kwargs.get("model_parameters"), ties, kwargs["model"])
             if isinstance(kwargs.get("optimizer"), torch.optim.Optimizer):
                 tied.remove_from_optimizer(kwargs["optimizer"], ties)

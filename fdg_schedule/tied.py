@@ -83,6 +83,18 @@ def find_ties(module: Any) -> list[Tie]:
     return ties
 
 
+def check_own_parameters(module: nn.Module, ties: Sequence[Tie]) -> None:
+    """Refuse a stage whose only trainable parameters are tied copies: its own optimizer would have none."""
+    tied = {id(t.param) for t in ties}
+    if not any(p.requires_grad and id(p) not in tied for p in module.parameters()):
+        stage = getattr(module, "stage_id", "?")
+        raise FDGConfigError(
+            f"stage {stage} holds only tied parameters ({sorted({t.key for t in ties})}), which FDG steps with a "
+            "tied optimizer of their own, so the stage's optimizer would have no parameters; put a layer with "
+            "parameters of its own on that stage (e.g. another partition_method), or untie the layers"
+        )
+
+
 def without_tied(model_parameters: Any, ties: Sequence[Tie], module: nn.Module) -> Any:
     """``model_parameters`` (None, parameters, or param-group dicts) without the tied parameters."""
     tied = {id(t.param) for t in ties}

@@ -133,3 +133,38 @@ def test_tied_embedding_and_head_three_stages_every_mode_tick_by_tick(tmp_path) 
     results = run_ranks(engine_workers.train, 3, tmp_path, cases, deadline_s=300)
     check_tied(results, cases)
     assert math.isfinite(results[0][0]["losses"][-1])
+
+
+def test_tied_data_parallel_2_x_pipeline_2(tmp_path) -> None:
+    base = {"stages": 2, "dp": 2, "n": 32, "gas": 3, "calls": 3, "drain": True, "grad_shrink": 0.5, "tied": True}
+    cases = [
+        {**base, "weights": "current", "activations": "stored", "optimizer": "sgd"},
+        {**base, "weights": "stashed", "activations": "recomputed", "optimizer": "adam", "accumulate": 2},
+    ]
+    results = run_ranks(engine_workers.train, 4, tmp_path, cases, deadline_s=300)
+    check_tied(results, cases)
+
+
+def test_three_owners_and_two_keys(tmp_path) -> None:
+    """Key "emb" on stages 0 and 2 (not neighbours), key "mid" with a copy on each of the 3 stages."""
+    base = {"stages": 3, "n": 64, "gas": 2, "calls": 5, "grad_shrink": 0.5, "tied": "three", "drain": True}
+    cases = [
+        {**base, "weights": "current", "activations": "stored", "optimizer": "adam"},
+        {**base, "weights": "stashed", "activations": "recomputed", "accumulate": 2},
+    ]
+    results = run_ranks(engine_workers.train, 3, tmp_path, cases, deadline_s=300)
+    assert results[0][0]["parts"] == [0, 4, 7, 10]
+    check_tied(results, cases)
+
+
+@pytest.mark.parametrize("dp", [1, 2], ids=["dp1", "dp2"])
+def test_no_collective_across_stages_with_tied_layers(tmp_path, dp: int) -> None:
+    case = {"stages": 2, "dp": dp, "n": 64, "gas": 3, "calls": 4, "grad_shrink": 0.5, "tied": True, "clip": 1.0}
+    traces = run_ranks(engine_workers.trace_collectives, 2 * dp, tmp_path, case, deadline_s=200)
+    for trace in traces:
+        for name, ranks in trace["seen"]:
+            assert set(ranks) <= set(trace["dp_group"]), f"stage {trace['stage_id']}: {name} over ranks {ranks}"
+    if dp == 1:  # not even a one-rank reduce: the tied gradients travel point to point only
+        assert all(trace["seen"] == [] for trace in traces), [trace["seen"] for trace in traces]
+    else:  # the tied gradients' all-reduce within the stage's replicas, every tick
+        assert all(any(name == "all_reduce" for name, _ in trace["seen"]) for trace in traces)

@@ -139,7 +139,7 @@ class Tied:
 
 def tied_layers(spec: bool = True, three_owners: bool = False) -> list:
     """An embedding on stage 0 tied to the head on the last stage (8 layers: uniform splits [0, 4, 8] and
-    [0, 3, 6, 8]); ``three_owners`` adds a key "mid" with a copy on each of 3 stages (9 layers, [0, 3, 6, 9])."""
+    [0, 3, 6, 8]); ``three_owners`` adds a key "mid" with a copy on each of 3 stages (10 layers, [0, 4, 7, 10])."""
 
     def make(cls, *args):
         return LayerSpec(cls, *args) if spec else cls(*args)
@@ -152,8 +152,9 @@ def tied_layers(spec: bool = True, three_owners: bool = False) -> list:
     if three_owners:
         return [
             tied("emb", IN, HIDDEN, 11), torch.tanh, tied("mid", HIDDEN, HIDDEN, 12),
-            make(SeededLinear, HIDDEN, HIDDEN, 2), tied("mid", HIDDEN, HIDDEN, 12), torch.tanh,
-            tied("mid", HIDDEN, HIDDEN, 12), torch.tanh, tied("emb", IN, HIDDEN, 11, head),
+            make(SeededLinear, HIDDEN, HIDDEN, 2),  # stage 0 ends
+            tied("mid", HIDDEN, HIDDEN, 12), torch.tanh, make(SeededLinear, HIDDEN, HIDDEN, 4),  # stage 1
+            make(SeededLinear, HIDDEN, HIDDEN, 6), tied("mid", HIDDEN, HIDDEN, 12), tied("emb", IN, HIDDEN, 11, head),
         ]  # fmt: skip
     return [
         tied("emb", IN, HIDDEN, 11), torch.tanh, make(SeededLinear, HIDDEN, HIDDEN, 2), torch.tanh,
