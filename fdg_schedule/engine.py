@@ -78,6 +78,7 @@ class FDGPipelineEngine(PipelineEngine):
             ties, self.stage_id, self.basic_optimizer, self.grid.get_data_parallel_group(), self.dp_world_size,
             self._replicas.collective, self._where(),
         )  # fmt: skip
+        self._tie_keys = list(tied.owners(self.module))  # every rank's, also where it holds no copy
         tied_ids = {id(p) for p in self._tied.params()}
         self._own_params = [p for p in self.module.parameters() if id(p) not in tied_ids]  # stepped by the stage
         params, every = self._delayed.params, fdg_config.staleness_every
@@ -210,7 +211,7 @@ class FDGPipelineEngine(PipelineEngine):
         by layer) when optimizer and scheduler state are not requested.
         """
         resolved = checkpoint.resolve_tag(load_dir, tag)
-        if self._tied and load_optimizer_states and not load_module_only and resolved is not None:
+        if self._tie_keys and load_optimizer_states and not load_module_only and resolved is not None:
             self._check_tied_optimizer_state(load_dir, resolved)
         per_stage = not load_module_only and (load_optimizer_states or load_lr_scheduler_states)
         other_stages = checkpoint.other_stages(load_dir, resolved, self.num_stages, per_stage_state=per_stage)
@@ -242,7 +243,7 @@ class FDGPipelineEngine(PipelineEngine):
         saved_dir = os.path.join(load_dir, tag)
         if not os.path.isdir(saved_dir) or any(n.startswith("fdg_stage") for n in os.listdir(saved_dir)):
             return
-        keys = sorted({c.tie.key for c in self._tied.copies})
+        keys = self._tie_keys
         raise FDGConfigError(
             f"checkpoint {saved_dir} has no FDG state (a 1F1B checkpoint?) and this model ties {keys} across "
             f"stages: 1F1B's optimizer state steps the tied parameters of {keys} with the stage's optimizer, FDG "

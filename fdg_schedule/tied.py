@@ -66,20 +66,32 @@ class Tie:
     param: nn.Parameter  # this stage's copy (in the module)
 
 
-def find_ties(module: Any) -> list[Tie]:
-    """The parameters of ``module`` (a ``PipelineModule``) tied to a copy on another stage."""
+def owners(module: Any) -> dict[str, list[int]]:
+    """Every tie key of ``module`` (a ``PipelineModule``) whose layers sit on several stages: its stages, ascending.
+
+    The same on every rank (read from the layer specs), also on stages that hold no copy.
+    """
     from deepspeed.runtime.pipe.module import TiedLayerSpec
 
     specs = getattr(module, "_layer_specs", [])
+    stages: dict[str, set[int]] = {}
+    for i, spec in enumerate(specs):
+        if isinstance(spec, TiedLayerSpec):
+            stages.setdefault(spec.key, set()).add(module.stage_owner(i))
+    # a key whose copies are one module on one stage needs nothing: that stage's optimizer steps it
+    return {key: sorted(found) for key, found in sorted(stages.items()) if len(found) > 1}
+
+
+def find_ties(module: Any) -> list[Tie]:
+    """The parameters of ``module`` (a ``PipelineModule``) this stage holds tied to a copy on another stage."""
+    across = owners(module)
     ties = []
     for key, comm in sorted(getattr(module, "tied_comms", {}).items()):
-        layers = [i for i, spec in enumerate(specs) if isinstance(spec, TiedLayerSpec) and spec.key == key]
-        owners = sorted({module.stage_owner(i) for i in layers})
-        if len(owners) < 2:  # the copies are one module on one stage: its optimizer steps it
+        if key not in across:
             continue
         for attr in comm["weight_attr"]:
             param = module._recursive_getattr(module.tied_modules[key], attr)
-            ties.append(Tie(key, attr, owners, list(comm["ranks"]), param))
+            ties.append(Tie(key, attr, across[key], list(comm["ranks"]), param))
     return ties
 
 
