@@ -215,7 +215,7 @@ def _switched_off_message() -> str:
 
 
 def _check_model(deepspeed: ModuleType, model: Any) -> None:
-    from deepspeed.runtime.pipe.module import PipelineModule, TiedLayerSpec
+    from deepspeed.runtime.pipe.module import PipelineModule
 
     dual_pipe_v = getattr(deepspeed, "DualPipeVModule", None)
     if dual_pipe_v is not None and isinstance(model, dual_pipe_v):
@@ -244,17 +244,7 @@ def _check_model(deepspeed: ModuleType, model: Any) -> None:
             f"{parts[-1]} layers; use at most {parts[-1]} stages (the number of ranks / data-parallel size) or "
             "split the model into more layers"
         )
-    specs = getattr(model, "_layer_specs", [])
-    for key in {spec.key for spec in specs if isinstance(spec, TiedLayerSpec)}:
-        stages = sorted(
-            {model.stage_owner(i) for i, s in enumerate(specs) if isinstance(s, TiedLayerSpec) and s.key == key}
-        )
-        if len(stages) > 1:
-            raise FDGConfigError(
-                f"tied layer {key!r} spans pipeline stages {stages}: FDG cannot keep tied weights equal "
-                "without a cross-stage sync every tick; use separate (untied) layers, or keep every "
-                'TiedLayerSpec with this key on one stage, or train with pipeline.schedule="1f1b"'
-            )
+    # Tied layers across stages are trained (Note [tied layers across stages] in fdg_schedule/tied.py).
 
 
 def _fdg_engine_class(deepspeed: ModuleType) -> type:

@@ -72,8 +72,12 @@ def build(case: dict[str, Any], world: int, import_fdg: bool = True):
     stock = getattr(deepspeed.initialize, "__wrapped__", deepspeed.initialize)
     initialize = deepspeed.initialize if import_fdg else stock
     stages = case["stages"]
+    if case.get("tied"):  # an embedding tied to the head ("three": and a key with a copy on 3 stages)
+        layers = toy.tied_layers(three_owners=case["tied"] == "three")
+    else:
+        layers = toy.layers(batch_norm=case.get("batch_norm", False), dropout=case.get("dropout"))
     model = PipelineModule(
-        layers=toy.layers(batch_norm=case.get("batch_norm", False), dropout=case.get("dropout")),
+        layers=layers,
         num_stages=stages,
         loss_fn=toy.loss_fn,
         partition_method="uniform",
@@ -233,6 +237,7 @@ def resume(rank: int, world: int, cases: list[dict[str, Any]], root: str, phase:
             for _ in range(before):
                 engine.train_batch(it) if not case.get("training_data") else engine.train_batch()
             engine.save_checkpoint(save_dir, drain=case.get("drain_save", False))
+            after_load = _state(model)  # the weights at the save, which the resumed run loads
         else:
             torch.manual_seed(999)  # the resumed run must not depend on the process's own RNG
             if case.get("module_only_first"):  # weights only: nothing in flight, RNG and data untouched
@@ -242,6 +247,7 @@ def resume(rank: int, world: int, cases: list[dict[str, Any]], root: str, phase:
                 module_only = {"state": _state(model), "in_flight": engine.in_flight(),
                                "read": engine.micro_batches_read, "rng_kept": rng_kept}  # fmt: skip
             engine.load_checkpoint(save_dir)
+            after_load = _state(model)
             if module_only:
                 module_only["full_state"] = _state(model)
             it = iter(data[engine.micro_batches_read :])  # the user restarts the data at micro-batch T
@@ -257,7 +263,8 @@ def resume(rank: int, world: int, cases: list[dict[str, Any]], root: str, phase:
                 break
         losses.append(engine.drain().item())
         out.append({"state": _state(model), "losses": losses, "global_steps": engine.global_steps,
-                    "stage_id": engine.stage_id, "exhausted": exhausted, "module_only": module_only})  # fmt: skip
+                    "stage_id": engine.stage_id, "exhausted": exhausted, "module_only": module_only,
+                    "after_load": after_load})  # fmt: skip
     return out
 
 
