@@ -310,12 +310,15 @@ def run_two_ranks(command: list[str], tmp_path: Path, deadline: float) -> list[s
     return [log.read_text() for log in logs]
 
 
-RECIPE_RUNS = [("lm_fdg_k2.json", ["--untie"], False), ("lm_1f1b.json", [], True)]
+RECIPE_RUNS = [
+    pytest.param("lm_fdg_k2.json", [], True, marks=NEEDS_FDG_TIES, id="fdg_k2-tied"),
+    pytest.param("lm_1f1b.json", ["--untie"], False, id="1f1b-untie"),
+]
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("config", "flags", "tie"), RECIPE_RUNS, ids=["fdg_k2-untie", "1f1b-tied"])
+@pytest.mark.parametrize(("config", "flags", "tie"), RECIPE_RUNS)
 def test_recipe_reduces_loss_on_shakespeare(config: str, flags: list[str], tie: bool, tmp_path: Path) -> None:
     """A few calls of the tiny GPT-2 on Shakespeare lower the loss; the export reloads, tied unless --untie."""
     steps = 12
@@ -429,11 +432,13 @@ def check_tied_run(results: list[dict[str, Any]], steps: int, hf: bool) -> None:
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family", hf_lm.FAMILIES)
-def test_tied_hf_lm_trains_under_1f1b_with_equal_copies(family: str, tmp_path: Path) -> None:
-    """A tied GPT-2 / LLaMA at 2 stages under DeepSpeed's 1F1B: copies equal after every train_batch,
-    the loss falls, eval equals the one-process model, the HF export reloads tied with that loss, and a
-    DeepSpeed checkpoint loads back."""
+@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("fdg", marks=NEEDS_FDG_TIES)])
+def test_tied_hf_lm_trains_with_equal_copies(schedule: str, family: str, tmp_path: Path) -> None:
+    """A tied GPT-2 / LLaMA at 2 stages, the same script under DeepSpeed's 1F1B and FDG (K = 2), the
+    config's pipeline.schedule the only change: the two copies torch.equal after every train_batch (and
+    the drain), the loss falls, eval equals the one-process model, the HF export reloads tied with that
+    loss, and a DeepSpeed checkpoint loads back."""
     steps = 4
-    case = {"model": family, "schedule": "1f1b", "steps": steps, "workdir": str(tmp_path)}
+    case = {"model": family, "schedule": schedule, "steps": steps, "workdir": str(tmp_path)}
     results = run_ranks(lm_workers.train_tied, 2, tmp_path, case, deadline_s=240)
     check_tied_run(results, steps, hf=True)
