@@ -67,12 +67,12 @@ def micro_batches(model: str, count: int, seed: int) -> list[Any]:
 
 def one_process_loss(model: str, layers: list[Any], states: list[dict[str, torch.Tensor]], batches: list[Any]) -> float:
     """The mean loss of ``batches`` on the whole model in one process, with the stages' weights."""
-    from fdg_schedule.zoo import hf_lm, megatron_gpt, tied
+    from fdg_schedule.zoo import hf_lm, megatron_gpt, tied_layers
 
-    built = tied.build_local(layers)
+    built = tied_layers.build_local(layers)
     tied_modules: dict[str, Any] = {}
     for i, layer in enumerate(layers):
-        if tied.is_tied_spec(layer):
+        if tied_layers.is_tied_spec(layer):
             tied_modules.setdefault(layer.key, built[i])  # the module itself, not the head's partial
     for stage, state in enumerate(states):
         for name, tensor in state.items():
@@ -103,7 +103,7 @@ def train_tied(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
     case: model, schedule ("1f1b" | "fdg"), steps, untie, workdir; HF models also export and reload.
     """
     import fdg_schedule  # noqa: F401  (the config's pipeline.schedule picks the engine)
-    from fdg_schedule.zoo import hf_lm, tied
+    from fdg_schedule.zoo import hf_lm, tied_layers
 
     model, schedule = case["model"], case["schedule"]
     layers, pipe, hf_config = build(model, seed=0, untie=case.get("untie", False))
@@ -114,7 +114,7 @@ def train_tied(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"stage": engine.stage_id, "tied": [], "losses": []}
 
     def snapshot() -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in tied.tied_weights(engine.module).items()}
+        return {k: v.detach().clone() for k, v in tied_layers.tied_weights(engine.module).items()}
 
     def local_state() -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
@@ -158,7 +158,7 @@ def train_tied(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
     # A tied module is saved from the stage holding its first spec; the others get its tied weights
     # (DeepSpeed's broadcast) and keep their own values of what they never use (Megatron's positions).
     untied_keys = [k for k in trained if not k.startswith("tied_modules.")]
-    loaded_tied = tied.tied_weights(engine2.module)
+    loaded_tied = tied_layers.tied_weights(engine2.module)
     trained_tied = out["tied"][-1]
     out["checkpoint_equal"] = (
         sorted(loaded) == sorted(trained)

@@ -15,7 +15,7 @@ from deepspeed.runtime.utils import partition_balanced
 from dist_harness import run_ranks
 from test_zoo_lm import NEEDS_FDG_TIES, check_tied_run
 
-from fdg_schedule.zoo import megatron_gpt, tied
+from fdg_schedule.zoo import megatron_gpt, tied_layers
 
 CONFIG = megatron_gpt.GPTConfig(
     vocab_size=97, hidden_size=32, num_layers=4, num_attention_heads=4, max_position_embeddings=16
@@ -74,7 +74,7 @@ def test_transformer_layer_equals_a_plain_batch_first_computation() -> None:
 
 def test_tied_head_uses_the_word_embeddings_and_sums_both_gradients() -> None:
     torch.manual_seed(0)
-    built: Any = tied.build_local(megatron_gpt.gpt_specs(CONFIG))
+    built: Any = tied_layers.build_local(megatron_gpt.gpt_specs(CONFIG))
     embedding = built[0]
     assert built[-1].args[0] is embedding
     inputs, labels = megatron_gpt.get_batch_pipe(torch.randint(0, 97, (3, 17)))

@@ -52,7 +52,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, LlamaConfig, PretrainedConfig
 from transformers.masking_utils import create_causal_mask
 
-from fdg_schedule.zoo.tied import TiedLayerSpec, holds_first, is_tied_spec
+from fdg_schedule.zoo.tied_layers import TiedLayerSpec, holds_first, is_tied_spec
 
 log = logging.getLogger(__name__)
 
