@@ -123,6 +123,8 @@ def test_tied_embedding_and_head_two_stages_every_mode(tmp_path) -> None:
     cases = _cases(2, gas=3, calls=4)
     # a per-tick warm-up (the tied step takes the stage optimizer's lr) and clipping (P by its own norm)
     cases += [{**cases[0], "warmup": 5, "lr": 0.1, "clip": 0.05, "accumulate": 2, "weights": "stashed"}]
+    # the DeepSpeed-built optimizer (the config's "optimizer" block): built over the parameters minus the tied ones
+    cases += [{**cases[0], "ds_optimizer": True, "gas": 2}]
     results = run_ranks(engine_workers.train, 2, tmp_path, cases, deadline_s=300)
     check_tied(results, cases)
 
@@ -267,3 +269,25 @@ def test_tied_resume_is_bit_identical_in_bf16_and_bf16_zero1(tmp_path) -> None:
     base = {"stages": 2, "n": 48, "gas": 3, "calls_before": 1, "calls_after": 2, "grad_shrink": 0.5, "tied": True}
     cases = [{**base, "bf16": True, "accumulate": 2}, {**base, "bf16": True, "zero": 1, "optimizer": "adam"}]
     _resume_checked(tmp_path, 2, cases)
+
+
+@pytest.mark.parametrize("stages,limit,accumulate", [(2, 7, 2), (3, 7, 3)])
+def test_tied_data_running_out_flushes_the_last_contributions(tmp_path, stages: int, limit: int, accumulate: int):
+    """The iterator ends mid-call: the segment's last tick flushes P (Note [tied layers across stages], 5), so
+    the weights equal the reference's after ``limit`` micro-batches and a drain, the copies bit-identical."""
+    from deepspeed.runtime.lr_schedules import WarmupLR
+
+    case = {"stages": stages, "n": 16, "gas": 3, "limit": limit, "grad_shrink": 0.5, "weights": "stashed",
+            "accumulate": accumulate, "lr": 0.1, "warmup": 4, "tied": True}  # fmt: skip
+    results = run_ranks(engine_workers.data_end, stages, tmp_path, case, deadline_s=180)
+    ref, ties = toy.tied_reference(results[0]["parts"])
+    opts = [torch.optim.SGD(s.parameters(), lr=0.1, momentum=0.9) for s in ref]
+    scheds = [WarmupLR(o, warmup_min_lr=0.0, warmup_max_lr=0.1, warmup_num_steps=4) for o in opts]
+    config = FDGConfig(grad_shrink=0.5, weights="stashed", accumulate=accumulate)
+    data = toy.micro_batches(case["n"], 4)[:limit]
+    fdg_reference(ref, opts, data, toy.loss_fn, config, drain=True, schedulers=scheds, ties=ties)
+    for r in results:
+        for key, value in ref[r["stage_id"]].state_dict().items():
+            torch.testing.assert_close(r["state"][key], value, **TOL, msg=lambda m, key=key: f"{key}: {m}")
+    a, b = (r["state"]["tied_modules.emb.weight"] for r in (results[0], results[-1]))
+    assert torch.equal(a, b)
