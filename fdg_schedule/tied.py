@@ -97,6 +97,23 @@ def find_ties(module: Any) -> list[Tie]:
     return ties
 
 
+def stages_of_only_tied_layers(module: Any) -> list[int]:
+    """Stages whose layers (read from the specs, the same on every rank) hold parameters only through tied
+    copies of a key spanning stages: a ``LayerSpec`` or a module with parameters gives a stage its own."""
+    from deepspeed.runtime.pipe.module import LayerSpec, TiedLayerSpec
+
+    across = owners(module)
+    specs = getattr(module, "_layer_specs", [])
+    tied_only: dict[int, bool] = {}
+    for i, spec in enumerate(specs):
+        stage = module.stage_owner(i)
+        if isinstance(spec, TiedLayerSpec):
+            tied_only.setdefault(stage, spec.key in across)
+        elif isinstance(spec, LayerSpec) or (isinstance(spec, nn.Module) and any(True for _ in spec.parameters())):
+            tied_only[stage] = False
+    return sorted(stage for stage, only in tied_only.items() if only)
+
+
 def check_own_parameters(module: nn.Module, ties: Sequence[Tie]) -> None:
     """Refuse a stage whose only trainable parameters are tied copies: its own optimizer would have none."""
     tied = {id(t.param) for t in ties}

@@ -291,3 +291,10 @@ def test_tied_data_running_out_flushes_the_last_contributions(tmp_path, stages: 
             torch.testing.assert_close(r["state"][key], value, **TOL, msg=lambda m, key=key: f"{key}: {m}")
     a, b = (r["state"]["tied_modules.emb.weight"] for r in (results[0], results[-1]))
     assert torch.equal(a, b)
+
+
+def test_a_stage_of_only_tied_layers_is_refused_on_every_rank(tmp_path) -> None:
+    case = {"stages": 2, "config": {"train_micro_batch_size_per_gpu": 2, "pipeline": {"schedule": "fdg"}}}
+    results = run_ranks(engine_workers.bad_config, 2, tmp_path, case, "only", deadline_s=120)
+    for r in results:
+        assert r["error"] is not None and "pipeline stages [0] hold only tied layers (['emb'])" in r["error"], r
