@@ -452,9 +452,10 @@ class FDGPipelineEngine(PipelineEngine):
     def _exec_reduce_grads(self) -> None:
         """DeepSpeed's gradient all-reduce among this stage's replicas, bounded (Note [replicas end together])."""
         # Note [gradient reduce with one data-parallel rank]: skip the identity all-reduce every tick.
-        if not (self._reduce_is_identity and optim.fill_missing_grads(self.module)):
-            with self._replicas.collective("the gradient all-reduce"):
-                super()._exec_reduce_grads()
+        with self._tied.hidden():  # Note [tied layers across stages]: their gradients are reduced apart
+            if not (self._reduce_is_identity and optim.fill_missing_grads(self.module)):
+                with self._replicas.collective("the gradient all-reduce"):
+                    super()._exec_reduce_grads()
 
     def _exec_local_optimizer_step(self) -> None:
         wrapped = self.bfloat16_enabled() or self.zero_optimization()
@@ -535,9 +536,21 @@ class FDGPipelineEngine(PipelineEngine):
 
     def _tied_step(self, segment_over: bool) -> None:
         """Note [tied layers across stages]: the tied step of the tick that starts now (after the LR scheduler)."""
+        start = time.perf_counter()
         self._exchange.wait_peers()
+        self.fdg_stats["wait_s"] += time.perf_counter() - start
         lr, clip = self.get_lr()[0], self.gradient_clipping()
-        self._tied.apply(self.fdg_state.tick, self.fdg_config.accumulate, lr, clip, flush=segment_over)
+        self._tied.apply(self.fdg_state.tick, self.fdg_config.accumulate, lr, clip, self._tied_guard, segment_over)
+
+    def _tied_guard(self, norm: Tensor) -> bool:
+        """pipeline.fdg.nonfinite for a tied step: queue the check ("error"), or skip and count it ("skip")."""
+        if self.fdg_config.nonfinite == "error":
+            self._watch.record("tied gradient", norm, self.global_steps)
+            return True
+        if guards.finite(norm):
+            return True
+        self.fdg_stats["skipped"] += 1
+        return False
 
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,

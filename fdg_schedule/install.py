@@ -244,7 +244,18 @@ def _check_model(deepspeed: ModuleType, model: Any) -> None:
             f"{parts[-1]} layers; use at most {parts[-1]} stages (the number of ranks / data-parallel size) or "
             "split the model into more layers"
         )
-    # Tied layers across stages are trained (Note [tied layers across stages] in fdg_schedule/tied.py).
+    # Tied layers across stages are trained (Note [tied layers across stages] in fdg_schedule/tied.py), with an
+    # optimizer of their own: a stage holding nothing else would leave the stage's optimizer empty.
+    from fdg_schedule import tied
+
+    only_tied = tied.stages_of_only_tied_layers(model)
+    if only_tied:
+        raise FDGConfigError(
+            f"pipeline stages {only_tied} hold only tied layers ({sorted(tied.owners(model))}), whose parameters "
+            'pipeline.schedule="fdg" steps with a tied optimizer of their own, so the stage\'s optimizer would '
+            "have no parameters; put a layer with parameters of its own on each stage (e.g. another "
+            "partition_method), or untie the layers"
+        )
 
 
 def _fdg_engine_class(deepspeed: ModuleType) -> type:

@@ -250,7 +250,10 @@ def _build_ties(
     """Take the tied copies out of the stage optimizers; give each a tied optimizer (once per state)."""
     for tie in ties:
         for k, name in tie:
-            p = dict(stages[k].named_parameters())[name]
+            named = dict(stages[k].named_parameters())
+            if name not in named:
+                raise ValueError(f"ties: stage {k} has no parameter {name!r}; its parameters are {sorted(named)}")
+            p = named[name]
             for group in optimizers[k].param_groups:
                 group["params"] = [q for q in group["params"] if q is not p]
     if state.tied or not ties:

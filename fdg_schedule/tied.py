@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -91,8 +91,27 @@ def find_ties(module: Any) -> list[Tie]:
             continue
         for attr in comm["weight_attr"]:
             param = module._recursive_getattr(module.tied_modules[key], attr)
+            if not param.requires_grad:  # frozen: nothing to keep equal
+                continue
             ties.append(Tie(key, attr, across[key], list(comm["ranks"]), param))
     return ties
+
+
+def stages_of_only_tied_layers(module: Any) -> list[int]:
+    """Stages whose layers (read from the specs, the same on every rank) hold parameters only through tied
+    copies of a key spanning stages: a ``LayerSpec`` or a module with parameters gives a stage its own."""
+    from deepspeed.runtime.pipe.module import LayerSpec, TiedLayerSpec
+
+    across = owners(module)
+    specs = getattr(module, "_layer_specs", [])
+    tied_only: dict[int, bool] = {}
+    for i, spec in enumerate(specs):
+        stage = module.stage_owner(i)
+        if isinstance(spec, TiedLayerSpec):
+            tied_only.setdefault(stage, spec.key in across)
+        elif isinstance(spec, LayerSpec) or (isinstance(spec, nn.Module) and any(True for _ in spec.parameters())):
+            tied_only[stage] = False
+    return sorted(stage for stage, only in tied_only.items() if only)
 
 
 def check_own_parameters(module: nn.Module, ties: Sequence[Tie]) -> None:
@@ -182,15 +201,18 @@ class _Copy:
         self.contribution = torch.zeros_like(self.accumulated)
         self.passes = torch.zeros(1, dtype=torch.int64)
 
-    def step(self, lr: float, clip: float) -> None:
-        """One tied step on P, then P and the count back to zero."""
+    def step(self, lr: float, clip: float, guard: Callable[[Tensor], bool]) -> None:
+        """One tied step on P (unless ``guard(norm of P)`` says no), then P and the count back to zero."""
         master = self.master
         master.grad = self.accumulated
         if clip > 0:
-            torch.nn.utils.clip_grad_norm_([master], clip)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
+            norm = torch.nn.utils.clip_grad_norm_([master], clip)
+        else:
+            norm = torch.nn.utils.get_total_norm([self.accumulated])
+        if guard(norm):  # P is identical on every owner, so is its norm: all owners decide alike
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
         master.grad = None
         self.accumulated = torch.zeros_like(self.accumulated)
         self.count = 0
@@ -267,15 +289,30 @@ class TiedSync:
                 )
         return out
 
-    def apply(self, tick: int, accumulate: int, lr: float, clip: float, flush: bool = False) -> None:
-        """At the start of global tick ``tick``: P += G(tick - 1); a step every ``accumulate`` ticks (or ``flush``)."""
+    def apply(
+        self, tick: int, accumulate: int, lr: float, clip: float, guard: Callable[[Tensor], bool], flush: bool = False
+    ) -> None:
+        """At the start of global tick ``tick``: P += G(tick - 1); a step every ``accumulate`` ticks (or ``flush``).
+
+        ``guard(norm)``: the non-finite policy, given P's norm before clipping; False skips the step (P is dropped).
+        """
         for c in self.copies:
             c.add_sum()
             if (tick % accumulate == 0 or flush) and c.count > 0:
-                c.step(lr, clip)
+                c.step(lr, clip, guard)
 
-    def copies_equal_to(self, other: Iterable[Tensor]) -> bool:
-        return all(torch.equal(c.tie.param, o) for c, o in zip(self.copies, other))
+    @contextlib.contextmanager
+    def hidden(self) -> Iterator[None]:
+        """The tied copies look frozen inside: DeepSpeed's gradient reduce neither zero-fills nor all-reduces
+        them (their gradients were taken after each backward; reducing an embedding-sized zero would cost)."""
+        params = self.params()
+        for p in params:
+            p.requires_grad_(False)
+        try:
+            yield
+        finally:
+            for p in params:
+                p.requires_grad_(True)
 
     def capture(self) -> list[dict[str, Any]]:
         """P, the count, the tied optimizer's state and the fp32 master of each copy (for a checkpoint)."""

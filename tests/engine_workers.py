@@ -195,13 +195,20 @@ def trace_collectives(rank: int, world: int, case: dict[str, Any]) -> dict[str, 
     return {"seen": seen, "dp_group": dp_group, "stage_id": engine.stage_id}
 
 
-def bad_config(rank: int, world: int, case: dict[str, Any], tied_layers: bool = False) -> dict[str, Any]:
+def bad_config(rank: int, world: int, case: dict[str, Any], tied_layers: bool | str = False) -> dict[str, Any]:
     """Try to build an engine that must be refused; report the error and how long it took."""
     import fdg_schedule
 
     start = time.monotonic()
     try:
-        if tied_layers:
+        if tied_layers == "only":  # stage 0 holds nothing but the tied embedding
+            from deepspeed.pipe import TiedLayerSpec
+
+            emb = TiedLayerSpec("emb", toy.TiedWeight, toy.IN, toy.HIDDEN, 11)
+            head = TiedLayerSpec("emb", toy.TiedWeight, toy.IN, toy.HIDDEN, 11, forward_fn=toy.head)
+            layers = [emb, torch.tanh, toy.SeededLinear(toy.HIDDEN, toy.HIDDEN, 2), head]
+            model = PipelineModule(layers=layers, num_stages=2, loss_fn=toy.loss_fn, partition_method="uniform")
+        elif tied_layers:
             from deepspeed.pipe import TiedLayerSpec
 
             tied = TiedLayerSpec("emb", toy.SeededLinear, toy.IN, toy.IN, 1)

@@ -123,6 +123,8 @@ def test_tied_embedding_and_head_two_stages_every_mode(tmp_path) -> None:
     cases = _cases(2, gas=3, calls=4)
     # a per-tick warm-up (the tied step takes the stage optimizer's lr) and clipping (P by its own norm)
     cases += [{**cases[0], "warmup": 5, "lr": 0.1, "clip": 0.05, "accumulate": 2, "weights": "stashed"}]
+    # the DeepSpeed-built optimizer (the config's "optimizer" block): built over the parameters minus the tied ones
+    cases += [{**cases[0], "ds_optimizer": True, "gas": 2}]
     results = run_ranks(engine_workers.train, 2, tmp_path, cases, deadline_s=300)
     check_tied(results, cases)
 
@@ -226,3 +228,73 @@ def test_1f1b_optimizer_state_into_fdg_with_a_tie_is_refused_and_weights_load(tm
         assert "load_optimizer_states=False" in lo["error"]
         for key in s["state"]:
             assert torch.equal(s["state"][key], lo["state"][key]), key
+
+
+# -- bf16 and ZeRO-1 --------------------------------------------------------------------------------
+
+
+def test_tied_zero1_equals_the_reference(tmp_path) -> None:
+    """ZeRO-1 (fp32): the tied copies are outside the ZeRO optimizer; the engine equals the reference to 1e-6."""
+    base = {"stages": 2, "n": 64, "gas": 3, "calls": 3, "grad_shrink": 0.5, "tied": True, "drain": True, "zero": 1}
+    cases = [{**base, "weights": "stashed", "accumulate": 2}, {**base, "optimizer": "adam", "clip": 0.05}]
+    results = run_ranks(engine_workers.train, 2, tmp_path, cases, deadline_s=300)
+    check_tied(results, cases)
+
+
+def test_tied_bf16_and_bf16_zero1_keep_copies_bit_identical_and_follow_the_reference(tmp_path) -> None:
+    """bf16 (fp32 masters of the tied copies, stepped by the tied optimizer) with and without ZeRO-1: the copies
+    are torch.equal on both owners after every call, the weights move, and they stay within bf16 precision of
+    the fp32 reference (the tolerance the other bf16 tests use)."""
+    base = {"stages": 2, "n": 64, "gas": 3, "calls": 3, "grad_shrink": 0.5, "tied": True, "bf16": True}
+    cases = [
+        {**base, "weights": "current", "activations": "stored", "accumulate": 2},
+        {**base, "weights": "stashed", "activations": "recomputed", "zero": 1, "optimizer": "adam"},
+    ]
+    results = run_ranks(engine_workers.train, 2, tmp_path, cases, deadline_s=300)
+    name = "tied_modules.emb.weight"
+    for i, case in enumerate(cases):
+        ref_states, _, _ = tied_reference(case, results[0][i]["parts"])
+        for call in range(case["calls"]):
+            a, b = (r[i]["states"][call][name] for r in results)
+            assert torch.equal(a, b), f"{case} call {call}: the bf16 copies differ"
+        for r in results:
+            assert all(math.isfinite(loss) for loss in r[i]["losses"][1:]), case
+            assert not torch.equal(r[i]["states"][-1][name], r[i]["states"][0][name]), f"{case}: never moved"
+            for key, value in r[i]["states"][-1].items():
+                want = ref_states[-1][r[i]["stage_id"]][key]
+                torch.testing.assert_close(value, want, rtol=0.05, atol=0.02, msg=f"{case} {key}")
+
+
+def test_tied_resume_is_bit_identical_in_bf16_and_bf16_zero1(tmp_path) -> None:
+    base = {"stages": 2, "n": 48, "gas": 3, "calls_before": 1, "calls_after": 2, "grad_shrink": 0.5, "tied": True}
+    cases = [{**base, "bf16": True, "accumulate": 2}, {**base, "bf16": True, "zero": 1, "optimizer": "adam"}]
+    _resume_checked(tmp_path, 2, cases)
+
+
+@pytest.mark.parametrize("stages,limit,accumulate", [(2, 7, 2), (3, 7, 3)])
+def test_tied_data_running_out_flushes_the_last_contributions(tmp_path, stages: int, limit: int, accumulate: int):
+    """The iterator ends mid-call: the segment's last tick flushes P (Note [tied layers across stages], 5), so
+    the weights equal the reference's after ``limit`` micro-batches and a drain, the copies bit-identical."""
+    from deepspeed.runtime.lr_schedules import WarmupLR
+
+    case = {"stages": stages, "n": 16, "gas": 3, "limit": limit, "grad_shrink": 0.5, "weights": "stashed",
+            "accumulate": accumulate, "lr": 0.1, "warmup": 4, "tied": True}  # fmt: skip
+    results = run_ranks(engine_workers.data_end, stages, tmp_path, case, deadline_s=180)
+    ref, ties = toy.tied_reference(results[0]["parts"])
+    opts = [torch.optim.SGD(s.parameters(), lr=0.1, momentum=0.9) for s in ref]
+    scheds = [WarmupLR(o, warmup_min_lr=0.0, warmup_max_lr=0.1, warmup_num_steps=4) for o in opts]
+    config = FDGConfig(grad_shrink=0.5, weights="stashed", accumulate=accumulate)
+    data = toy.micro_batches(case["n"], 4)[:limit]
+    fdg_reference(ref, opts, data, toy.loss_fn, config, drain=True, schedulers=scheds, ties=ties)
+    for r in results:
+        for key, value in ref[r["stage_id"]].state_dict().items():
+            torch.testing.assert_close(r["state"][key], value, **TOL, msg=lambda m, key=key: f"{key}: {m}")
+    a, b = (r["state"]["tied_modules.emb.weight"] for r in (results[0], results[-1]))
+    assert torch.equal(a, b)
+
+
+def test_a_stage_of_only_tied_layers_is_refused_on_every_rank(tmp_path) -> None:
+    case = {"stages": 2, "config": {"train_micro_batch_size_per_gpu": 2, "pipeline": {"schedule": "fdg"}}}
+    results = run_ranks(engine_workers.bad_config, 2, tmp_path, case, "only", deadline_s=120)
+    for r in results:
+        assert r["error"] is not None and "pipeline stages [0] hold only tied layers (['emb'])" in r["error"], r
