@@ -203,9 +203,9 @@ class GPTModelPipe(PipelineModule):
     """
 
     def __init__(self, config: GPTConfig, **kwargs: Any) -> None:
-        self.config = config
         kwargs.setdefault("partition_method", "type:transformer")
         super().__init__(layers=gpt_specs(config), loss_fn=cross_entropy, **kwargs)
+        self.config = config
 
 
 def get_batch_pipe(text: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
