@@ -100,7 +100,7 @@ def model_layers(model: str) -> list[Any]:
 
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        config = hf_lm.build_config("gpt2", cfg["size"], cfg["vocab"], cfg["seq"])
+        config = hf_lm.build_config("gpt2", cfg["size"], cfg["vocab"], cfg["seq"], tie_word_embeddings=False)
         return list(hf_lm.pipeline_layers(hf_lm.build_model(config)))
 
 

@@ -4,6 +4,12 @@
     python benchmarks/lm_convergence.py run --micro_batches 800     # the runs, one after another
     python benchmarks/lm_convergence.py report                       # table + loss curves
 
+Tied against untied embeddings at K = 2 (issue 16; FDG needs the engine's tied-weight sync):
+
+    python benchmarks/lm_convergence.py run --runs bp_tied,bp_untied,fdg_k2_b0.5_tied,fdg_k2_b0.5_untied
+    python benchmarks/lm_convergence.py report --runs bp_tied,bp_untied,fdg_k2_b0.5_tied,fdg_k2_b0.5_untied \
+        --picture docs/lm_convergence_tied.png
+
 Every run starts from the same weights (seed 1234, docs/lm_convergence_model.json), reads the same
 training blocks in the same order (the recipe's shuffled sampler, seed 1234) in micro-batches of 8
 sequences × 128 tokens and takes one optimizer step per micro-batch: BP with batch 8; FDG with one
@@ -21,6 +27,12 @@ Run names say what runs (any combination; the table in docs/staleness.md):
                                                   delay_lr_ticks T and predict_decay gamma
     ref_k<K>_b<beta>[_stashed][_dlr<T>][_p<gamma>][_s<seed>]
                                                   the same with fdg_reference in one process
+    <any DeepSpeed run above>_tied / _untied      the model with its LM head tied to the input embedding
+                                                  (docs/lm_convergence_model.json, tie_word_embeddings
+                                                  true), or that same model untied by the recipe's
+                                                  --untie (the head starts as a copy of the embedding);
+                                                  without the suffix the model is the file's, untied
+                                                  from the start (its own head initialisation)
 
 The seed (default 1234) draws the initial weights and the data order. A run whose metrics are already
 in the output folder is skipped, so the same command resumes a stopped queue.
@@ -44,9 +56,10 @@ OUT = Path(os.environ.get("LM_CONVERGENCE_OUT", ROOT / "runs" / "lm_convergence"
 GAS = 4  # ticks per train_batch call in the FDG configs (lm_fdg_k2.json)
 
 RUNS = "bp,fdg_k2_b0.5,fdg_k2_b1.0,ref_k2_b0.5,ref_k3_b0.5,ref_k3_b1.0"  # the docs/lm_convergence.md runs
+TIE_RUNS = "bp_tied,bp_untied,fdg_k2_b0.5_tied,fdg_k2_b0.5_untied"  # tied vs untied at K = 2
 NAME = re.compile(
     r"^(?:bp|(?P<kind>fdg|ref)_k(?P<K>\d+)_b(?P<beta>[\d.]+)(?:_(?P<weights>stashed))?"
-    r"(?:_dlr(?P<T>\d+))?(?:_p(?P<gamma>[\d.]+))?)(?:_s(?P<seed>\d+))?$"
+    r"(?:_dlr(?P<T>\d+))?(?:_p(?P<gamma>[\d.]+))?)(?:_s(?P<seed>\d+))?(?:_(?P<tie>tied|untied))?$"
 )
 
 
@@ -62,11 +75,12 @@ class Run:
     delay_lr_ticks: int
     predict_decay: float | None
     seed: int
+    tie: str = ""  # "" (the model file as it is), "tied" or "untied" (the tied model, --untie)
 
     @property
     def baseline(self) -> str:
-        """The BP run with the same seed (the paired comparison)."""
-        return "bp" if self.seed == 1234 else f"bp_s{self.seed}"
+        """The BP run with the same seed and embeddings (the paired comparison)."""
+        return ("bp" if self.seed == 1234 else f"bp_s{self.seed}") + (f"_{self.tie}" if self.tie else "")
 
 
 def parse_run(name: str) -> Run:
@@ -77,7 +91,25 @@ def parse_run(name: str) -> Run:
     T, gamma = int(match["T"] or 0), float(match["gamma"]) if match["gamma"] else None
     stages = int(match["K"] or 1)
     weights = match["weights"] or "current"
-    return Run(name, kind, stages, float(match["beta"] or 1.0), weights, T, gamma, int(match["seed"] or 1234))
+    tie = match["tie"] or ""
+    if tie and kind == "reference":
+        raise SystemExit(
+            f"lm_convergence.py: error: run {name!r}: fdg_reference runs have no tied variant here; "
+            f"compare tied and untied embeddings with DeepSpeed runs (bp_{tie}, fdg_k2_b0.5_{tie})"
+        )
+    seed = int(match["seed"] or 1234)
+    return Run(name, kind, stages, float(match["beta"] or 1.0), weights, T, gamma, seed, tie)
+
+
+def model_config(run: Run, out: Path) -> tuple[Path, list[str]]:
+    """The model file the run trains and the recipe's tie flag: Note [tied embeddings] in hf_lm."""
+    if not run.tie:
+        return MODEL, []
+    config = json.loads(MODEL.read_text())
+    config["tie_word_embeddings"] = True  # both variants start from the same tied model
+    path = out / "model.json"
+    path.write_text(json.dumps(config, indent=2))
+    return path, ["--untie"] if run.tie == "untied" else []
 
 
 def run_deepspeed(run: Run, micro_batches: int, eval_every: int) -> None:
@@ -94,13 +126,15 @@ def run_deepspeed(run: Run, micro_batches: int, eval_every: int) -> None:
         config["pipeline"]["fdg"]["timeout"] = 36000  # an experiment paused by quiet.sh must not time out
     (out / "ds_config.json").write_text(json.dumps(config, indent=2))
     per_call = 1 if stages == 1 else GAS
+    model, tie_flags = model_config(run, out)
     command = [
         str(Path(sys.executable).parent / "deepspeed"),
         f"--num_gpus={stages}",
         f"--master_port={random.randint(30000, 39000)}",
         "recipes/train_lm.py",
         f"--deepspeed_config={out / 'ds_config.json'}",
-        f"--model_config={MODEL}",
+        f"--model_config={model}",
+        *tie_flags,
         "--vocab_size=4096",
         "--block_size=128",
         f"--max_steps={micro_batches // per_call}",
@@ -255,7 +289,7 @@ def report(names: list[str], picture: Path, table_path: Path | None) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("what", choices=["run", "report"])
-    parser.add_argument("--runs", default=RUNS, help="comma-separated run names (see above)")
+    parser.add_argument("--runs", default=RUNS, help=f"comma-separated run names (see above); tied: {TIE_RUNS}")
     parser.add_argument("--micro_batches", type=int, default=800)
     parser.add_argument("--eval_every", type=int, default=100, help="micro-batches between evaluations")
     parser.add_argument("--picture", type=Path, default=ROOT / "docs" / "lm_convergence.png")

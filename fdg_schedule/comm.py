@@ -39,6 +39,7 @@ waits for the neighbour's message, never for the device's queue.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from collections.abc import Callable, Sequence
@@ -60,6 +61,7 @@ _DTYPES = [
     torch.int8, torch.int16, torch.int32, torch.int64, torch.bool,
 ]  # fmt: skip
 TAG = 0x0FD6  # FDG traffic never matches DeepSpeed's own (tag 0) point-to-point messages
+PEER_TAG = TAG + 1  # messages to other ranks than the neighbours (tied gradients): a stream of their own
 NO_END = -1  # the control word of an activation while data keeps coming
 
 Meta = list[tuple[torch.Size, torch.dtype]]
@@ -108,6 +110,22 @@ def meta_of(tensors: Sequence[Tensor]) -> Meta:
     return [(t.shape, t.dtype) for t in tensors]
 
 
+@dataclasses.dataclass
+class PeerMessage:
+    """What a tick sends to, and receives from, one more rank than the neighbours (tied gradients).
+
+    ``recvs`` are filled in place by :meth:`NeighbourExchange.wait_peers`; ``words_out`` / ``words_in``
+    are small int64 tensors in host memory (control words, Note [control words on the host]).
+    """
+
+    peer: int  # global rank
+    stage: int  # its stage, for messages
+    sends: list[Tensor]
+    recvs: list[Tensor]
+    words_out: list[Tensor] = dataclasses.field(default_factory=list)
+    words_in: list[Tensor] = dataclasses.field(default_factory=list)
+
+
 class NeighbourExchange:
     """Posts and completes the per-tick point-to-point messages of one stage.
 
@@ -142,6 +160,7 @@ class NeighbourExchange:
         self.prev_rank, self.next_rank = prev_rank, next_rank
         self.device, self.dynamic_shape = device, dynamic_shape
         self.describe = describe(stage_id, dist.get_rank())
+        self._describe = describe
         self._prev = describe(stage_id - 1, prev_rank)
         self._next = describe(stage_id + 1, next_rank)
         self.timeout = timedelta(seconds=timeout_s)
@@ -153,6 +172,7 @@ class NeighbourExchange:
         self.watchdog = Watchdog(timeout_s, self.describe) if self.path is Path.STREAM else None
         self._activation: tuple[list[Any], list[Tensor]] | None = None  # works: dist.Work or HostWork
         self._grad: tuple[list[Any], list[Tensor], Tensor] | None = None
+        self._peers: tuple[list[Any], list[tuple[Tensor, Tensor]]] | None = None  # works, (wire, caller's) pairs
 
     def post(
         self,
@@ -162,12 +182,15 @@ class NeighbourExchange:
         recv_activation: bool,
         recv_grad_meta: Meta | None,
         end: int = NO_END,
+        peers: Sequence[PeerMessage] = (),
     ) -> None:
         """Send this tick's activation / gradients+loss; receive next tick's (shapes in ``recv_grad_meta``).
 
         One ``batch_isend_irecv`` per neighbour. An activation travels with a control word: ``end``
         is the number of micro-batches of the segment when the data ran out, sent instead of an
-        activation in a dummy of the last activation's shapes (Note [end of data]).
+        activation in a dummy of the last activation's shapes (Note [end of data]). ``peers``: more
+        messages to other ranks (tied gradients), posted in one more batch after the neighbours'
+        (one group under NCCL: no cycle with the neighbour batches); :meth:`wait_peers` waits for them.
         """
         if end != NO_END:
             activation = self._dummy_activation()
@@ -200,6 +223,44 @@ class NeighbourExchange:
             self._activation = (prev_works, from_prev + word_in)
         if recv_grad_meta is not None:
             self._grad = (next_works, from_next[:-1], from_next[-1])
+        if peers:
+            self._post_peers(peers)
+
+    def _post_peers(self, peers: Sequence[PeerMessage]) -> None:
+        if self._peers is not None:
+            raise FDGRuntimeError(f"{self.describe}: the previous tick's peer messages were never waited for")
+        name = ", ".join(sorted({self._stage_name(m) for m in peers}))
+        sends = [(m.peer, self._out(t)) for m in peers for t in m.sends]
+        pairs = [(self._wire_buffer(t), t) for m in peers for t in m.recvs]
+        recvs = [(peer, wire) for peer, (wire, _) in zip([m.peer for m in peers for _ in m.recvs], pairs)]
+        words_out = [(m.peer, w) for m in peers for w in m.words_out]
+        words_in = [(m.peer, w) for m in peers for w in m.words_in]
+        if self.host_group is None:  # Note [control words on the host]
+            works = self._post_ops(sends + words_out, recvs + words_in, name, None, PEER_TAG)
+        else:
+            works = self._post_ops(sends, recvs, name, None, PEER_TAG)
+            works += self._post_ops(words_out, words_in, name, self.host_group, PEER_TAG)
+        self._peers = (works, pairs)
+
+    def _wire_buffer(self, t: Tensor) -> Tensor:
+        """Where a receive into ``t`` lands: ``t`` itself when it can travel as it is."""
+        if t.device == self.wire and t.is_contiguous() and t.dtype != torch.bool:
+            return t
+        return torch.empty(t.shape, dtype=_wire_dtype(t.dtype), device=self.wire)
+
+    def _stage_name(self, m: PeerMessage) -> str:
+        return self._describe(m.stage, m.peer)
+
+    def wait_peers(self) -> None:
+        """Wait for the peer messages posted last (bounded); their receive tensors then hold what arrived."""
+        if self._peers is None:
+            return
+        works, pairs = self._peers
+        self._peers = None
+        self._wait(works, "the tied gradients from the other owners")
+        for wire, own in pairs:
+            if wire is not own:
+                own.copy_(_unwire(wire, own.dtype))
 
     def _out(self, t: Tensor) -> Tensor:
         """``t`` as it travels: contiguous, bool as bytes, in host memory on the STAGED path."""
@@ -220,10 +281,16 @@ class NeighbourExchange:
         self, peer: int | None, name: str, sends: list[Tensor], recvs: list[Tensor], group: Any = None
     ) -> list[Any]:
         """One batched exchange with one neighbour; returns the receives' works (sends are kept)."""
+        return self._post_ops([(peer, t) for t in sends], [(peer, t) for t in recvs], name, group, TAG)
+
+    def _post_ops(
+        self, sends: list[tuple[Any, Tensor]], recvs: list[tuple[Any, Tensor]], name: str, group: Any, tag: int
+    ) -> list[Any]:
+        """One ``batch_isend_irecv`` of ``(peer, tensor)`` sends and receives; returns the receives' works."""
         if not sends and not recvs:
             return []
-        ops = [dist.P2POp(dist.isend, t, peer, group=group, tag=TAG) for t in sends]
-        ops += [dist.P2POp(dist.irecv, t, peer, group=group, tag=TAG) for t in recvs]
+        ops = [dist.P2POp(dist.isend, t, peer, group=group, tag=tag) for peer, t in sends]
+        ops += [dist.P2POp(dist.irecv, t, peer, group=group, tag=tag) for peer, t in recvs]
         try:
             works: list[Any] = list(dist.batch_isend_irecv(ops))
         except RuntimeError as err:
@@ -231,12 +298,13 @@ class NeighbourExchange:
         if group is not None:  # Note [control words on the host]: waited on the host
             works = [HostWork(w) for w in works]
         send_works, recv_works = split_works(works, len(sends), len(recvs))
+        tensors = [t for _, t in sends]
         if self.watchdog is not None and group is None:  # stream-ordered: nobody waits for these sends
             self.watchdog.watch(send_works, f"{name} to take what this stage sent")
-            self._in_flight.keep(send_works, sends)
+            self._in_flight.keep(send_works, tensors)
         else:
             self._sends += [(w, name) for w in send_works]
-            self._send_refs += sends  # isend does not copy: keep the tensors alive until it completes
+            self._send_refs += tensors  # isend does not copy: keep the tensors alive until it completes
         return recv_works
 
     def wait_activation(self) -> tuple[tuple[Tensor, ...], int]:
@@ -274,6 +342,7 @@ class NeighbourExchange:
             self._wait(self._activation[0], f"the activation from {self._prev}")
         if self._grad is not None:
             self._wait(self._grad[0], f"the gradient from {self._next}")
+        self.wait_peers()
 
     def settle(self) -> None:
         """Until every stream-ordered send has completed (polled, bounded by the timeout): before a checkpoint."""
@@ -290,7 +359,8 @@ class NeighbourExchange:
     def received(self) -> dict[str, Any]:
         """What arrived for the next tick and the shape headers, after :meth:`complete` (for checkpoints)."""
         self.settle()
-        if self._sends or self._in_flight.held() or any(p is not None and p[0] for p in (self._activation, self._grad)):
+        pending = any(p is not None and p[0] for p in (self._activation, self._grad)) or self._peers is not None
+        if self._sends or self._in_flight.held() or pending:
             raise FDGRuntimeError(f"{self.describe}: messages still in flight; complete() the exchange first")
         return {
             "activation": None if self._activation is None else self._activation[1],
@@ -303,6 +373,7 @@ class NeighbourExchange:
         """Undo :meth:`received` in a new process (or forget everything with None)."""
         state = state or {"activation": None, "grad": None, "sent_meta": None, "recv_meta": None}
         self._sends, self._send_refs, self._in_flight = [], [], InFlightSends()
+        self._peers = None
         self.sent_meta, self.recv_meta = state["sent_meta"], state["recv_meta"]
         self._activation = None if state["activation"] is None else ([], list(state["activation"]))
         grad = state["grad"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import time
 from typing import Any, cast
 
@@ -29,9 +30,9 @@ from deepspeed.runtime.pipe.schedule import PipeInstruction, ReduceGrads
 from deepspeed.utils import logger
 from torch import Tensor
 
-from fdg_schedule import checkpoint, dispatch, grid, guards, observe, optim, schedule, ticks
+from fdg_schedule import checkpoint, dispatch, grid, guards, observe, optim, schedule, ticks, tied
 from fdg_schedule.comm import NO_END, NeighbourExchange, meta_of
-from fdg_schedule.config import FDGConfig
+from fdg_schedule.config import FDGConfig, FDGConfigError
 from fdg_schedule.delayed import DelayedBackward
 from fdg_schedule.errors import DataExhausted, FDGRuntimeError
 from fdg_schedule.replicas import Replicas
@@ -55,6 +56,13 @@ class FDGPipelineEngine(PipelineEngine):
     num_pipe_buffers: int
 
     def __init__(self, *args: Any, fdg_config: FDGConfig, **kwargs: Any) -> None:
+        # Note [tied layers across stages]: the tied copies get an optimizer of their own, never DeepSpeed's.
+        ties = tied.find_ties(kwargs.get("model"))
+        if ties:
+            tied.check_own_parameters(kwargs["model"], ties)
+            kwargs["model_parameters"] = tied.without_tied(kwargs.get("model_parameters"), ties, kwargs["model"])
+            if isinstance(kwargs.get("optimizer"), torch.optim.Optimizer):
+                tied.remove_from_optimizer(kwargs["optimizer"], ties)
         super().__init__(*args, **kwargs)
         self.fdg_config = fdg_config
         optim.decouple_from_other_stages(self.optimizer)
@@ -66,11 +74,19 @@ class FDGPipelineEngine(PipelineEngine):
         self._replicas = Replicas(self.grid, self.stage_id, fdg_config.timeout, self._where())
         delayed = not self.is_last_stage()
         self._delayed = DelayedBackward(self.module, fdg_config, delayed=delayed)
+        self._tied = tied.TiedSync(
+            ties, self.stage_id, self.basic_optimizer, self.grid.get_data_parallel_group(), self.dp_world_size,
+            self._replicas.collective, self._where(),
+        )  # fmt: skip
+        self._tie_keys = list(tied.owners(self.module))  # every rank's, also where it holds no copy
+        tied_ids = {id(p) for p in self._tied.params()}
+        self._own_params = [p for p in self.module.parameters() if id(p) not in tied_ids]  # stepped by the stage
         params, every = self._delayed.params, fdg_config.staleness_every
+        corrected = [p for p in params if id(p) not in tied_ids]  # tied copies are never predicted nor lr-scaled
         self.fdg_state = StageState(
             self.num_stages, self._exchange, self.pipe_buffers,
-            corrections=Corrections(params, self.num_stages, self.stage_id, fdg_config),
-            meter=StalenessMeter(params, every, delayed),
+            corrections=Corrections(corrected, self.num_stages, self.stage_id, fdg_config),
+            meter=StalenessMeter(params, every, delayed), tied=self._tied,
         )  # fmt: skip
         self._watch = guards.NonFiniteWatch()  # Note [no host sync in a tick]
         self._running: FDGTrainSchedule | None = None  # the call in progress: told when the data ends
@@ -195,6 +211,8 @@ class FDGPipelineEngine(PipelineEngine):
         by layer) when optimizer and scheduler state are not requested.
         """
         resolved = checkpoint.resolve_tag(load_dir, tag)
+        if self._tie_keys and load_optimizer_states and not load_module_only and resolved is not None:
+            self._check_tied_optimizer_state(load_dir, resolved)
         per_stage = not load_module_only and (load_optimizer_states or load_lr_scheduler_states)
         other_stages = checkpoint.other_stages(load_dir, resolved, self.num_stages, per_stage_state=per_stage)
         bf16_from_zero_files = load_optimizer_states and self._bf16_without_zero()
@@ -215,6 +233,23 @@ class FDGPipelineEngine(PipelineEngine):
             client_state = {}
         self._restore_in_flight(load_dir, resolved)
         return load_path, client_state
+
+    def _check_tied_optimizer_state(self, load_dir: str, tag: str) -> None:
+        """A checkpoint without FDG state (1F1B's) keeps the tied copies in the stage optimizer: refuse its state.
+
+        Note [tied layers across stages]: under FDG the stage optimizer does not hold the tied parameters
+        (their tied optimizer does), so 1F1B's optimizer state does not fit it.
+        """
+        saved_dir = os.path.join(load_dir, tag)
+        if not os.path.isdir(saved_dir) or any(n.startswith("fdg_stage") for n in os.listdir(saved_dir)):
+            return
+        keys = self._tie_keys
+        raise FDGConfigError(
+            f"checkpoint {saved_dir} has no FDG state (a 1F1B checkpoint?) and this model ties {keys} across "
+            f"stages: 1F1B's optimizer state steps the tied parameters of {keys} with the stage's optimizer, FDG "
+            "with a tied optimizer of their own, so it cannot be loaded exactly; call load_checkpoint(..., "
+            "load_optimizer_states=False) to load the weights and LR scheduler (optimizer state starts fresh)"
+        )
 
     def _bf16_without_zero(self) -> bool:
         """Note [bf16 optimizer state]: DeepSpeed 0.19.8 saves the state of its bf16 wrapper without ZeRO
@@ -397,6 +432,7 @@ class FDGPipelineEngine(PipelineEngine):
             # One micro-batch per tick: no division by gradient_accumulation_steps.
             DeepSpeedEngine.backward(self, loss / self.fdg_config.accumulate, scale_wrt_gas=False)
             carried = loss.detach().float()
+            self._tied.after_backward()
         else:
             grads, carried = self.fdg_state.received.pop(buffer_id)
             if self.fdg_config.grad_shrink != 1.0:
@@ -406,6 +442,7 @@ class FDGPipelineEngine(PipelineEngine):
             self.fdg_state.meter.before_backward(self.fdg_state.tick, buffer_id)  # the live weights are w_bwd
             with self._delayed.backward(held, stored, lambda: self._stage_forward(inputs)) as outputs:
                 self._autograd_backward(floating(outputs), grads)
+            self._tied.after_backward()  # Note [tied layers across stages]: before the stage's reduce and step
         self.fdg_state.call_losses.append(carried)
         if not self.is_first_stage():
             self.fdg_state.to_send[buffer_id] = (input_grads(self.pipe_buffers["inputs"][buffer_id]), carried)
@@ -415,9 +452,10 @@ class FDGPipelineEngine(PipelineEngine):
     def _exec_reduce_grads(self) -> None:
         """DeepSpeed's gradient all-reduce among this stage's replicas, bounded (Note [replicas end together])."""
         # Note [gradient reduce with one data-parallel rank]: skip the identity all-reduce every tick.
-        if not (self._reduce_is_identity and optim.fill_missing_grads(self.module)):
-            with self._replicas.collective("the gradient all-reduce"):
-                super()._exec_reduce_grads()
+        with self._tied.hidden():  # Note [tied layers across stages]: their gradients are reduced apart
+            if not (self._reduce_is_identity and optim.fill_missing_grads(self.module)):
+                with self._replicas.collective("the gradient all-reduce"):
+                    super()._exec_reduce_grads()
 
     def _exec_local_optimizer_step(self) -> None:
         wrapped = self.bfloat16_enabled() or self.zero_optimization()
@@ -444,7 +482,7 @@ class FDGPipelineEngine(PipelineEngine):
         The bf16 and ZeRO wrappers check (and skip) non-finite steps themselves, inside DeepSpeed.
         """
         if not wrapped:
-            norm = optim.clip_stage_local(self.module.parameters(), self.gradient_clipping())
+            norm = optim.clip_stage_local(self._own_params, self.gradient_clipping())
             self._global_grad_norm = norm  # get_global_grad_norm(): this stage's own norm, left on the device
             if self.fdg_config.nonfinite == "skip":
                 if not guards.finite(norm):
@@ -476,10 +514,12 @@ class FDGPipelineEngine(PipelineEngine):
             recv_activation=recv_activation is not None,
             recv_grad_meta=None if recv_grad is None else self.fdg_state.sent_meta[recv_grad],
             end=NO_END if send_end is None else send_end,
+            peers=self._tied.messages(),
         )
 
     def _exec_advance_tick(self, entered: bool) -> None:
         self._print_flops_profile()
+        finished = self.fdg_state.segment_tick
         self.fdg_state.tick += 1
         self.fdg_state.segment_tick += 1
         self.global_steps += 1
@@ -487,10 +527,30 @@ class FDGPipelineEngine(PipelineEngine):
             self.global_samples += self.train_micro_batch_size_per_gpu() * self.dp_world_size
         if self.lr_scheduler is not None and ticks.scheduler_steps_after(self.global_steps, self.fdg_config.accumulate):
             self.lr_scheduler.step()  # Note [learning rate per optimizer step]
+        if self._tied:
+            self._tied_step(segment_over=self._running is not None and self._running.last_tick() == finished)
         self.fdg_stats["ticks"] += 1
         every = self.fdg_config.check_every
         if every and self.global_steps % every == 0:
             self._watch.check(self._where())
+
+    def _tied_step(self, segment_over: bool) -> None:
+        """Note [tied layers across stages]: the tied step of the tick that starts now (after the LR scheduler)."""
+        start = time.perf_counter()
+        self._exchange.wait_peers()
+        self.fdg_stats["wait_s"] += time.perf_counter() - start
+        lr, clip = self.get_lr()[0], self.gradient_clipping()
+        self._tied.apply(self.fdg_state.tick, self.fdg_config.accumulate, lr, clip, self._tied_guard, segment_over)
+
+    def _tied_guard(self, norm: Tensor) -> bool:
+        """pipeline.fdg.nonfinite for a tied step: queue the check ("error"), or skip and count it ("skip")."""
+        if self.fdg_config.nonfinite == "error":
+            self._watch.record("tied gradient", norm, self.global_steps)
+            return True
+        if guards.finite(norm):
+            return True
+        self.fdg_stats["skipped"] += 1
+        return False
 
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,

@@ -215,7 +215,7 @@ def _switched_off_message() -> str:
 
 
 def _check_model(deepspeed: ModuleType, model: Any) -> None:
-    from deepspeed.runtime.pipe.module import PipelineModule, TiedLayerSpec
+    from deepspeed.runtime.pipe.module import PipelineModule
 
     dual_pipe_v = getattr(deepspeed, "DualPipeVModule", None)
     if dual_pipe_v is not None and isinstance(model, dual_pipe_v):
@@ -244,17 +244,18 @@ def _check_model(deepspeed: ModuleType, model: Any) -> None:
             f"{parts[-1]} layers; use at most {parts[-1]} stages (the number of ranks / data-parallel size) or "
             "split the model into more layers"
         )
-    specs = getattr(model, "_layer_specs", [])
-    for key in {spec.key for spec in specs if isinstance(spec, TiedLayerSpec)}:
-        stages = sorted(
-            {model.stage_owner(i) for i, s in enumerate(specs) if isinstance(s, TiedLayerSpec) and s.key == key}
+    # Tied layers across stages are trained (Note [tied layers across stages] in fdg_schedule/tied.py), with an
+    # optimizer of their own: a stage holding nothing else would leave the stage's optimizer empty.
+    from fdg_schedule import tied
+
+    only_tied = tied.stages_of_only_tied_layers(model)
+    if only_tied:
+        raise FDGConfigError(
+            f"pipeline stages {only_tied} hold only tied layers ({sorted(tied.owners(model))}), whose parameters "
+            'pipeline.schedule="fdg" steps with a tied optimizer of their own, so the stage\'s optimizer would '
+            "have no parameters; put a layer with parameters of its own on each stage (e.g. another "
+            "partition_method), or untie the layers"
         )
-        if len(stages) > 1:
-            raise FDGConfigError(
-                f"tied layer {key!r} spans pipeline stages {stages}: FDG cannot keep tied weights equal "
-                "without a cross-stage sync every tick; use separate (untied) layers, or keep every "
-                'TiedLayerSpec with this key on one stage, or train with pipeline.schedule="1f1b"'
-            )
 
 
 def _fdg_engine_class(deepspeed: ModuleType) -> type:

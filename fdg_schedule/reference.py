@@ -31,6 +31,18 @@ Note [staleness corrections]
     the prediction's leaves are refreshed with w just before the backward (stored activations,
     Note [current weights]) or the forward is recomputed on w ("recomputed"). Buffers (batch-norm
     statistics) are not predicted.
+
+Note [tied layers across stages, the reference]
+    ``ties`` lists, per tied parameter, ``(stage, parameter name)`` of each copy. The copies are taken
+    out of ``optimizers[stage]``; each copy gets a tied optimizer of that optimizer's class and
+    defaults. After stage s's backward at tick u its copy's gradient is c_s(u) (zero without a
+    backward) and n_s(u) = 1 (else 0). At the end of tick u (after the schedulers) every tie adds
+    G(u) = sum of c_s(u) over its owners in ascending stage order to its accumulator P, and n(u) to
+    its count; with t = u + 1 on the global tick clock, when t % accumulate == 0 (or at the end of
+    a drain) and the count is > 0, every copy steps on P (clipped by P's own norm to
+    ``clip_grad_norm``) with its tied optimizer at the lr of its stage optimizer's group 0; P and
+    the count go back to zero. Tied copies are never predicted and never lr-scaled. The engine's
+    side is Note [tied layers across stages] in fdg_schedule/tied.py.
 """
 
 from __future__ import annotations
@@ -57,6 +69,18 @@ class ReferenceState:
 
     tick: int = 0
     delta: dict[int, dict[str, Tensor]] = dataclasses.field(default_factory=dict)  # stage -> name -> tensor
+    tied: list[_Tie] = dataclasses.field(default_factory=list)  # one per tied parameter, built on first use
+
+
+@dataclasses.dataclass
+class _Tie:
+    """One tied parameter (Note [tied layers across stages, the reference]): its copies and their tied
+    optimizers by stage, the accumulator P and its count of back-propagated micro-batches."""
+
+    params: dict[int, nn.Parameter]  # stage -> its copy, in ascending stage order
+    optimizers: dict[int, torch.optim.Optimizer]
+    accumulated: Tensor
+    count: int = 0
 
 
 @dataclasses.dataclass
@@ -81,6 +105,7 @@ def fdg_reference(
     clip_grad_norm: float = 0.0,
     after_tick: Callable[[int], None] | None = None,
     state: ReferenceState | None = None,
+    ties: Sequence[Sequence[tuple[int, str]]] = (),
 ) -> list[float]:
     """Train ``stages`` with FDG on ``micro_batches`` (``(inputs, labels)`` pairs), one per tick.
 
@@ -90,8 +115,10 @@ def fdg_reference(
         schedulers: stepped once every ``accumulate`` ticks, fill and drain ticks included.
         clip_grad_norm: stage-local gradient clipping before each step (0 = off).
         after_tick: called with the tick number (of this call) at the end of each tick.
-        state: the tick count and prediction deltas to continue from; updated in place. A fresh
-            one (tick 0, deltas zero) when None.
+        state: the tick count, prediction deltas and tied state to continue from; updated in place.
+            A fresh one (tick 0, deltas zero) when None.
+        ties: per tied parameter, ``(stage, parameter name)`` of each copy (Note [tied layers across
+            stages, the reference]); the copies are removed from ``optimizers``.
 
     Returns:
         The loss of each micro-batch the last stage computed, in order.
@@ -99,23 +126,28 @@ def fdg_reference(
     config = config or FDGConfig()
     state = state if state is not None else ReferenceState()
     K, n = len(stages), len(micro_batches)
+    _build_ties(stages, optimizers, ties, state)
+    tied_names = {k: {name for t in ties for s, name in t if s == k} for k in range(K)}
     in_flight: list[dict[int, _InFlight]] = [{} for _ in stages]
     activation_msg: dict[int, tuple[int, tuple[Tensor, ...]]] = {}  # stage -> (micro-batch, tensors)
     grad_msg: dict[int, tuple[int, tuple[Tensor, ...]]] = {}
     losses: list[float] = []
     drain_limit = n if drain else None
-    for tick in range(n + (ticks.drain_ticks(K) if drain else 0)):
+    total_ticks = n + (ticks.drain_ticks(K) if drain else 0)
+    for tick in range(total_ticks):
         t = state.tick + tick  # Note [staleness corrections]
         next_activation, next_grad = {}, {}
+        contributions: dict[tuple[int, int], Tensor] = {}  # (tie, stage) -> c_s(t)
         for k, stage in enumerate(stages):
             last = k == K - 1
-            corrections = _Corrections(stage, k, K, t, config, state)
+            corrections = _Corrections(stage, k, K, t, config, state, tied_names[k])
             bwd = ticks.backward_micro_batch(tick, K, k, n)
             if not last and bwd is not None:
                 received_bwd, grads = grad_msg[k]
                 assert received_bwd == bwd
                 shrunk = tuple(config.grad_shrink * g for g in grads)
                 input_grads = _delayed_backward(stage, in_flight[k].pop(bwd), shrunk, config)
+                _take_tied_grads(state.tied, k, contributions)
                 if k > 0:
                     next_grad[k - 1] = (bwd, input_grads)
                 _maybe_step(stage, optimizers[k], bwd, config, drain_limit, clip_grad_norm, corrections)
@@ -131,6 +163,7 @@ def fdg_reference(
                 x = _leaves(inputs, requires_grad=k > 0)
                 loss = loss_fn(_run(stage, x, None), micro_batches[fwd][1])
                 (loss / config.accumulate).backward()
+                _take_tied_grads(state.tied, k, contributions)
                 losses.append(loss.item())
                 if k > 0:
                     next_grad[k - 1] = (fwd, _grads_of(x))
@@ -143,6 +176,8 @@ def fdg_reference(
         if ticks.scheduler_steps_after(tick + 1, config.accumulate):  # Note [learning rate per optimizer step]
             for scheduler in schedulers:
                 scheduler.step()
+        flush = drain and tick == total_ticks - 1
+        _tied_step(state.tied, contributions, t + 1, optimizers, config.accumulate, clip_grad_norm, flush)
         if after_tick is not None:
             after_tick(tick)
     state.tick += n + (ticks.drain_ticks(K) if drain else 0)
@@ -152,7 +187,9 @@ def fdg_reference(
 class _Corrections:
     """The staleness corrections of stage ``k`` in tick ``t`` (Note [staleness corrections])."""
 
-    def __init__(self, stage: nn.Module, k: int, K: int, t: int, config: FDGConfig, state: ReferenceState) -> None:
+    def __init__(
+        self, stage: nn.Module, k: int, K: int, t: int, config: FDGConfig, state: ReferenceState, tied: set[str]
+    ) -> None:
         self.stage = stage
         self.h = 2 * (K - 1 - k) / config.accumulate  # the stage's delay in optimizer steps
         self.lr_factor = 1.0
@@ -163,7 +200,11 @@ class _Corrections:
         self.delta: dict[str, Tensor] | None = None
         if self.gamma is not None and self.h > 0:
             if k not in state.delta:
-                state.delta[k] = {name: torch.zeros_like(p) for name, p in stage.named_parameters() if p.requires_grad}
+                state.delta[k] = {
+                    name: torch.zeros_like(p)
+                    for name, p in stage.named_parameters()
+                    if p.requires_grad and name not in tied  # tied copies are not predicted
+                }
             self.delta = state.delta[k]
 
     def predicted(self) -> dict[str, Tensor] | None:
@@ -198,6 +239,74 @@ class _Corrections:
                 for name, p in self.stage.named_parameters():
                     if name in self.delta:
                         self.delta[name].mul_(self.gamma).add_(p - before[name], alpha=1.0 - self.gamma)
+
+
+def _build_ties(
+    stages: Sequence[nn.Module],
+    optimizers: Sequence[torch.optim.Optimizer],
+    ties: Sequence[Sequence[tuple[int, str]]],
+    state: ReferenceState,
+) -> None:
+    """Take the tied copies out of the stage optimizers; give each a tied optimizer (once per state)."""
+    for tie in ties:
+        for k, name in tie:
+            named = dict(stages[k].named_parameters())
+            if name not in named:
+                raise ValueError(f"ties: stage {k} has no parameter {name!r}; its parameters are {sorted(named)}")
+            p = named[name]
+            for group in optimizers[k].param_groups:
+                group["params"] = [q for q in group["params"] if q is not p]
+    if state.tied or not ties:
+        return
+    for tie in ties:
+        params = {k: dict(stages[k].named_parameters())[name] for k, name in sorted(tie)}
+        kinds = {k: type(optimizers[k]) for k in params}
+        opts = {k: kinds[k]([p], **optimizers[k].defaults) for k, p in params.items()}
+        first = next(iter(params.values()))
+        state.tied.append(_Tie(params, opts, torch.zeros_like(first, dtype=torch.float32)))
+
+
+def _take_tied_grads(tied: list[_Tie], k: int, contributions: dict[tuple[int, int], Tensor]) -> None:
+    """After stage k's backward: its copies' gradients are its contributions c_k (taken out of ``.grad``)."""
+    for i, tie in enumerate(tied):
+        p = tie.params.get(k)
+        if p is None:
+            continue
+        contributions[(i, k)] = torch.zeros_like(tie.accumulated) if p.grad is None else p.grad.detach().float()
+        p.grad = None
+
+
+def _tied_step(
+    tied: list[_Tie],
+    contributions: dict[tuple[int, int], Tensor],
+    t: int,
+    optimizers: Sequence[torch.optim.Optimizer],
+    accumulate: int,
+    clip: float,
+    flush: bool,
+) -> None:
+    """Note [tied layers across stages, the reference]: P += G(t-1), then maybe one step of every copy."""
+    for i, tie in enumerate(tied):
+        total: Tensor | None = None
+        for k in tie.params:  # ascending stage order
+            term = contributions.get((i, k), torch.zeros_like(tie.accumulated))
+            total = term.clone() if total is None else total.add_(term)
+            tie.count += (i, k) in contributions
+        assert total is not None
+        tie.accumulated.add_(total)
+        if not ((t % accumulate == 0 or flush) and tie.count > 0):
+            continue
+        for k, p in tie.params.items():
+            p.grad = tie.accumulated.clone().to(p.dtype)
+            if clip > 0:
+                torch.nn.utils.clip_grad_norm_([p], clip)
+            opt = tie.optimizers[k]
+            for group in opt.param_groups:
+                group["lr"] = optimizers[k].param_groups[0]["lr"]
+            opt.step()
+            p.grad = None
+        tie.accumulated.zero_()
+        tie.count = 0
 
 
 def _forward(

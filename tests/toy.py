@@ -7,9 +7,11 @@ Layers: ``LayerSpec``s, raw modules, plain functions, and a pair layer whose tup
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
-from deepspeed.pipe import LayerSpec
+from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from torch import Tensor, nn
 
 IN, HIDDEN, CLASSES = 6, 8, 3
@@ -106,3 +108,94 @@ def micro_batches(n: int, size: int, seed: int = 0) -> list[tuple[Tensor, Tensor
 
 def loss_fn(logits: Tensor, labels: Tensor) -> Tensor:
     return F.cross_entropy(logits, labels)
+
+
+# -- tied layers across stages (Note [tied layers across stages] in fdg_schedule/tied.py) ------------
+
+
+class TiedWeight(nn.Module):
+    """A weight-only linear map (a word embedding applied to dense inputs), tied to an output head."""
+
+    def __init__(self, n_in: int, n_out: int, seed: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.weight = nn.Parameter(torch.randn(n_out, n_in, generator=g) / n_in**0.5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight)
+
+
+def head(module: TiedWeight, h: Tensor) -> Tensor:
+    """Megatron's tied output head: the embedding's transpose gives logits over the IN inputs."""
+    return F.linear(h, module.weight.t())
+
+
+class Tied:
+    """A tied layer of the reference's layer list: ``key``, how to build its module, an optional forward_fn."""
+
+    def __init__(self, key: str, build, forward_fn=None) -> None:
+        self.key, self.build, self.forward_fn = key, build, forward_fn
+
+
+def tied_layers(spec: bool = True, three_owners: bool = False) -> list:
+    """An embedding on stage 0 tied to the head on the last stage (8 layers: uniform splits [0, 4, 8] and
+    [0, 3, 6, 8]); ``three_owners`` adds a key "mid" with a copy on each of 3 stages (10 layers, [0, 4, 7, 10])."""
+
+    def make(cls, *args):
+        return LayerSpec(cls, *args) if spec else cls(*args)
+
+    def tied(key, n_in, n_out, seed, forward_fn=None):
+        if spec:
+            return TiedLayerSpec(key, TiedWeight, n_in, n_out, seed, forward_fn=forward_fn)
+        return Tied(key, lambda: TiedWeight(n_in, n_out, seed), forward_fn)
+
+    if three_owners:
+        return [
+            tied("emb", IN, HIDDEN, 11), torch.tanh, tied("mid", HIDDEN, HIDDEN, 12),
+            make(SeededLinear, HIDDEN, HIDDEN, 2),  # stage 0 ends
+            tied("mid", HIDDEN, HIDDEN, 12), torch.tanh, make(SeededLinear, HIDDEN, HIDDEN, 4),  # stage 1
+            make(SeededLinear, HIDDEN, HIDDEN, 6), tied("mid", HIDDEN, HIDDEN, 12), tied("emb", IN, HIDDEN, 11, head),
+        ]  # fmt: skip
+    return [
+        tied("emb", IN, HIDDEN, 11), torch.tanh, make(SeededLinear, HIDDEN, HIDDEN, 2), torch.tanh,
+        make(SeededLinear, HIDDEN, HIDDEN, 4), torch.tanh, make(SeededLinear, HIDDEN, HIDDEN, 6),
+        tied("emb", IN, HIDDEN, 11, head),
+    ]  # fmt: skip
+
+
+class TiedChain(nn.Module):
+    """A reference stage with tied layers: its copy of each tied module under ``tied_modules.<key>``, as
+    ``PipelineModule`` holds it (state_dict keys match the engine's)."""
+
+    def __init__(self, items: list, start: int) -> None:
+        super().__init__()
+        self.tied_modules = nn.ModuleDict()
+        self.funcs = []
+        for i, item in enumerate(items):
+            if isinstance(item, Tied):
+                if item.key not in self.tied_modules:
+                    self.tied_modules[item.key] = item.build()
+                module = self.tied_modules[item.key]
+                self.funcs.append(module if item.forward_fn is None else functools.partial(item.forward_fn, module))
+                continue
+            if isinstance(item, nn.Module):
+                self.add_module(str(start + i), item)
+            self.funcs.append(item)
+
+    def forward(self, x):
+        for f in self.funcs:
+            x = f(x)
+        return x
+
+
+def tied_reference(parts: list[int], three_owners: bool = False) -> tuple[list[TiedChain], list[list[tuple[int, str]]]]:
+    """The reference's stages for :func:`tied_layers` and its ``ties`` argument (per key, ``(stage, name)``)."""
+    built = tied_layers(spec=False, three_owners=three_owners)
+    stages = [TiedChain(built[a:b], a) for a, b in zip(parts[:-1], parts[1:])]
+    owners: dict[str, set[int]] = {}
+    for k, (a, b) in enumerate(zip(parts[:-1], parts[1:])):
+        for item in built[a:b]:
+            if isinstance(item, Tied):
+                owners.setdefault(item.key, set()).add(k)
+    ties = [[(k, f"tied_modules.{key}.weight") for k in sorted(stages_)] for key, stages_ in sorted(owners.items())]
+    return stages, [t for t in ties if len(t) > 1]

@@ -1,9 +1,15 @@
 """Hugging Face causal language models (GPT-2, LLaMA) as DeepSpeed pipeline layers, and back.
 
-A causal LM becomes ``[EmbeddingPipe, BlockPipe × n_layer, HeadPipe]`` for ``PipelineModule``,
-plus ``lm_loss`` as its ``loss_fn``. The layers wrap the model's own modules (``GPT2Block``,
-``LlamaDecoderLayer``, the embeddings, the final norm and LM head): nothing is re-implemented, and
-building the layers from a model shares its parameters.
+A causal LM becomes a layer list for ``PipelineModule``, plus ``lm_loss`` as its ``loss_fn``:
+
+    tied (the head is the input embedding):  [TiedLayerSpec("embed", TokenEmbeddingPipe), PositionPipe (GPT-2),
+                                              BlockPipe × n_layer, NormPipe,
+                                              TiedLayerSpec("embed", TokenEmbeddingPipe, forward_fn=lm_logits)]
+    untied (its own head weight):            [EmbeddingPipe, BlockPipe × n_layer, HeadPipe]
+
+The layers wrap the model's own modules (``GPT2Block``, ``LlamaDecoderLayer``, the embeddings, the
+final norm and LM head): nothing is re-implemented, and the layers share the model's parameters,
+except the tied embedding, which each stage holding it builds as its own copy (Note [tied embeddings]).
 
 Note [what crosses a stage boundary]
     Between stages the activation is the hidden state alone, or ``(hidden_states, attention_mask)``
@@ -13,11 +19,23 @@ Note [what crosses a stage boundary]
     and LLaMA's rotary cos/sin from the model's own ``rotary_emb`` (a buffer, no parameters). Only
     floating tensors get gradients in DeepSpeed's pipeline, so the integer mask rides along free.
 
-Note [untied embeddings]
-    GPT-2 and SmolLM2 tie the LM head to the input embedding. A tie that spans stages needs a
-    cross-stage gradient all-reduce every step (DeepSpeed's ``TiedLayerSpec`` / ``ReduceTiedGrads``),
-    which FDG's decoupled stages do not have. ``untie_embeddings`` gives the head its own copy of the
-    weight (same values at the start) and logs it; exports say ``tie_word_embeddings = False``.
+Note [tied embeddings]
+    GPT-2, SmolLM2 and LLaMAs with ``tie_word_embeddings`` use the input embedding as the LM head.
+    The pipeline keeps that tie with DeepSpeed's own mechanism, as Megatron-DeepSpeed and GPT-NeoX
+    do: the embedding and the head are two ``TiedLayerSpec``s with one key (``TIE_KEY``) and
+    ``tied_weight_attr="embed.weight"``. ``PipelineModule`` builds the ``TokenEmbeddingPipe`` once
+    on each stage that holds one of them (the first stage and the last), broadcasts the weight from
+    the first, and the head runs ``lm_logits`` on it (``forward_fn``). Under 1F1B DeepSpeed sums the
+    two copies' gradients every step (``ReduceTiedGrads``); under FDG the engine keeps the copies
+    equal its own way. With one stage it is one module, as in HF. A built ``TokenEmbeddingPipe``
+    holds a copy of the HF model's embedding, so building a spec (on a stage, or in a layer
+    profile's trial steps) never writes into the model; ``load_hf_state_dict`` and ``hf_state_dict``
+    read and write the HF model's embedding itself (what every later build copies).
+    The position embedding (GPT-2) and the final norm are separate layers so the tied module holds
+    the tied weight and nothing else: no parameter sits unused, and stale, on the last stage.
+    ``pipeline_layers(model, untie=True)`` (the recipe's ``--untie``) gives the head its own copy
+    instead (same values at the start, trained on its own): the untied variant, exported with
+    ``tie_word_embeddings = False``.
 """
 
 from __future__ import annotations
@@ -34,14 +52,17 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, LlamaConfig, PretrainedConfig
 from transformers.masking_utils import create_causal_mask
 
+from fdg_schedule.zoo.tied_layers import TiedLayerSpec, holds_first, is_tied_spec
+
 log = logging.getLogger(__name__)
 
 FAMILIES = ("gpt2", "llama")
 SIZES = ("tiny", "small")
 PARTITION_METHOD = "type:BlockPipe"  # balance decoder blocks; embeddings go first, the head last
+TIE_KEY = "embed"  # the TiedLayerSpec key of the input embedding and the LM head (Note [tied embeddings])
 
 # Size presets. ``tiny`` is for tests and CI; ``small`` (~11 M parameters in the blocks, 14-20 M with
-# an 8 k vocabulary and untied head) is the largest that trains usefully on a few CPU cores.
+# an 8 k vocabulary, tied or untied) is the largest that trains usefully on a few CPU cores.
 PRESETS: dict[tuple[str, str], dict[str, Any]] = {
     ("gpt2", "tiny"): dict(n_layer=4, n_embd=64, n_head=4),
     ("gpt2", "small"): dict(n_layer=6, n_embd=384, n_head=6),
@@ -63,9 +84,15 @@ PRESETS: dict[tuple[str, str], dict[str, Any]] = {
 
 
 def build_config(
-    family: str, size: str, vocab_size: int, max_positions: int, eos_token_id: int = 0
+    family: str,
+    size: str,
+    vocab_size: int,
+    max_positions: int,
+    eos_token_id: int = 0,
+    tie_word_embeddings: bool = True,
 ) -> PretrainedConfig:
-    """A fresh config for ``family`` at ``size`` with dropout off and untied embeddings.
+    """A fresh config for ``family`` at ``size`` with dropout off; the LM head is the input embedding
+    unless ``tie_word_embeddings`` is False (HF GPT-2's default is tied).
 
     ``eos_token_id`` (also used as BOS) comes from the tokenizer the model will be trained with.
     """
@@ -79,7 +106,7 @@ def build_config(
             resid_pdrop=0.0,
             embd_pdrop=0.0,
             attn_pdrop=0.0,
-            tie_word_embeddings=False,
+            tie_word_embeddings=tie_word_embeddings,
             bos_token_id=eos_token_id,
             eos_token_id=eos_token_id,
             **preset,
@@ -87,7 +114,7 @@ def build_config(
     return LlamaConfig(
         vocab_size=vocab_size,
         max_position_embeddings=max_positions,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
         bos_token_id=eos_token_id,
         eos_token_id=eos_token_id,
         pad_token_id=None,
@@ -108,10 +135,16 @@ def build_model(config: PretrainedConfig, attn_implementation: str = "sdpa") -> 
     return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
 
 
+def is_tied(model: Any) -> bool:
+    """Whether ``model``'s LM head is its input embedding (one parameter)."""
+    head = model.get_output_embeddings()
+    return head is not None and head.weight is model.get_input_embeddings().weight
+
+
 def untie_embeddings(model: Any) -> bool:
     """Give the LM head its own weight if it shares the input embedding's; True if it did.
 
-    See Note [untied embeddings].
+    The opt-out of Note [tied embeddings]: the head starts as a copy and trains on its own.
     """
     head = model.get_output_embeddings()
     embed = model.get_input_embeddings()
@@ -121,8 +154,8 @@ def untie_embeddings(model: Any) -> bool:
     head.weight = nn.Parameter(embed.weight.detach().clone())
     model.config.tie_word_embeddings = False
     log.warning(
-        "untied the LM head from the input embedding (%s): a tie across pipeline stages needs a "
-        "cross-stage all-reduce that FDG does not do; the head starts as a copy and trains on its own",
+        "untied the LM head from the input embedding (%s, as asked: untie=True / --untie); the head "
+        "starts as a copy and trains on its own, and the export says tie_word_embeddings=False",
         model.config.model_type,
     )
     return True
@@ -232,18 +265,87 @@ class HeadPipe(PipeLayer):
         return self.lm_head(self.norm(hidden))
 
 
-def pipeline_layers(model: Any) -> list[PipeLayer]:
+class TokenEmbeddingPipe(PipeLayer):
+    """The tied input embedding: input_ids (+ mask) → token embeddings (+ mask); ``lm_logits`` is the head.
+
+    Built by the ``TiedLayerSpec``s of Note [tied embeddings] as a copy of ``embedding`` (the HF
+    model's); ``share=True`` wraps ``embedding`` itself (how the weight mapping reads and writes it).
+    """
+
+    def __init__(self, embedding: nn.Embedding, hf_name: str, share: bool = False) -> None:
+        super().__init__()
+        self.embed = embedding if share else copy.deepcopy(embedding)
+        self.hf_names = {"embed": hf_name}
+
+    def forward(self, inputs: Activation) -> Activation:
+        input_ids, mask = _split(inputs)
+        return _join(self.embed(input_ids), mask)
+
+
+def lm_logits(embedding: TokenEmbeddingPipe, inputs: Activation) -> torch.Tensor:
+    """The tied LM head (the head spec's ``forward_fn``): hidden states → logits with the embedding's weight."""
+    hidden, _ = _split(inputs)
+    return F.linear(hidden, embedding.embed.weight)
+
+
+class PositionPipe(PipeLayer):
+    """GPT-2's learned positions (then dropout), added to the token embeddings of a tied model."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__()
+        self.position = model.transformer.wpe
+        self.drop = model.transformer.drop
+        self.hf_names = {"position": "transformer.wpe"}
+
+    def forward(self, inputs: Activation) -> Activation:
+        hidden, mask = _split(inputs)
+        return _join(self.drop(hidden + self.position(_positions(hidden))), mask)
+
+
+class NormPipe(PipeLayer):
+    """The final norm of a tied model: hidden states → normalised hidden states (the tied head follows)."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__()
+        if model.config.model_type == "gpt2":
+            self.norm = model.transformer.ln_f
+            self.hf_names = {"norm": "transformer.ln_f"}
+        else:
+            self.norm = model.model.norm
+            self.hf_names = {"norm": "model.norm"}
+
+    def forward(self, inputs: Activation) -> torch.Tensor:
+        hidden, _ = _split(inputs)
+        return self.norm(hidden)
+
+
+def pipeline_layers(model: Any, untie: bool = False) -> list[PipeLayer | TiedLayerSpec]:
     """The layers of ``model`` for ``PipelineModule(layers=..., loss_fn=lm_loss)``.
 
-    Unties tied embeddings first (Note [untied embeddings]). The layers share ``model``'s
-    parameters; ``model`` itself may be dropped afterwards.
+    A tied model keeps its tie (Note [tied embeddings]) unless ``untie``, which gives the head its
+    own copy first (with a log line). The layers share ``model``'s parameters (the tied embedding's
+    specs hold its module); ``model`` itself may be dropped afterwards.
     """
     family = model.config.model_type
     if family not in FAMILIES:
         raise ValueError(f"model_type {family!r} is not supported; known: {FAMILIES}")
-    untie_embeddings(model)
+    if untie:
+        untie_embeddings(model)
     blocks: list[PipeLayer] = [BlockPipe(model, i) for i in range(model.config.num_hidden_layers)]
-    return [EmbeddingPipe(model), *blocks, HeadPipe(model)]
+    if not is_tied(model):
+        model.config.tie_word_embeddings = False
+        return [EmbeddingPipe(model), *blocks, HeadPipe(model)]
+    embedding = model.get_input_embeddings()
+    hf_name = "transformer.wte" if family == "gpt2" else "model.embed_tokens"
+    tied = dict(tied_weight_attr="embed.weight")
+    positions: list[PipeLayer] = [PositionPipe(model)] if family == "gpt2" else []
+    return [
+        TiedLayerSpec(TIE_KEY, TokenEmbeddingPipe, embedding, hf_name, **tied),
+        *positions,
+        *blocks,
+        NormPipe(model),
+        TiedLayerSpec(TIE_KEY, TokenEmbeddingPipe, embedding, hf_name, forward_fn=lm_logits, **tied),
+    ]
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -252,7 +354,7 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].float().reshape(-1, vocab), labels[:, 1:].reshape(-1), ignore_index=-100)
 
 
-def stage_bounds(layers: Sequence[nn.Module], stages: int) -> list[int]:
+def stage_bounds(layers: Sequence[Any], stages: int) -> list[int]:
     """Layer index bounds per stage, as ``PipelineModule(partition_method=PARTITION_METHOD)`` cuts."""
     from deepspeed.runtime.utils import partition_balanced
 
@@ -266,13 +368,25 @@ def stage_bounds(layers: Sequence[nn.Module], stages: int) -> list[int]:
 # Weight mapping
 
 
-def hf_state_dict(layers: Iterable[tuple[int, nn.Module]]) -> dict[str, torch.Tensor]:
-    """HF-named tensors from ``(global layer index, layer)`` pairs (e.g. a stage's local layers)."""
+def hf_state_dict(layers: Iterable[tuple[int, Any]]) -> dict[str, torch.Tensor]:
+    """HF-named tensors from ``(global layer index, layer)`` pairs (e.g. a stage's local layers).
+
+    A tied spec maps the HF model's embedding it copies (Note [tied embeddings]); a tied key's
+    specs name the same tensors, so the embedding appears once.
+    """
     out: dict[str, torch.Tensor] = {}
     for _, layer in layers:
-        for key, tensor in layer.state_dict().items():
-            out[hf_key(layer, key)] = tensor
+        mapped = _mapped(layer)
+        for key, tensor in mapped.state_dict().items():
+            out[hf_key(mapped, key)] = tensor
     return out
+
+
+def _mapped(layer: Any) -> nn.Module:
+    """The module whose state dict ``layer`` maps: the layer, or what a tied spec builds copies of."""
+    if is_tied_spec(layer):
+        return layer.typename(*layer.module_args, share=True, **layer.module_kwargs)
+    return layer
 
 
 def hf_key(layer: nn.Module, key: str) -> str:
@@ -283,12 +397,22 @@ def hf_key(layer: nn.Module, key: str) -> str:
     return f"{layer.hf_names[child]}.{rest}"
 
 
-def load_hf_state_dict(layers: Sequence[nn.Module], state_dict: dict[str, torch.Tensor]) -> None:
-    """Copy an HF model's ``state_dict`` into ``layers``; every layer key must be found.
+def load_hf_state_dict(layers: Sequence[Any], state_dict: dict[str, torch.Tensor]) -> None:
+    """Copy an HF model's ``state_dict`` into ``layers`` (before ``PipelineModule`` builds them);
+    every layer key must be found.
 
-    A tied checkpoint (no ``lm_head.weight``) fills the head from the input embedding.
+    A tied checkpoint (no ``lm_head.weight``) fills an untied head from the input embedding; an
+    untied checkpoint (its own ``lm_head.weight``) cannot go into tied layers.
     """
-    for layer in layers:
+    if any(is_tied_spec(layer) for layer in layers) and "lm_head.weight" in state_dict:
+        embedding = state_dict[_embedding_key(state_dict)]
+        if not torch.equal(state_dict["lm_head.weight"], embedding):
+            raise ValueError(
+                "the state dict has its own lm_head.weight (an untied model) but the layers tie the LM head to "
+                "the input embedding; build the layers with pipeline_layers(model, untie=True) (--untie)"
+            )
+    for spec_or_layer in layers:
+        layer = _mapped(spec_or_layer)
         wanted: dict[str, torch.Tensor] = {}
         for key in layer.state_dict():
             name = hf_key(layer, key)
@@ -307,20 +431,27 @@ def _embedding_key(state_dict: dict[str, torch.Tensor]) -> str:
     return "lm_head.weight"
 
 
-def untied_config(config: PretrainedConfig) -> PretrainedConfig:
-    """A copy of ``config`` saying the head is its own weight (what the pipeline trains)."""
+def export_config(config: PretrainedConfig, tied: bool) -> PretrainedConfig:
+    """A copy of ``config`` for an export: ``tie_word_embeddings`` says what the pipeline trained."""
     config = copy.deepcopy(config)
-    config.tie_word_embeddings = False
+    config.tie_word_embeddings = tied
     if getattr(config, "quantization_config", None) is not None:
         del config.quantization_config  # a GGUF-loaded config; the export is plain fp32
     return config
 
 
 def hf_model_from_state_dict(config: PretrainedConfig, state_dict: dict[str, torch.Tensor]) -> Any:
-    """A plain HF causal LM holding ``state_dict`` (fp32), ready for ``save_pretrained``."""
-    model = build_model(untied_config(config))
+    """A plain HF causal LM holding ``state_dict`` (fp32), ready for ``save_pretrained``.
+
+    Tied (``tie_word_embeddings`` True) when the state dict has no ``lm_head.weight``: tied layers
+    map the head to the input embedding (Note [tied embeddings]).
+    """
+    tied = "lm_head.weight" not in state_dict
+    model = build_model(export_config(config, tied))
     fp32 = {k: v.detach().to(torch.float32) for k, v in state_dict.items()}
     missing, unexpected = model.load_state_dict(fp32, strict=False)
+    if tied and is_tied(model):
+        missing = [key for key in missing if key != "lm_head.weight"]
     if missing or unexpected:
         raise KeyError(f"export does not match {config.model_type}: missing {missing}, unexpected {unexpected}")
     return model.eval()
@@ -330,11 +461,15 @@ def gather_hf_state_dict(module: nn.Module) -> dict[str, torch.Tensor] | None:
     """All stages' weights, HF-named, on global rank 0 (None elsewhere); every rank must call it.
 
     ``module`` is the ``PipelineModule`` (``engine.module``); its children are named by global
-    layer index, so each rank maps its own layers and rank 0 merges them.
+    layer index, so each rank maps its own layers and rank 0 merges them. A tied embedding comes
+    from the first stage that holds it (``tied_modules``; the copies are equal).
     """
     import torch.distributed as dist
 
     local = hf_state_dict((int(name), layer) for name, layer in module.named_children() if name.isdigit())
+    for key, tied in getattr(module, "tied_modules", {}).items():
+        if holds_first(module, key):
+            local.update(hf_state_dict([(-1, tied)]))
     local = {k: v.detach().cpu() for k, v in local.items()}
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return local

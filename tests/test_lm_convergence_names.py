@@ -1,0 +1,53 @@
+"""benchmarks/lm_convergence.py's run names: the tied / untied variants and what each trains."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def benchmark() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("lm_convergence", ROOT / "benchmarks" / "lm_convergence.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("name", "tie", "baseline", "seed"),
+    [
+        ("bp", "", "bp", 1234),
+        ("fdg_k2_b0.5", "", "bp", 1234),
+        ("bp_tied", "tied", "bp_tied", 1234),
+        ("fdg_k2_b0.5_untied", "untied", "bp_untied", 1234),
+        ("fdg_k2_b0.5_stashed_s7_tied", "tied", "bp_s7_tied", 7),
+    ],
+)
+def test_tie_suffix_and_its_paired_baseline(name: str, tie: str, baseline: str, seed: int) -> None:
+    run = benchmark().parse_run(name)
+    assert (run.tie, run.baseline, run.seed) == (tie, baseline, seed)
+
+
+def test_both_variants_train_the_same_tied_model(tmp_path: Path) -> None:
+    lm = benchmark()
+    assert lm.model_config(lm.parse_run("fdg_k2_b0.5"), tmp_path) == (lm.MODEL, [])
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    tied_path, tied_flags = lm.model_config(lm.parse_run("fdg_k2_b0.5_tied"), tmp_path / "a")
+    untied_path, untied_flags = lm.model_config(lm.parse_run("fdg_k2_b0.5_untied"), tmp_path / "b")
+    assert (tied_flags, untied_flags) == ([], ["--untie"])
+    source = json.loads(lm.MODEL.read_text())
+    for path in (tied_path, untied_path):
+        assert json.loads(path.read_text()) == {**source, "tie_word_embeddings": True}
+
+
+def test_reference_runs_have_no_tied_variant() -> None:
+    with pytest.raises(SystemExit, match="fdg_reference runs have no tied variant"):
+        benchmark().parse_run("ref_k3_b0.5_tied")

@@ -1,0 +1,300 @@
+"""Tied layers across stages (Note [tied layers across stages] in fdg_schedule/tied.py): the engine against the
+reference, copies bit-identical on every owner after every call, no collective across stages, checkpoints."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import engine_workers
+import pytest
+import torch
+import toy
+from dist_harness import run_ranks
+from test_engine import MODES, TOL, expected_returned_losses
+
+from fdg_schedule import FDGConfig, fdg_reference, ticks
+
+pytestmark = pytest.mark.distributed
+
+
+def tied_reference(
+    case: dict[str, Any], parts: list[int]
+) -> tuple[list[list[dict[str, torch.Tensor]]], list[float], list[list[tuple[int, str]]]]:
+    """Per call, each reference stage's state; the losses; the ties (per key, (stage, name) of each copy)."""
+    stages, ties = toy.tied_reference(parts, three_owners=case["tied"] == "three")
+    lr = case.get("lr", 0.1)
+    if case.get("optimizer", "sgd") == "adam":
+        opts = [torch.optim.Adam(s.parameters(), lr=lr * 0.1) for s in stages]
+    else:
+        opts = [torch.optim.SGD(s.parameters(), lr=lr, momentum=0.9) for s in stages]
+    schedulers = []
+    if case.get("warmup"):
+        from deepspeed.runtime.lr_schedules import WarmupLR
+
+        schedulers = [WarmupLR(o, warmup_min_lr=0.0, warmup_max_lr=lr, warmup_num_steps=case["warmup"]) for o in opts]
+    gas = case.get("gas", 3)
+    n_ticks = case["calls"] * gas
+    snap_at = {(c + 1) * gas - 1 for c in range(case["calls"])}
+    if case.get("drain"):
+        snap_at.add(n_ticks + ticks.drain_ticks(len(stages)) - 1)
+    states: list[list[dict[str, torch.Tensor]]] = []
+
+    def after_tick(tick: int) -> None:
+        if tick in snap_at:
+            states.append([{k: v.detach().clone() for k, v in s.state_dict().items()} for s in stages])
+
+    config = FDGConfig(**{k: case[k] for k in engine_workers.FDG_KEYS if k in case})
+    losses = fdg_reference(
+        stages, opts, toy.micro_batches(case["n"], 4 * case.get("dp", 1))[:n_ticks], toy.loss_fn, config,
+        drain=case.get("drain", False), schedulers=schedulers, clip_grad_norm=case.get("clip", 0.0),
+        after_tick=after_tick, ties=ties,
+    )  # fmt: skip
+    return states, losses, ties
+
+
+def check_tied(results: list[list[dict[str, Any]]], cases: list[dict[str, Any]]) -> None:
+    """Every rank's stage equals the reference's after every call; every owner's copies are torch.equal."""
+    for i, case in enumerate(cases):
+        per_rank = [r[i] for r in results]
+        assert {r["engine"] for r in per_rank} == {"FDGPipelineEngine"}
+        parts = per_rank[0]["parts"]
+        ref_states, ref_losses, ties = tied_reference(case, parts)
+        stages = len(parts) - 1
+        for r in per_rank:
+            assert len(r["states"]) == len(ref_states), case
+            for call, (got, want) in enumerate(zip(r["states"], ref_states)):
+                assert set(got) == set(want[r["stage_id"]]), (case, set(got) ^ set(want[r["stage_id"]]))
+                where = f"{case} stage {r['stage_id']} call {call}"
+                for key, value in got.items():
+                    msg = lambda m, key=key, where=where: f"{where} {key}: {m}"  # noqa: E731
+                    torch.testing.assert_close(value, want[r["stage_id"]][key], **TOL, msg=msg)
+            want_losses = expected_returned_losses(case, r["stage_id"], stages, ref_losses)
+            torch.testing.assert_close(
+                torch.tensor(r["losses"]), torch.tensor(want_losses, dtype=torch.float32), equal_nan=True, **TOL
+            )
+        # The reference's own copies are equal bit for bit, and so are the engine's, on every owner and replica.
+        for tie in ties:
+            name = tie[0][1]
+            for call in range(len(ref_states)):
+                copies = [ref_states[call][k][name] for k, _ in tie]
+                assert all(torch.equal(copies[0], c) for c in copies), f"{case} reference call {call} {name}"
+                engine = [r["states"][call][name] for r in per_rank if name in r["states"][call]]
+                assert len(engine) == len(tie) * case.get("dp", 1)
+                assert all(torch.equal(engine[0], c) for c in engine), f"{case} call {call} {name}: copies differ"
+            moved = not torch.equal(ref_states[-1][tie[0][0]][name], ref_states[0][tie[0][0]][name])
+            assert moved or len(ref_states) == 1, f"{case}: the tied weight {name} never moved"
+
+
+def _cases(stages: int, gas: int, calls: int, **extra: Any) -> list[dict[str, Any]]:
+    base = {"stages": stages, "n": 64, "gas": gas, "calls": calls, "grad_shrink": 0.5, "tied": True, "drain": True}
+    return [
+        {**base, "weights": w, "activations": a, "optimizer": ("sgd", "adam")[j % 2], "accumulate": 1 + j % 2, **extra}
+        for j, (w, a) in enumerate(MODES)
+    ]
+
+
+def test_reference_keeps_tied_copies_equal_and_steps_them_once_per_accumulation() -> None:
+    """The reference alone: an embedding tied to the head, K = 2, accumulate 2. The copies stay equal at every
+    tick, and they move only at ticks t with t % 2 == 0 once contributions have arrived (Note [tied layers
+    across stages, the reference])."""
+    stages, ties = toy.tied_reference([0, 4, 8])
+    assert ties == [[(0, "tied_modules.emb.weight"), (1, "tied_modules.emb.weight")]]
+    opts = [torch.optim.SGD(s.parameters(), lr=0.1, momentum=0.9) for s in stages]
+    seen: list[torch.Tensor] = []
+
+    def after_tick(tick: int) -> None:
+        a, b = (s.tied_modules["emb"].weight for s in stages)
+        assert torch.equal(a, b), tick
+        seen.append(a.detach().clone())
+
+    config = FDGConfig(grad_shrink=0.5, accumulate=2)
+    data = toy.micro_batches(8, 4)
+    fdg_reference(stages, opts, data, toy.loss_fn, config, drain=True, after_tick=after_tick, ties=ties)
+    moved = [t for t in range(1, len(seen)) if not torch.equal(seen[t], seen[t - 1])]
+    # Stage 1 back-propagates from tick 0, so G(0) != 0: steps at t = 2, 4, 6, 8 (ends of ticks 1, 3, 5, 7),
+    # and the drain's last tick (tick 9: t = 10) steps too.
+    assert moved == [1, 3, 5, 7, 9], moved
+    assert all(not any(id(p) == id(s.tied_modules["emb"].weight) for g in o.param_groups for p in g["params"])
+               for s, o in zip(stages, opts))  # fmt: skip
+
+
+def test_tied_embedding_and_head_two_stages_every_mode(tmp_path) -> None:
+    cases = _cases(2, gas=3, calls=4)
+    # a per-tick warm-up (the tied step takes the stage optimizer's lr) and clipping (P by its own norm)
+    cases += [{**cases[0], "warmup": 5, "lr": 0.1, "clip": 0.05, "accumulate": 2, "weights": "stashed"}]
+    # the DeepSpeed-built optimizer (the config's "optimizer" block): built over the parameters minus the tied ones
+    cases += [{**cases[0], "ds_optimizer": True, "gas": 2}]
+    results = run_ranks(engine_workers.train, 2, tmp_path, cases, deadline_s=300)
+    check_tied(results, cases)
+
+
+def test_tied_embedding_and_head_three_stages_every_mode_tick_by_tick(tmp_path) -> None:
+    cases = _cases(3, gas=1, calls=9)
+    cases += [{**cases[1], "gas": 2, "calls": 5, "accumulate": 3}]
+    results = run_ranks(engine_workers.train, 3, tmp_path, cases, deadline_s=300)
+    check_tied(results, cases)
+    assert math.isfinite(results[0][0]["losses"][-1])
+
+
+def test_tied_data_parallel_2_x_pipeline_2(tmp_path) -> None:
+    base = {"stages": 2, "dp": 2, "n": 32, "gas": 3, "calls": 3, "drain": True, "grad_shrink": 0.5, "tied": True}
+    cases = [
+        {**base, "weights": "current", "activations": "stored", "optimizer": "sgd"},
+        {**base, "weights": "stashed", "activations": "recomputed", "optimizer": "adam", "accumulate": 2},
+    ]
+    results = run_ranks(engine_workers.train, 4, tmp_path, cases, deadline_s=300)
+    check_tied(results, cases)
+
+
+def test_three_owners_and_two_keys(tmp_path) -> None:
+    """Key "emb" on stages 0 and 2 (not neighbours), key "mid" with a copy on each of the 3 stages."""
+    base = {"stages": 3, "n": 64, "gas": 2, "calls": 5, "grad_shrink": 0.5, "tied": "three", "drain": True}
+    cases = [
+        {**base, "weights": "current", "activations": "stored", "optimizer": "adam"},
+        {**base, "weights": "stashed", "activations": "recomputed", "accumulate": 2},
+    ]
+    results = run_ranks(engine_workers.train, 3, tmp_path, cases, deadline_s=300)
+    assert results[0][0]["parts"] == [0, 4, 7, 10]
+    check_tied(results, cases)
+
+
+@pytest.mark.parametrize("dp", [1, 2], ids=["dp1", "dp2"])
+def test_no_collective_across_stages_with_tied_layers(tmp_path, dp: int) -> None:
+    case = {"stages": 2, "dp": dp, "n": 64, "gas": 3, "calls": 4, "grad_shrink": 0.5, "tied": True, "clip": 1.0}
+    traces = run_ranks(engine_workers.trace_collectives, 2 * dp, tmp_path, case, deadline_s=200)
+    for trace in traces:
+        for name, ranks in trace["seen"]:
+            assert set(ranks) <= set(trace["dp_group"]), f"stage {trace['stage_id']}: {name} over ranks {ranks}"
+    if dp == 1:  # not even a one-rank reduce: the tied gradients travel point to point only
+        assert all(trace["seen"] == [] for trace in traces), [trace["seen"] for trace in traces]
+    else:  # the tied gradients' all-reduce within the stage's replicas, every tick
+        assert all(any(name == "all_reduce" for name, _ in trace["seen"]) for trace in traces)
+
+
+# -- checkpoints --------------------------------------------------------------------------------------
+
+
+def _resume_checked(tmp_path, world: int, cases: list[dict[str, Any]]) -> None:
+    """Straight and resumed runs agree bit for bit; after the load every owner's copies are equal, and equal
+    to the weights at the save."""
+    root = str(tmp_path / "ckpt")
+    straight = run_ranks(engine_workers.resume, world, tmp_path, cases, root, "straight", deadline_s=300)
+    resumed = run_ranks(engine_workers.resume, world, tmp_path, cases, root, "resumed", deadline_s=300)
+    for i, case in enumerate(cases):
+        for a, b in zip((r[i] for r in straight), (r[i] for r in resumed)):
+            assert a["global_steps"] == b["global_steps"] and a["losses"] == b["losses"], case
+            for key in a["state"]:
+                assert torch.equal(a["state"][key], b["state"][key]), f"{case} stage {a['stage_id']} {key}"
+        names = {k for r in resumed for k in r[i]["after_load"] if k.startswith("tied_modules.")}
+        assert names, case
+        for name in names:
+            loaded = [r[i]["after_load"][name] for r in resumed if name in r[i]["after_load"]]
+            saved = [r[i]["after_load"][name] for r in straight if name in r[i]["after_load"]]
+            assert len(loaded) >= 2 and all(torch.equal(loaded[0], c) for c in loaded + saved), f"{case} {name}"
+            final = [r[i]["state"][name] for r in resumed if name in r[i]["state"]]
+            assert all(torch.equal(final[0], c) for c in final), f"{case} {name} after training on"
+
+
+def test_tied_resume_is_bit_identical_undrained_two_stages(tmp_path) -> None:
+    # Saved at tick 3 with accumulate 2: P holds G(2) and the tied optimizers have state (Adam, momentum).
+    base = {"stages": 2, "n": 48, "gas": 3, "calls_before": 1, "calls_after": 2, "grad_shrink": 0.5, "tied": True}
+    cases = [
+        {**base, "weights": w, "activations": a, "optimizer": opt, "accumulate": acc}
+        for (w, a), opt, acc in zip(MODES, ("sgd", "adam", "adam", "sgd"), (2, 2, 1, 2))
+    ]
+    _resume_checked(tmp_path, 2, cases)
+
+
+def test_tied_resume_is_bit_identical_undrained_three_stages(tmp_path) -> None:
+    base = {"stages": 3, "n": 48, "gas": 3, "calls_before": 1, "calls_after": 2, "grad_shrink": 0.5, "accumulate": 2}
+    cases = [
+        {**base, "tied": True, "weights": "stashed", "activations": "stored", "optimizer": "adam"},
+        {**base, "tied": "three", "weights": "current", "activations": "recomputed"},
+    ]
+    _resume_checked(tmp_path, 3, cases)
+
+
+def test_1f1b_optimizer_state_into_fdg_with_a_tie_is_refused_and_weights_load(tmp_path) -> None:
+    """1F1B's stage optimizer holds the tied parameters, FDG's tied optimizer does: refused with the key and the
+    fix on every rank, then the weights (and scheduler) load with load_optimizer_states=False."""
+    case = {"stages": 2, "n": 32, "gas": 2, "tied": True}
+    save_dir = str(tmp_path / "1f1b")
+    saved = run_ranks(engine_workers.swap, 2, tmp_path, {**case, "schedule": "1f1b"}, save_dir, "save")
+    loaded = run_ranks(engine_workers.swap, 2, tmp_path, {**case, "schedule": "fdg"}, save_dir, "load")
+    for s, lo in zip(saved, loaded):
+        assert s["engine"] == "PipelineEngine" and lo["engine"] == "FDGPipelineEngine"
+        assert lo["error"] is not None and "ties ['emb'] across stages" in lo["error"], lo["error"]
+        assert "load_optimizer_states=False" in lo["error"]
+        for key in s["state"]:
+            assert torch.equal(s["state"][key], lo["state"][key]), key
+
+
+# -- bf16 and ZeRO-1 --------------------------------------------------------------------------------
+
+
+def test_tied_zero1_equals_the_reference(tmp_path) -> None:
+    """ZeRO-1 (fp32): the tied copies are outside the ZeRO optimizer; the engine equals the reference to 1e-6."""
+    base = {"stages": 2, "n": 64, "gas": 3, "calls": 3, "grad_shrink": 0.5, "tied": True, "drain": True, "zero": 1}
+    cases = [{**base, "weights": "stashed", "accumulate": 2}, {**base, "optimizer": "adam", "clip": 0.05}]
+    results = run_ranks(engine_workers.train, 2, tmp_path, cases, deadline_s=300)
+    check_tied(results, cases)
+
+
+def test_tied_bf16_and_bf16_zero1_keep_copies_bit_identical_and_follow_the_reference(tmp_path) -> None:
+    """bf16 (fp32 masters of the tied copies, stepped by the tied optimizer) with and without ZeRO-1: the copies
+    are torch.equal on both owners after every call, the weights move, and they stay within bf16 precision of
+    the fp32 reference (the tolerance the other bf16 tests use)."""
+    base = {"stages": 2, "n": 64, "gas": 3, "calls": 3, "grad_shrink": 0.5, "tied": True, "bf16": True}
+    cases = [
+        {**base, "weights": "current", "activations": "stored", "accumulate": 2},
+        {**base, "weights": "stashed", "activations": "recomputed", "zero": 1, "optimizer": "adam"},
+    ]
+    results = run_ranks(engine_workers.train, 2, tmp_path, cases, deadline_s=300)
+    name = "tied_modules.emb.weight"
+    for i, case in enumerate(cases):
+        ref_states, _, _ = tied_reference(case, results[0][i]["parts"])
+        for call in range(case["calls"]):
+            a, b = (r[i]["states"][call][name] for r in results)
+            assert torch.equal(a, b), f"{case} call {call}: the bf16 copies differ"
+        for r in results:
+            assert all(math.isfinite(loss) for loss in r[i]["losses"][1:]), case
+            assert not torch.equal(r[i]["states"][-1][name], r[i]["states"][0][name]), f"{case}: never moved"
+            for key, value in r[i]["states"][-1].items():
+                want = ref_states[-1][r[i]["stage_id"]][key]
+                torch.testing.assert_close(value, want, rtol=0.05, atol=0.02, msg=f"{case} {key}")
+
+
+def test_tied_resume_is_bit_identical_in_bf16_and_bf16_zero1(tmp_path) -> None:
+    base = {"stages": 2, "n": 48, "gas": 3, "calls_before": 1, "calls_after": 2, "grad_shrink": 0.5, "tied": True}
+    cases = [{**base, "bf16": True, "accumulate": 2}, {**base, "bf16": True, "zero": 1, "optimizer": "adam"}]
+    _resume_checked(tmp_path, 2, cases)
+
+
+@pytest.mark.parametrize("stages,limit,accumulate", [(2, 7, 2), (3, 7, 3)])
+def test_tied_data_running_out_flushes_the_last_contributions(tmp_path, stages: int, limit: int, accumulate: int):
+    """The iterator ends mid-call: the segment's last tick flushes P (Note [tied layers across stages], 5), so
+    the weights equal the reference's after ``limit`` micro-batches and a drain, the copies bit-identical."""
+    from deepspeed.runtime.lr_schedules import WarmupLR
+
+    case = {"stages": stages, "n": 16, "gas": 3, "limit": limit, "grad_shrink": 0.5, "weights": "stashed",
+            "accumulate": accumulate, "lr": 0.1, "warmup": 4, "tied": True}  # fmt: skip
+    results = run_ranks(engine_workers.data_end, stages, tmp_path, case, deadline_s=180)
+    ref, ties = toy.tied_reference(results[0]["parts"])
+    opts = [torch.optim.SGD(s.parameters(), lr=0.1, momentum=0.9) for s in ref]
+    scheds = [WarmupLR(o, warmup_min_lr=0.0, warmup_max_lr=0.1, warmup_num_steps=4) for o in opts]
+    config = FDGConfig(grad_shrink=0.5, weights="stashed", accumulate=accumulate)
+    data = toy.micro_batches(case["n"], 4)[:limit]
+    fdg_reference(ref, opts, data, toy.loss_fn, config, drain=True, schedulers=scheds, ties=ties)
+    for r in results:
+        for key, value in ref[r["stage_id"]].state_dict().items():
+            torch.testing.assert_close(r["state"][key], value, **TOL, msg=lambda m, key=key: f"{key}: {m}")
+    a, b = (r["state"]["tied_modules.emb.weight"] for r in (results[0], results[-1]))
+    assert torch.equal(a, b)
+
+
+def test_a_stage_of_only_tied_layers_is_refused_on_every_rank(tmp_path) -> None:
+    case = {"stages": 2, "config": {"train_micro_batch_size_per_gpu": 2, "pipeline": {"schedule": "fdg"}}}
+    results = run_ranks(engine_workers.bad_config, 2, tmp_path, case, "only", deadline_s=120)
+    for r in results:
+        assert r["error"] is not None and "pipeline stages [0] hold only tied layers (['emb'])" in r["error"], r
