@@ -137,7 +137,12 @@ def held_or_saved(variant: PlainBP | DeepSpeedVariant | None, spec: dict[str, An
         for _ in range(units):
             variant.unit()
         variant.engine.observers.remove(observer)
-        return {"held_max": observer.held_max, "in_flight_max": observer.in_flight_max}
+        delta = variant.engine.fdg_state.corrections.delta or []  # the weight prediction's δ (fp32)
+        return {
+            "held_max": observer.held_max,
+            "in_flight_max": observer.in_flight_max,
+            "delta_bytes": sum(d.numel() * d.element_size() for d in delta),
+        }
     saved = SavedBytes(variant.module)
     with saved.hooks():
         for _ in range(units):

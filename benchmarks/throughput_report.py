@@ -6,7 +6,7 @@ import statistics
 from typing import Any
 
 from bench_models import MODELS
-from throughput_variants import COMPUTE_KINDS, split_key
+from throughput_variants import COMPUTE_KINDS, CORRECTED, split_key
 
 
 def _spread(values: list[float]) -> dict[str, float]:
@@ -58,7 +58,10 @@ def summarize(plan: dict[str, Any], ranks: list[dict[str, Any]], memory: dict[st
         }
     baseline_1f1b = "1f1b_m4" if "1f1b_m4" in per_repeat else None
     for name, row in rows.items():
-        for key, base in (("ratio_vs_bp", "bp"), ("ratio_vs_1f1b_m4", baseline_1f1b)):
+        bases = [("ratio_vs_bp", "bp"), ("ratio_vs_1f1b_m4", baseline_1f1b)]
+        if "corrections" in specs[name]:  # a staleness correction: its cost next to the same mode without it
+            bases.append((f"ratio_vs_{CORRECTED}", CORRECTED))
+        for key, base in bases:
             if base is None or base not in per_repeat:
                 continue
             paired = [per_repeat[name][r] / per_repeat[base][r] for r in per_repeat[name] if r in per_repeat[base]]
@@ -102,6 +105,7 @@ def markdown(report: dict[str, Any]) -> str:
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         lines += [_row(name, row) for name, row in result["variants"].items()]
+        lines += _corrections_table(result["variants"])
         loads = [load for row in result["variants"].values() for pair in row["load_avg_1min"] for load in pair]
         lines += ["", f"Load average (1 min) during the windows: {min(loads):.2f}–{max(loads):.2f}.", ""]
     for model, result in report.get("memory_by_stages", {}).items():
@@ -118,6 +122,30 @@ def markdown(report: dict[str, Any]) -> str:
                 lines.append(f"| {name} | {k} | {held} | {rss} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def _corrections_table(rows: dict[str, dict[str, Any]]) -> list[str]:
+    """The staleness corrections' cost: paired throughput ratio to the mode without them, and δ's bytes."""
+    corrected = {name: row for name, row in rows.items() if f"ratio_vs_{CORRECTED}" in row}
+    if not corrected:
+        return []
+    lines = [
+        "",
+        f"Staleness corrections against `{CORRECTED}` (paired per round; δ: the prediction's fp32 tensor):",
+        "",
+        f"| variant | ×{CORRECTED} median [min–max] | compute ms/µb | δ MB per stage |",
+        "|---|---|---|---|",
+    ]
+    for name, row in corrected.items():
+        delta = [m.get("delta_bytes", 0) for m in row["memory"] or []]
+        cells = [
+            name,
+            _ratio(row, f"ratio_vs_{CORRECTED}"),
+            _slash(row["stage_compute_s_per_micro_batch"], 1e3),
+            _slash(delta, 2**-20, 2),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def _row(name: str, row: dict[str, Any]) -> str:

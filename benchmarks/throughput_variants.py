@@ -27,6 +27,14 @@ LR, MOMENTUM, GRAD_SHRINK = 0.01, 0.9, 0.5
 COMPUTE_KINDS = ("forward_s", "backward_s", "step_s", "reduce_s")
 BY_PARAMS = "_by_params"  # name suffix of the variants split by DeepSpeed's "parameters" method
 BY_PARAMS_OF = ("1f1b_m4", "fdg_current_stored")  # the variants also run on that split
+# The staleness corrections (docs/staleness.md) on FDG stashed/stored, run only when named in --variants:
+# what each costs in time and memory next to the same mode without it.
+CORRECTED = "fdg_stashed_stored"  # the mode the corrections' variants add to
+CORRECTIONS = {
+    "delay_lr": {"delay_lr_ticks": 1024},
+    "predict": {"predict_decay": 0.9},
+    "both": {"delay_lr_ticks": 1024, "predict_decay": 0.9},
+}
 
 
 def split_key(spec: dict[str, Any]) -> str:
@@ -59,6 +67,10 @@ def variants(gas_fdg: int) -> list[dict[str, Any]]:
         for w, a in MODES
     ]  # fmt: skip
     out.append(dict(name="dp2", kind="dp", stages=1, ranks=2, gas=1, per_unit=1))
+    plain = next(spec for spec in out if spec["name"] == CORRECTED)
+    out += [
+        dict(plain, name=f"{CORRECTED}_{name}", corrections=keys, optional=True) for name, keys in CORRECTIONS.items()
+    ]
     out += [
         dict(spec, name=spec["name"] + BY_PARAMS, split="parameters") for spec in out if spec["name"] in BY_PARAMS_OF
     ]
@@ -118,6 +130,7 @@ class DeepSpeedVariant:
         }
         if spec["kind"] == "fdg":
             fdg = {"grad_shrink": GRAD_SHRINK, "weights": spec["weights"], "activations": spec["activations"]}
+            fdg.update(spec.get("corrections", {}))
             config["pipeline"] = {"schedule": "fdg", "fdg": fdg}
         self.engine, *_ = deepspeed.initialize(
             model=module,

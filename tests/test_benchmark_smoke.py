@@ -87,3 +87,28 @@ def test_quick_run_writes_a_complete_report(tmp_path: Path) -> None:
             assert first["saved_peak"] > 0, (name, first)
     stored, recomputed = rows["fdg_current_stored"]["memory"][0], rows["fdg_current_recomputed"]["memory"][0]
     assert recomputed["held_max"] < stored["held_max"]  # inputs only, not the activations
+
+
+@pytest.mark.timeout(150)
+def test_correction_cost_measures_every_correction_and_its_delta(tmp_path: Path) -> None:
+    command = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "correction_cost.py"),
+        "--models=transformer_tiny",
+        "--repeats=2",
+        "--window=2",
+        f"--out={tmp_path}",
+    ]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=140)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((tmp_path / "correction_cost.json").read_text())["models"]["transformer_tiny"]
+    rows = result["variants"]
+    assert set(rows) == {"none", "delay_lr", "predict", "both"}
+    assert rows["none"]["ratio_vs_none"]["median"] == pytest.approx(1.0)
+    for name, row in rows.items():
+        assert 0 < row["tick_ms_median"] < math.inf and row["ratio_vs_none"]["median"] > 0, name
+        # δ: one fp32 tensor per parameter of the stage with prediction on, nothing without.
+        expected = 4 * result["stage0_params"] if name in ("predict", "both") else 0
+        assert row["held_bytes"] == expected, name
+    assert "| predict |" in (tmp_path / "correction_cost.md").read_text()
