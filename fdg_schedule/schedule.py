@@ -236,8 +236,7 @@ class FDGTrainSchedule(PipeSchedule):
                 f"stage {self.stage_id}: told at segment tick {self.tick} that the labels ran out at micro-batch "
                 f"{limit}; only the last stage of K > 1 learns it, in its forward of micro-batch {limit - 1}"
             )
-        if self.limit is None:
-            self._labels_end = limit
+        self._labels_end = limit
 
     def steps(self) -> Iterator[Iterator[PipeInstruction]]:
         for tick in range(self.start_tick, self.start_tick + self.micro_batches):
@@ -292,8 +291,9 @@ class FDGTrainSchedule(PipeSchedule):
 
     def _backward_and_step(self, micro_batch: int) -> list[PipeInstruction]:
         cmds: list[PipeInstruction] = [FDGBackward(self._buffer(micro_batch), micro_batch=micro_batch)]
-        limit = self._labels_end if self.limit is None else self.limit
-        last = None if limit is None else limit - 1
+        # The smaller: a drain that starts after the data ended sees an earlier end in the labels too.
+        ends = [end for end in (self.limit, self._labels_end) if end is not None]
+        last = min(ends) - 1 if ends else None
         if ticks.steps_after_backward(micro_batch, self.accumulate, last):
             cmds += [ReduceGrads(), LocalOptimizerStep()]
         return cmds
