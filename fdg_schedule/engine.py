@@ -403,6 +403,8 @@ class FDGPipelineEngine(PipelineEngine):
             self.fdg_state.sent_meta[buffer_id] = meta_of(floating(outputs))
             return
         labels = self._labels(buffer_id, micro_batch)
+        if not self.is_first_stage() and not self.fdg_state.labels_in_flight and self._running is not None:
+            self._running.end_labels(micro_batch + 1)  # Note [end of data]: none read for the next one
         if self.module.loss_fn is None:  # the model returns its loss
             self.fdg_state.losses[buffer_id] = outputs
             return

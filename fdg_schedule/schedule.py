@@ -23,6 +23,14 @@ stage the backward before the load or wait in the same tick is of micro-batch ``
 never the segment's last (``limit - 1``), so whether the stage steps after it is decided alike; the
 last stage's label reads past the end are dropped (Note [labels read when the inputs are]); only
 the samples counted at ticks ``limit .. limit + k - 1`` are taken back by the engine.
+
+The one exception is the last stage's final partial accumulation (``accumulate`` > 1, ``limit`` not a
+multiple of it, K > 1): the reference steps it right after the backward of micro-batch ``limit - 1``,
+at tick ``limit + K - 2``, one tick before the dummy can reach the last stage. That stage read its
+labels with stage 0's inputs, so it ran out of them at tick ``limit`` too: when it forwards a
+micro-batch after which it holds no labels, the engine calls :meth:`FDGTrainSchedule.end_labels`
+and the stage steps after that backward, at the reference's tick and learning rate. (A label
+iterator longer than the inputs gives no such sign: then the partial accumulation is not stepped.)
 """
 
 from __future__ import annotations
@@ -196,6 +204,7 @@ class FDGTrainSchedule(PipeSchedule):
         self.limit: int | None = start_tick if drain else limit
         self.tick: int | None = None  # the tick being produced
         self._learned_at: int | None = None  # the tick at which this stage learned the end of the data
+        self._labels_end: int | None = None  # last stage: the micro-batch whose labels ran out (end_labels)
 
     def num_pipe_buffers(self) -> int:
         return ticks.num_buffers(self.stages, self.stage_id)
@@ -217,6 +226,17 @@ class FDGTrainSchedule(PipeSchedule):
             )
         self.limit = limit
         self._learned_at = self.tick
+
+    def end_labels(self, limit: int) -> None:
+        """Note [end of data]: the last stage holds no labels for micro-batch ``limit`` (its label iterator ran
+        out); told during the forward of micro-batch ``limit - 1``, before its backward."""
+        forwarded = None if self.tick is None else ticks.forward_micro_batch(self.tick, self.stage_id)
+        if not self.is_last_stage or self.is_first_stage or forwarded is None or limit != forwarded + 1:
+            raise FDGRuntimeError(
+                f"stage {self.stage_id}: told at segment tick {self.tick} that the labels ran out at micro-batch "
+                f"{limit}; only the last stage of K > 1 learns it, in its forward of micro-batch {limit - 1}"
+            )
+        self._labels_end = limit
 
     def steps(self) -> Iterator[Iterator[PipeInstruction]]:
         for tick in range(self.start_tick, self.start_tick + self.micro_batches):
@@ -271,7 +291,9 @@ class FDGTrainSchedule(PipeSchedule):
 
     def _backward_and_step(self, micro_batch: int) -> list[PipeInstruction]:
         cmds: list[PipeInstruction] = [FDGBackward(self._buffer(micro_batch), micro_batch=micro_batch)]
-        last = None if self.limit is None else self.limit - 1
+        # The smaller: a drain that starts after the data ended sees an earlier end in the labels too.
+        ends = [end for end in (self.limit, self._labels_end) if end is not None]
+        last = min(ends) - 1 if ends else None
         if ticks.steps_after_backward(micro_batch, self.accumulate, last):
             cmds += [ReduceGrads(), LocalOptimizerStep()]
         return cmds

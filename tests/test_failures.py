@@ -59,7 +59,7 @@ def test_non_finite_steps_are_skipped_and_counted(tmp_path) -> None:
     assert stage1["steps"] == 4  # micro-batches 0..3 stepped, 4.. non-finite
 
 
-@pytest.mark.parametrize("stages,limit,accumulate", [(2, 10, 1), (3, 7, 1), (1, 7, 2)])
+@pytest.mark.parametrize("stages,limit,accumulate", [(2, 10, 1), (3, 7, 1), (1, 7, 2), (2, 7, 2), (3, 7, 2), (3, 8, 3)])
 def test_data_running_out_drains_and_ends_every_rank(tmp_path, stages: int, limit: int, accumulate: int) -> None:
     """The iterator ends mid-call: every rank drains, raises DataExhausted, and the weights are
     the reference's after ``limit`` micro-batches and a drain. K = 1 with a partial accumulation at

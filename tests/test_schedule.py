@@ -8,6 +8,7 @@ import pytest
 from deepspeed.runtime.pipe.schedule import ReduceGrads
 
 from fdg_schedule import ticks
+from fdg_schedule.errors import FDGRuntimeError
 from fdg_schedule.schedule import (
     AdvanceTick,
     Exchange,
@@ -19,6 +20,7 @@ from fdg_schedule.schedule import (
     WaitActivation,
     WaitGrad,
     render,
+    short,
 )
 
 
@@ -221,3 +223,41 @@ def test_a_drain_learns_an_earlier_end_of_the_data_on_its_way_down() -> None:
                 drain.end_data(5)
         rendered.append(" ".join(cmds))
     assert rendered == ["A5 X[] T"]
+
+
+def test_the_last_stage_steps_a_partial_accumulation_at_the_end_of_its_labels() -> None:
+    # K = 2, accumulate 2, 7 micro-batches (Note [end of data]): stage 1's labels run out at micro-batch 7
+    # (read at tick 7); it forwards micro-batch 6 at tick 7 holding no more labels, so it steps after that
+    # backward, at tick 7 as the reference does, not at tick 8 when the dummy tells it the data ended.
+    last = FDGTrainSchedule(9, 2, 1, accumulate=2)
+    rendered = []
+    for step in last.steps():
+        cmds = []
+        for cmd in step:
+            cmds.append(short(cmd))
+            if isinstance(cmd, FDGForward) and cmd.micro_batch == 6:
+                last.end_labels(7)
+            if isinstance(cmd, WaitActivation) and cmd.micro_batch == 7:
+                last.end_data(7)
+        rendered.append(" ".join(cmds))
+    assert rendered[6:] == ["A5 L6 F5 B5 R S X[sg,ra] T+", "A6 L7 F6 B6 R S X[sg,ra] T+", "A7 X[] T"]
+    with pytest.raises(FDGRuntimeError, match="labels ran out at micro-batch 3"):
+        FDGTrainSchedule(9, 2, 0, accumulate=2).end_labels(3)  # only the last stage holds labels
+
+
+def test_a_drain_after_the_data_ended_steps_the_partial_accumulation_the_labels_show() -> None:
+    # K = 3, accumulate 2, 7 micro-batches; the call ended at tick 8 before stage 2 learned the end, and a
+    # drain (limit 8 as far as stage 2 knows) starts there: its labels ran out at micro-batch 7, so it
+    # steps after the backward of micro-batch 6 at tick 8, as the reference does, then learns the end.
+    drain = FDGTrainSchedule(ticks.drain_ticks(3), 3, 2, start_tick=8, accumulate=2, drain=True)
+    rendered = []
+    for step in drain.steps():
+        cmds = []
+        for cmd in step:
+            cmds.append(short(cmd))
+            if isinstance(cmd, FDGForward) and cmd.micro_batch == 6:
+                drain.end_labels(7)
+            if isinstance(cmd, WaitActivation) and cmd.micro_batch == 7:
+                drain.end_data(7)
+        rendered.append(" ".join(cmds))
+    assert rendered == ["A6 F6 B6 R S X[sg,ra] T", "A7 X[] T", "X[] T"]
