@@ -32,16 +32,7 @@ def reference(case: dict[str, Any], parts: list[int]) -> tuple[list[dict[str, to
     """Per-call stage states (concatenated over stages) and per-micro-batch losses of the reference."""
     stages = toy.reference_stages(parts, batch_norm=case.get("batch_norm", False))
     dp = case.get("dp", 1)
-    lr = case.get("lr", 0.1)
-    if case.get("optimizer", "sgd") == "adam":
-        opts = [torch.optim.Adam(s.parameters(), lr=lr * 0.1) for s in stages]
-    else:
-        opts = [torch.optim.SGD(s.parameters(), lr=lr, momentum=0.9) for s in stages]
-    schedulers = []
-    if case.get("warmup"):
-        from deepspeed.runtime.lr_schedules import WarmupLR
-
-        schedulers = [WarmupLR(o, warmup_min_lr=0.0, warmup_max_lr=lr, warmup_num_steps=case["warmup"]) for o in opts]
+    opts, schedulers = toy.reference_optimizers(stages, case)
     gas = case.get("gas", 3)
     n_ticks = case["calls"] * gas
     snap_at = {(c + 1) * gas - 1 for c in range(case["calls"])}

@@ -23,16 +23,7 @@ def tied_reference(
 ) -> tuple[list[list[dict[str, torch.Tensor]]], list[float], list[list[tuple[int, str]]]]:
     """Per call, each reference stage's state; the losses; the ties (per key, (stage, name) of each copy)."""
     stages, ties = toy.tied_reference(parts, three_owners=case["tied"] == "three")
-    lr = case.get("lr", 0.1)
-    if case.get("optimizer", "sgd") == "adam":
-        opts = [torch.optim.Adam(s.parameters(), lr=lr * 0.1) for s in stages]
-    else:
-        opts = [torch.optim.SGD(s.parameters(), lr=lr, momentum=0.9) for s in stages]
-    schedulers = []
-    if case.get("warmup"):
-        from deepspeed.runtime.lr_schedules import WarmupLR
-
-        schedulers = [WarmupLR(o, warmup_min_lr=0.0, warmup_max_lr=lr, warmup_num_steps=case["warmup"]) for o in opts]
+    opts, schedulers = toy.reference_optimizers(stages, case)
     gas = case.get("gas", 3)
     n_ticks = case["calls"] * gas
     snap_at = {(c + 1) * gas - 1 for c in range(case["calls"])}

@@ -8,6 +8,8 @@ Layers: ``LayerSpec``s, raw modules, plain functions, and a pair layer whose tup
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -199,3 +201,18 @@ def tied_reference(parts: list[int], three_owners: bool = False) -> tuple[list[T
                 owners.setdefault(item.key, set()).add(k)
     ties = [[(k, f"tied_modules.{key}.weight") for k in sorted(stages_)] for key, stages_ in sorted(owners.items())]
     return stages, [t for t in ties if len(t) > 1]
+
+
+def reference_optimizers(stages: Sequence[nn.Module], case: dict[str, Any]) -> tuple[list[Any], list[Any]]:
+    """The reference's per-stage optimizers (SGD, or Adam at lr/10) and WarmupLR schedulers, as a case asks."""
+    lr = case.get("lr", 0.1)
+    if case.get("optimizer", "sgd") == "adam":
+        opts: list[Any] = [torch.optim.Adam(s.parameters(), lr=lr * 0.1) for s in stages]
+    else:
+        opts = [torch.optim.SGD(s.parameters(), lr=lr, momentum=0.9) for s in stages]
+    schedulers: list[Any] = []
+    if case.get("warmup"):
+        from deepspeed.runtime.lr_schedules import WarmupLR
+
+        schedulers = [WarmupLR(o, warmup_min_lr=0.0, warmup_max_lr=lr, warmup_num_steps=case["warmup"]) for o in opts]
+    return opts, schedulers
