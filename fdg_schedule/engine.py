@@ -60,9 +60,8 @@ class FDGPipelineEngine(PipelineEngine):
         ties = tied.find_ties(kwargs.get("model"))
         if ties:
             tied.check_own_parameters(kwargs["model"], ties)
-            kwargs["model_parameters"] = tied.without_tied(kwargs.get("model_parameters"), ties, kwargs["model"])
-            if isinstance(kwargs.get("optimizer"), torch.optim.Optimizer):
-                tied.remove_from_optimizer(kwargs["optimizer"], ties)
+            model_parameters = kwargs.get("model_parameters")
+            kwargs["model_parameters"] = tied.take_out(ties, kwargs.get("optimizer"), model_parameters, kwargs["model"])
         super().__init__(*args, **kwargs)
         self.fdg_config = fdg_config
         optim.decouple_from_other_stages(self.optimizer)
@@ -75,7 +74,8 @@ class FDGPipelineEngine(PipelineEngine):
         delayed = not self.is_last_stage()
         self._delayed = DelayedBackward(self.module, fdg_config, delayed=delayed)
         self._tied = tied.TiedSync(
-            ties, self.stage_id, self.basic_optimizer, self.grid.get_data_parallel_group(), self.dp_world_size,
+            ties, self.stage_id, self.basic_optimizer, self.optimizer, self.grid.get_data_parallel_group(),
+            self.dp_world_size,
             self._replicas.collective, self._where(),
         )  # fmt: skip
         self._tie_keys = list(tied.owners(self.module))  # every rank's, also where it holds no copy
@@ -188,7 +188,8 @@ class FDGPipelineEngine(PipelineEngine):
             captured["accumulated"] = optim.capture_accumulated(self.optimizer, self._delayed.params)
         checkpoint.save(path, self._identity(), captured)
         frozen = exclude_frozen_parameters
-        saved = super().save_checkpoint(save_dir, tag, client_state or {}, False, exclude_frozen_parameters=frozen)
+        with self._tied.in_stage_optimizer():  # Note [tied optimizer state in checkpoints]
+            saved = super().save_checkpoint(save_dir, tag, client_state or {}, False, exclude_frozen_parameters=frozen)
         if save_latest:  # only once every rank has written every file
             checkpoint.publish(save_dir, tag, self.global_rank)
         return saved
@@ -211,17 +212,19 @@ class FDGPipelineEngine(PipelineEngine):
         by layer) when optimizer and scheduler state are not requested.
         """
         resolved = checkpoint.resolve_tag(load_dir, tag)
-        if self._tie_keys and load_optimizer_states and not load_module_only and resolved is not None:
+        wrapped = self.optimizer is not self.basic_optimizer  # Note [tied optimizer state in checkpoints]
+        if self._tie_keys and wrapped and load_optimizer_states and not load_module_only and resolved is not None:
             self._check_tied_optimizer_state(load_dir, resolved)
         per_stage = not load_module_only and (load_optimizer_states or load_lr_scheduler_states)
         other_stages = checkpoint.other_stages(load_dir, resolved, self.num_stages, per_stage_state=per_stage)
         bf16_from_zero_files = load_optimizer_states and self._bf16_without_zero()
-        load_path, client_state = super().load_checkpoint(
-            load_dir, tag=resolved, load_module_strict=load_module_strict,
-            load_optimizer_states=load_optimizer_states and not bf16_from_zero_files,
-            load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
-            custom_load_fn=custom_load_fn,
-        )  # fmt: skip
+        with self._tied.in_stage_optimizer():  # Note [tied optimizer state in checkpoints]
+            load_path, client_state = super().load_checkpoint(
+                load_dir, tag=resolved, load_module_strict=load_module_strict,
+                load_optimizer_states=load_optimizer_states and not bf16_from_zero_files,
+                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+                custom_load_fn=custom_load_fn,
+            )  # fmt: skip
         if load_path is None or resolved is None:
             return load_path, client_state
         if load_module_only:  # weights only: no in-flight work, RNG state or data position
@@ -235,10 +238,10 @@ class FDGPipelineEngine(PipelineEngine):
         return load_path, client_state
 
     def _check_tied_optimizer_state(self, load_dir: str, tag: str) -> None:
-        """A checkpoint without FDG state (1F1B's) keeps the tied copies in the stage optimizer: refuse its state.
+        """A checkpoint without FDG state (1F1B's) keeps the tied copies in the stage optimizer: under a bf16 or
+        ZeRO wrapper, whose flat buffers FDG builds without them, refuse its state.
 
-        Note [tied layers across stages]: under FDG the stage optimizer does not hold the tied parameters
-        (their tied optimizer does), so 1F1B's optimizer state does not fit it.
+        Note [tied optimizer state in checkpoints]: an unwrapped stage optimizer loads it exactly.
         """
         saved_dir = os.path.join(load_dir, tag)
         if not os.path.isdir(saved_dir) or any(n.startswith("fdg_stage") for n in os.listdir(saved_dir)):
@@ -246,8 +249,9 @@ class FDGPipelineEngine(PipelineEngine):
         keys = self._tie_keys
         raise FDGConfigError(
             f"checkpoint {saved_dir} has no FDG state (a 1F1B checkpoint?) and this model ties {keys} across "
-            f"stages: 1F1B's optimizer state steps the tied parameters of {keys} with the stage's optimizer, FDG "
-            "with a tied optimizer of their own, so it cannot be loaded exactly; call load_checkpoint(..., "
+            f"stages: 1F1B's optimizer state holds the tied parameters of {keys} in the flat buffers of the stage's "
+            "bf16/ZeRO optimizer, FDG steps them with a tied optimizer of their own, so it cannot be loaded "
+            "exactly (without bf16 and ZeRO it can); call load_checkpoint(..., "
             "load_optimizer_states=False) to load the weights and LR scheduler (optimizer state starts fresh)"
         )
 
@@ -541,8 +545,8 @@ class FDGPipelineEngine(PipelineEngine):
         start = time.perf_counter()
         self._exchange.wait_peers()
         self.fdg_stats["wait_s"] += time.perf_counter() - start
-        lr, clip = self.get_lr()[0], self.gradient_clipping()
-        self._tied.apply(self.fdg_state.tick, self.fdg_config.accumulate, lr, clip, self._tied_guard, segment_over)
+        lrs, clip = self.get_lr(), self.gradient_clipping()
+        self._tied.apply(self.fdg_state.tick, self.fdg_config.accumulate, lrs, clip, self._tied_guard, segment_over)
 
     def _tied_guard(self, norm: Tensor) -> bool:
         """pipeline.fdg.nonfinite for a tied step: queue the check ("error"), or skip and count it ("skip")."""

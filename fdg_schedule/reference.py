@@ -40,7 +40,8 @@ Note [tied layers across stages, the reference]
     G(u) = sum of c_s(u) over its owners in ascending stage order to its accumulator P, and n(u) to
     its count; with t = u + 1 on the global tick clock, when t % accumulate == 0 (or at the end of
     a drain) and the count is > 0, every copy steps on P (clipped by P's own norm to
-    ``clip_grad_norm``) with its tied optimizer at the lr of its stage optimizer's group 0; P and
+    ``clip_grad_norm``) with its tied optimizer (the settings of the param group the copy was in) at
+    the lr of that group of its stage optimizer (group 0's if only tied copies were in it); P and
     the count go back to zero. Tied copies are never predicted and never lr-scaled. The engine's
     side is Note [tied layers across stages] in fdg_schedule/tied.py.
 """
@@ -80,6 +81,7 @@ class _Tie:
     params: dict[int, nn.Parameter]  # stage -> its copy, in ascending stage order
     optimizers: dict[int, torch.optim.Optimizer]
     accumulated: Tensor
+    groups: dict[int, int]  # stage -> the stage optimizer's param group whose lr the copy takes
     count: int = 0
 
 
@@ -247,23 +249,31 @@ def _build_ties(
     ties: Sequence[Sequence[tuple[int, str]]],
     state: ReferenceState,
 ) -> None:
-    """Take the tied copies out of the stage optimizers; give each a tied optimizer (once per state)."""
+    """Take the tied copies out of the stage optimizers; give each a tied optimizer (once per state) with the
+    settings of the param group it was in, whose lr it follows (group 0's if only tied copies were in it)."""
+    found: dict[tuple[int, str], tuple[int, dict[str, Any]]] = {}  # (stage, name) -> (group, settings)
     for tie in ties:
         for k, name in tie:
             named = dict(stages[k].named_parameters())
             if name not in named:
                 raise ValueError(f"ties: stage {k} has no parameter {name!r}; its parameters are {sorted(named)}")
             p = named[name]
-            for group in optimizers[k].param_groups:
-                group["params"] = [q for q in group["params"] if q is not p]
+            for g, group in enumerate(optimizers[k].param_groups):
+                if any(q is p for q in group["params"]):
+                    group["params"] = [q for q in group["params"] if q is not p]
+                    found[(k, name)] = (g if group["params"] else 0, {n: v for n, v in group.items() if n != "params"})
     if state.tied or not ties:
         return
     for tie in ties:
         params = {k: dict(stages[k].named_parameters())[name] for k, name in sorted(tie)}
-        kinds = {k: type(optimizers[k]) for k in params}
-        opts = {k: kinds[k]([p], **optimizers[k].defaults) for k, p in params.items()}
+        settings = {k: found.get((k, name), (0, {}))[1] for k, name in tie}
+        opts = {
+            k: type(optimizers[k])([{**settings[k], "params": [p]}], **optimizers[k].defaults)
+            for k, p in params.items()
+        }
+        groups = {k: found.get((k, name), (0, {}))[0] for k, name in tie}
         first = next(iter(params.values()))
-        state.tied.append(_Tie(params, opts, torch.zeros_like(first, dtype=torch.float32)))
+        state.tied.append(_Tie(params, opts, torch.zeros_like(first, dtype=torch.float32), groups))
 
 
 def _take_tied_grads(tied: list[_Tie], k: int, contributions: dict[tuple[int, int], Tensor]) -> None:
@@ -302,7 +312,7 @@ def _tied_step(
                 torch.nn.utils.clip_grad_norm_([p], clip)
             opt = tie.optimizers[k]
             for group in opt.param_groups:
-                group["lr"] = optimizers[k].param_groups[0]["lr"]
+                group["lr"] = optimizers[k].param_groups[tie.groups[k]]["lr"]
             opt.step()
             p.grad = None
         tie.accumulated.zero_()

@@ -21,7 +21,8 @@ Note [tied layers across stages]
        scheduler: nothing runs in between) every owner adds G(t-1) to its accumulator P and
        n(t-1) to its count; when t % accumulate == 0 and the count is > 0 it clips P by P's own
        norm (``gradient_clipping``), steps the copy with its *tied optimizer* (the stage
-       optimizer's class and defaults, the lr of the stage optimizer's group 0 at that moment) and
+       optimizer's class, with the hyperparameters and, at that moment, the lr of the stage
+       optimizer's param group the copy was taken out of) and
        zeroes P and the count. The stage's own optimizer, clip norm and staleness corrections never
        see the tied parameters.
     5. a segment's last tick (a drain, or the end of the data) flushes: a count > 0 steps at once.
@@ -37,6 +38,18 @@ Note [tied layers across stages]
 
 bf16: the tied optimizer steps an fp32 master of each copy and writes it into the (bf16) module
 weight. Its state is replicated on every data-parallel replica (not ZeRO-partitioned).
+
+Note [tied optimizer state in checkpoints]
+    1F1B's stage optimizer holds each tied copy in its param groups; FDG's holds it in the copy's
+    tied optimizer. So that one checkpoint serves both schedules exactly, an FDG stage whose
+    optimizer DeepSpeed does not wrap (fp32, no ZeRO) saves and loads with the copies put back in
+    the stage optimizer at their *slots* -- (group, index) as DeepSpeed builds 1F1B's optimizer,
+    from the client optimizer or ``model_parameters`` -- carrying their tied optimizer's state
+    (:meth:`TiedSync.in_stage_optimizer`): DeepSpeed's optimizer file is then byte for byte the
+    layout 1F1B writes and reads. Under a wrapper (bf16, ZeRO) the copies' state lives in FDG's
+    per-stage file and 1F1B's optimizer state does not load into FDG (refused with the fix); so too
+    when a param group held only tied copies (DeepSpeed drops the group FDG leaves empty: the
+    layouts differ), where the copies step with that group's settings at group 0's lr.
 """
 
 from __future__ import annotations
@@ -64,6 +77,9 @@ class Tie:
     owners: list[int]  # stages holding a copy, ascending
     ranks: list[int]  # the global rank of each owner with this rank's data-parallel index
     param: nn.Parameter  # this stage's copy (in the module)
+    slot: tuple[int, int] | None = None  # (group, index) in 1F1B's stage optimizer (take_out)
+    group: int | None = None  # the group in FDG's stage optimizer (None: it held only tied copies)
+    settings: dict[str, Any] = dataclasses.field(default_factory=dict)  # that group's settings, as given
 
 
 def owners(module: Any) -> dict[str, list[int]]:
@@ -126,31 +142,64 @@ def check_own_parameters(module: nn.Module, ties: Sequence[Tie]) -> None:
         )
 
 
-def without_tied(model_parameters: Any, ties: Sequence[Tie], module: nn.Module) -> Any:
-    """``model_parameters`` (None, parameters, or param-group dicts) without the tied parameters."""
-    tied = {id(t.param) for t in ties}
+def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group's settings (lr, betas, weight decay, ...) without its parameters."""
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def _as_list(params: Any) -> list[Any]:
+    return [params] if isinstance(params, Tensor) else list(params)
+
+
+def take_out(ties: Sequence[Tie], optimizer: Any, model_parameters: Any, module: nn.Module) -> Any:
+    """``model_parameters`` without the tied copies, which also leave a client ``optimizer`` (and its state).
+
+    Notes each copy's slot, (group, index) in the stage optimizer DeepSpeed would build for 1F1B --
+    the client optimizer's groups, else ``model_parameters`` (None: the module's parameters; a list of
+    parameters: one group; param-group dicts) -- Note [tied optimizer state in checkpoints].
+    """
+    tied = {id(t.param): t for t in ties}
     if model_parameters is None:
-        return [p for p in module.parameters() if id(p) not in tied]
-    params = list(model_parameters)
-    if params and isinstance(params[0], dict):
-        return [{**group, "params": [p for p in group["params"] if id(p) not in tied]} for group in params]
-    return [p for p in params if id(p) not in tied]
+        given: list[Any] = list(module.parameters())
+    else:
+        given = list(model_parameters)
+    as_groups = bool(given) and isinstance(given[0], dict)
+    if as_groups:
+        given = [{**group, "params": _as_list(group["params"])} for group in given]
+    client = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+    if client is not None:
+        groups = [dict(g, params=list(g["params"])) for g in client.param_groups]
+    else:
+        groups = given if as_groups else [{"params": given}]
+    # DeepSpeed drops empty param groups: count the groups each schedule's optimizer keeps.
+    kept_1f1b = kept_fdg = 0
+    for group in groups:
+        params = group["params"]
+        own = [p for p in params if id(p) not in tied]
+        for i, p in enumerate(params):
+            if id(p) in tied:
+                t = tied[id(p)]
+                t.slot, t.group, t.settings = (kept_1f1b, i), (kept_fdg if own else None), hyperparameters(group)
+        kept_1f1b += bool(params)
+        kept_fdg += bool(own)
+    if client is not None:
+        for group in client.param_groups:
+            group["params"] = [p for p in group["params"] if id(p) not in tied]
+        for t in ties:
+            client.state.pop(t.param, None)
+    if as_groups:
+        return [{**group, "params": [p for p in group["params"] if id(p) not in tied]} for group in given]
+    return [p for p in given if id(p) not in tied]
 
 
-def remove_from_optimizer(optimizer: torch.optim.Optimizer, ties: Sequence[Tie]) -> None:
-    """Take the tied parameters out of a client optimizer built over the whole stage (and their state)."""
-    tied = {id(t.param) for t in ties}
-    for group in optimizer.param_groups:
-        group["params"] = [p for p in group["params"] if id(p) not in tied]
-    for t in ties:
-        optimizer.state.pop(t.param, None)
-
-
-def build_optimizer(basic: torch.optim.Optimizer, params: list[Tensor], where: str) -> torch.optim.Optimizer:
-    """An optimizer of ``basic``'s class and defaults over ``params`` (the tied copies or their fp32 masters)."""
+def build_optimizer(
+    basic: torch.optim.Optimizer, params: list[Tensor], settings: dict[str, Any], where: str
+) -> torch.optim.Optimizer:
+    """An optimizer of ``basic``'s class and defaults over ``params`` (the tied copies or their fp32 masters),
+    with ``settings`` (those of the param group the copies were taken out of) over the defaults."""
     kind = type(basic)
     try:
-        return kind(params, **basic.defaults)
+        return kind([{**settings, "params": params}], **basic.defaults)
     except Exception as err:  # noqa: BLE001 - any constructor that does not take (params, **defaults)
         raise FDGConfigError(
             f"{where}: tied layers across stages need an optimizer of the stage's class for the tied parameters, "
@@ -168,7 +217,10 @@ class _Copy:
         p = tie.param
         # Note [tied layers across stages], bf16: the tied optimizer steps an fp32 master.
         self.master = p if p.dtype == torch.float32 else p.detach().float().clone().requires_grad_(True)
-        self.optimizer = build_optimizer(basic, [self.master], where)
+        # its param group in the stage optimizer (None: that group held only tied copies and was dropped)
+        self.group = tie.group if tie.group is not None and tie.group < len(basic.param_groups) else None
+        settings = tie.settings if self.group is None else hyperparameters(basic.param_groups[self.group])
+        self.optimizer = build_optimizer(basic, [self.master], settings, where)
         self.accumulated = torch.zeros(p.shape, dtype=torch.float32, device=p.device)  # P
         self.count = 0  # micro-batches in P
         self.contribution = torch.zeros_like(self.accumulated)  # c_s(u) of the tick in progress
@@ -201,7 +253,7 @@ class _Copy:
         self.contribution = torch.zeros_like(self.accumulated)
         self.passes = torch.zeros(1, dtype=torch.int64)
 
-    def step(self, lr: float, clip: float, guard: Callable[[Tensor], bool]) -> None:
+    def step(self, lr: float, clip: float, guard: Callable[[Tensor], bool]) -> None:  # lr: of the copy's group
         """One tied step on P (unless ``guard(norm of P)`` says no), then P and the count back to zero."""
         master = self.master
         master.grad = self.accumulated
@@ -227,7 +279,9 @@ class TiedSync:
     Args:
         ties: this stage's tied parameters (:func:`find_ties`).
         stage_id: this stage.
-        basic: the stage's (unwrapped) optimizer: the tied optimizers take its class and defaults.
+        basic: the stage's (unwrapped) optimizer: the tied optimizers take its class, defaults and the
+            hyperparameters of the group each copy was taken out of.
+        stage_optimizer: the optimizer DeepSpeed steps (``basic`` itself, or its bf16/ZeRO wrapper).
         dp_group / dp_size: the stage's data-parallel group, over which each contribution is averaged.
         collective: a context bounding a collective of the data-parallel group (``Replicas.collective``).
         where: names the stage in errors.
@@ -238,6 +292,7 @@ class TiedSync:
         ties: Sequence[Tie],
         stage_id: int,
         basic: torch.optim.Optimizer | None,
+        stage_optimizer: Any = None,
         dp_group: Any = None,
         dp_size: int = 1,
         collective: Callable[[str], contextlib.AbstractContextManager[Any]] | None = None,
@@ -252,6 +307,13 @@ class TiedSync:
             self.copies = [_Copy(t, stage_id, basic, where) for t in ties]
         self.dp_group, self.dp_size = dp_group, dp_size
         self.collective = collective or (lambda what: contextlib.nullcontext())
+        # Note [tied optimizer state in checkpoints]: the copies' state goes in the stage optimizer's file
+        self.stage_optimizer = stage_optimizer
+        self.in_stage_file = (
+            stage_optimizer is not None
+            and stage_optimizer is basic
+            and all(c.master is c.tie.param and c.group is not None for c in self.copies)
+        )
 
     def __bool__(self) -> bool:
         return bool(self.copies)
@@ -290,16 +352,24 @@ class TiedSync:
         return out
 
     def apply(
-        self, tick: int, accumulate: int, lr: float, clip: float, guard: Callable[[Tensor], bool], flush: bool = False
+        self,
+        tick: int,
+        accumulate: int,
+        lrs: Sequence[float],
+        clip: float,
+        guard: Callable[[Tensor], bool],
+        flush: bool = False,
     ) -> None:
         """At the start of global tick ``tick``: P += G(tick - 1); a step every ``accumulate`` ticks (or ``flush``).
 
+        ``lrs``: the stage optimizer's lr per param group now; each copy steps at its group's (group 0's when
+        its group held only tied copies).
         ``guard(norm)``: the non-finite policy, given P's norm before clipping; False skips the step (P is dropped).
         """
         for c in self.copies:
             c.add_sum()
             if (tick % accumulate == 0 or flush) and c.count > 0:
-                c.step(lr, clip, guard)
+                c.step(lrs[0 if c.group is None else c.group], clip, guard)
 
     @contextlib.contextmanager
     def hidden(self) -> Iterator[None]:
@@ -314,15 +384,47 @@ class TiedSync:
             for p in params:
                 p.requires_grad_(True)
 
+    @contextlib.contextmanager
+    def in_stage_optimizer(self) -> Iterator[None]:
+        """Inside, the stage optimizer holds the tied copies at their slots with their tied optimizer's state:
+        DeepSpeed saves and loads 1F1B's layout (Note [tied optimizer state in checkpoints]). On the way
+        out, the state it then holds for them (what a load put there) goes back to the tied optimizers,
+        with the group's settings; nothing happens when the copies' state lives in FDG's file."""
+        if not self.in_stage_file:
+            yield
+            return
+        optimizer = self.stage_optimizer
+        # No group was dropped (in_stage_file), so FDG's groups are 1F1B's: ascending slots put each copy at
+        # its 1F1B index once those before it are back.
+        placed = sorted(self.copies, key=lambda c: c.tie.slot or (0, 0))
+        for c in placed:
+            group, index = c.tie.slot or (0, 0)
+            optimizer.param_groups[group]["params"].insert(index, c.tie.param)
+            if c.master in c.optimizer.state:
+                optimizer.state[c.tie.param] = c.optimizer.state[c.master]
+        try:
+            yield
+        finally:
+            tied = {id(c.tie.param) for c in self.copies}
+            for c in placed:
+                state = optimizer.state.pop(c.tie.param, None)
+                c.optimizer.state.pop(c.master, None)
+                if state:
+                    c.optimizer.state[c.master] = state
+                c.optimizer.param_groups[0].update(hyperparameters(optimizer.param_groups[c.group or 0]))
+            for group in optimizer.param_groups:
+                group["params"] = [p for p in group["params"] if id(p) not in tied]
+
     def capture(self) -> list[dict[str, Any]]:
-        """P, the count, the tied optimizer's state and the fp32 master of each copy (for a checkpoint)."""
+        """P, the count, the tied optimizer's state (unless it goes in the stage optimizer's file) and the fp32
+        master of each copy (for a checkpoint)."""
         return [
             {
                 "key": c.tie.key,
                 "attr": c.tie.attr,
                 "accumulated": c.accumulated.clone(),
                 "count": c.count,
-                "optimizer": c.optimizer.state_dict(),
+                "optimizer": None if self.in_stage_file else c.optimizer.state_dict(),
                 "master": None if c.master is c.tie.param else c.master.detach().clone(),
             }
             for c in self.copies
@@ -346,7 +448,8 @@ class TiedSync:
                     c.master.copy_(s["master"])
                     c.tie.param.data.copy_(c.master)
             c.count = s["count"]
-            c.optimizer.load_state_dict(s["optimizer"])
+            if s["optimizer"] is not None:  # else it came with the stage optimizer's (in_stage_optimizer)
+                c.optimizer.load_state_dict(s["optimizer"])
             c.contribution.zero_()
             c.passes.zero_()
 

@@ -98,11 +98,15 @@ def build(case: dict[str, Any], world: int, import_fdg: bool = True):
         ds_cfg["optimizer"] = {"type": "SGD", "params": {"lr": case.get("lr", 0.1), "momentum": 0.9}}
         engine, *_ = initialize(model=model, config=ds_cfg, model_parameters=model.parameters(), **kwargs)
     else:
+        params: Any = model.parameters()
+        if case.get("param_groups"):  # two groups, the second with weight decay; the tied copies at inner slots
+            ps = list(model.parameters())
+            params = [{"params": ps[1::2]}, {"params": ps[0::2], "weight_decay": 0.1}]
         engine, *_ = initialize(
             model=model,
             config=ds_config(case),
             optimizer=make_optimizer(case),
-            model_parameters=model.parameters(),
+            model_parameters=params,
             **kwargs,
         )
     return engine, model, data
@@ -115,6 +119,29 @@ def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         k: (v.detach().float() if v.is_floating_point() else v.detach()).to(host, copy=True)
         for k, v in model.state_dict().items()
     }
+
+
+def _optimizer_state(engine: Any, model: torch.nn.Module) -> dict[str, dict[str, Any]] | None:
+    """Every parameter's optimizer state by name, the tied copies' from their tied optimizer under FDG (None
+    under a bf16/ZeRO wrapper, whose state is flat)."""
+    if engine.optimizer is not engine.basic_optimizer:
+        return None
+    states = dict(engine.optimizer.state)
+    for c in getattr(getattr(engine, "_tied", None), "copies", []):
+        states[c.tie.param] = c.optimizer.state.get(c.master, {})
+    out = {}
+    for name, p in model.named_parameters():
+        settings = next(
+            ({k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups
+             if any(q is p for q in g["params"])),
+            None,
+        )  # fmt: skip
+        for c in getattr(getattr(engine, "_tied", None), "copies", []):
+            if c.tie.param is p:
+                settings = {k: v for k, v in c.optimizer.param_groups[0].items() if k != "params"}
+        state = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in states.get(p, {}).items()}
+        out[name] = {"state": state, "settings": settings}
+    return out
 
 
 def train(rank: int, world: int, cases: list[dict[str, Any]], import_fdg: bool = True) -> list[dict[str, Any]]:
@@ -287,7 +314,7 @@ def swap(rank: int, world: int, case: dict[str, Any], save_dir: str, phase: str)
             engine.train_batch(it)
         engine.save_checkpoint(save_dir)
         fdg_state = getattr(engine, "fdg_state", None)
-        return {"state": _state(model), "engine": type(engine).__name__,
+        return {"state": _state(model), "engine": type(engine).__name__, "optim": _optimizer_state(engine, model),
                 "tick": None if fdg_state is None else fdg_state.tick,
                 "delta": None if fdg_state is None else fdg_state.corrections.capture()}  # fmt: skip
     error = None
@@ -296,12 +323,14 @@ def swap(rank: int, world: int, case: dict[str, Any], save_dir: str, phase: str)
     except fdg_schedule.FDGConfigError as err:
         error = str(err)
         engine.load_checkpoint(save_dir, load_optimizer_states=False, load_lr_scheduler_states=False)
-    state = _state(model)
+    state, optim = _state(model), _optimizer_state(engine, model)
     fdg_state = getattr(engine, "fdg_state", None)  # what an FDG job continues with: tick and delta
     tick = None if fdg_state is None else fdg_state.tick
     delta = None if fdg_state is None else fdg_state.corrections.capture()
     engine.train_batch(it)  # and it trains on
+    after = _state(model)
     return {"state": state, "error": error, "engine": type(engine).__name__, "stage_id": engine.stage_id,
+            "optim": optim, "after": after,
             "tick": tick, "delta": delta}  # fmt: skip
 
 

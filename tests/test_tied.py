@@ -206,10 +206,46 @@ def test_tied_resume_is_bit_identical_undrained_three_stages(tmp_path) -> None:
     _resume_checked(tmp_path, 3, cases)
 
 
-def test_1f1b_optimizer_state_into_fdg_with_a_tie_is_refused_and_weights_load(tmp_path) -> None:
-    """1F1B's stage optimizer holds the tied parameters, FDG's tied optimizer does: refused with the key and the
-    fix on every rank, then the weights (and scheduler) load with load_optimizer_states=False."""
-    case = {"stages": 2, "n": 32, "gas": 2, "tied": True}
+def _same_optimizer_state(saved: dict[str, Any], loaded: dict[str, Any], what: str) -> None:
+    assert saved.keys() == loaded.keys(), what
+    for name in saved:
+        a, b = saved[name], loaded[name]
+        assert a["settings"] == b["settings"], f"{what} {name}"
+        assert a["state"].keys() == b["state"].keys(), f"{what} {name}"
+        for k in a["state"]:
+            assert torch.equal(torch.as_tensor(a["state"][k]), torch.as_tensor(b["state"][k])), f"{what} {name} {k}"
+
+
+def test_fdg_and_1f1b_checkpoints_swap_exactly_with_a_tie(tmp_path) -> None:
+    """Note [tied optimizer state in checkpoints]: with the stage optimizer unwrapped (fp32, no ZeRO), FDG -> 1F1B
+    and 1F1B -> FDG load the weights and every parameter's optimizer state -- the tied copies' Adam moments and
+    their param group's settings included -- exactly; both train on and FDG's copies stay equal. Two param
+    groups (the second with weight decay) put the tied copies at inner slots of their groups."""
+    case = {"stages": 2, "n": 32, "gas": 2, "tied": True, "optimizer": "adam", "param_groups": True}
+    for saved_with, loaded_with in (("fdg", "1f1b"), ("1f1b", "fdg")):
+        save_dir = str(tmp_path / f"{saved_with}-to-{loaded_with}")
+        saved = run_ranks(engine_workers.swap, 2, tmp_path, {**case, "schedule": saved_with}, save_dir, "save")
+        loaded = run_ranks(engine_workers.swap, 2, tmp_path, {**case, "schedule": loaded_with}, save_dir, "load")
+        what = f"{saved_with} -> {loaded_with}"
+        for s, lo in zip(saved, loaded):
+            assert lo["error"] is None, f"{what}: {lo['error']}"
+            assert lo["engine"] == ("FDGPipelineEngine" if loaded_with == "fdg" else "PipelineEngine")
+            for key in s["state"]:
+                assert torch.equal(s["state"][key], lo["state"][key]), f"{what} {key}"
+            tied_names = [n for n in s["optim"] if n.startswith("tied_modules.")]
+            assert tied_names and all("exp_avg" in s["optim"][n]["state"] for n in tied_names), what
+            _same_optimizer_state(s["optim"], lo["optim"], what)
+        names = {k for lo in loaded for k in lo["after"] if k.startswith("tied_modules.")}
+        for name in names:  # trained on after the load: the copies still equal (1F1B's all-reduce, FDG's sync)
+            copies = [lo["after"][name] for lo in loaded]
+            assert all(torch.equal(copies[0], c) for c in copies), f"{what} {name}"
+            assert not torch.equal(copies[0], loaded[0]["state"][name]), f"{what} {name} did not train on"
+
+
+def test_1f1b_optimizer_state_into_fdg_under_zero_with_a_tie_is_refused_and_weights_load(tmp_path) -> None:
+    """Under a ZeRO (or bf16) wrapper FDG builds the flat optimizer buffers without the tied copies, so 1F1B's
+    state does not fit: refused with the key and the fix on every rank, then the weights load."""
+    case = {"stages": 2, "n": 32, "gas": 2, "tied": True, "zero": 1}
     save_dir = str(tmp_path / "1f1b")
     saved = run_ranks(engine_workers.swap, 2, tmp_path, {**case, "schedule": "1f1b"}, save_dir, "save")
     loaded = run_ranks(engine_workers.swap, 2, tmp_path, {**case, "schedule": "fdg"}, save_dir, "load")
