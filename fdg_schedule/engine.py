@@ -15,9 +15,7 @@ loss has reached the stage yet.
 
 from __future__ import annotations
 
-import functools
 import math
-import os
 import time
 from typing import Any, cast
 
@@ -27,16 +25,16 @@ from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.schedule import PipeInstruction, ReduceGrads
-from deepspeed.utils import logger
 from torch import Tensor
 
-from fdg_schedule import checkpoint, dispatch, grid, guards, observe, optim, schedule, ticks, tied
+from fdg_schedule import dispatch, grid, guards, observe, optim, schedule, ticks, tied
 from fdg_schedule.comm import NO_END, NeighbourExchange, meta_of
-from fdg_schedule.config import FDGConfig, FDGConfigError
+from fdg_schedule.config import FDGConfig
 from fdg_schedule.delayed import DelayedBackward
+from fdg_schedule.engine_checkpoints import FDGCheckpoints
 from fdg_schedule.errors import DataExhausted, FDGRuntimeError
 from fdg_schedule.replicas import Replicas
-from fdg_schedule.report import report_call, stop_backward_timers
+from fdg_schedule.report import print_flops_profile, report_call, stop_backward_timers
 from fdg_schedule.schedule import OPS, FDGTrainSchedule, Kind
 from fdg_schedule.stage_state import StageState
 from fdg_schedule.staleness import Corrections, StalenessMeter
@@ -45,7 +43,7 @@ from fdg_schedule.tensors import as_tuple, describe, floating, input_grads, to_d
 Field = int | None  # an Exchange field: a buffer_id, or the segment's micro-batch count for send_end; or None
 
 
-class FDGPipelineEngine(PipelineEngine):
+class FDGPipelineEngine(FDGCheckpoints):
     """A ``PipelineEngine`` whose ``train_batch()`` runs FDG ticks instead of a 1F1B batch.
 
     Built by ``deepspeed.initialize`` when the config has ``"pipeline": {"schedule": "fdg"}`` and
@@ -162,132 +160,6 @@ class FDGPipelineEngine(PipelineEngine):
             return super().eval_batch(*args, **kwargs)
         finally:
             self.pipe_buffers, self.num_pipe_buffers = fdg_buffers, fdg_count
-
-    # -- checkpoints (layout and checks in fdg_schedule.checkpoint, contents in StageState) -------
-
-    def save_checkpoint(
-        self,
-        save_dir: str,
-        tag: Any = None,
-        client_state: dict[str, Any] | None = None,
-        save_latest: bool = True,
-        exclude_frozen_parameters: bool = False,
-        drain: bool = False,
-    ) -> bool:
-        """DeepSpeed's ``save_checkpoint`` plus this rank's in-flight FDG state (see :mod:`fdg_schedule.checkpoint`).
-
-        Every rank must call it at the same tick (between ``train_batch()`` calls). ``drain=True``
-        first finishes every in-flight backward pass: a checkpoint any schedule can continue from.
-        """
-        if drain:
-            self.drain()
-        tag = str(tag if tag is not None else f"global_step{self.global_steps}")
-        path = checkpoint.state_path(save_dir, tag, self.stage_id, self.grid.data_parallel_id)
-        captured = self.fdg_state.capture()
-        if self.fdg_config.accumulate > 1:  # Note [a partial accumulation in a checkpoint]
-            captured["accumulated"] = optim.capture_accumulated(self.optimizer, self._delayed.params)
-        checkpoint.save(path, self._identity(), captured)
-        frozen = exclude_frozen_parameters
-        with self._tied.in_stage_optimizer():  # Note [tied optimizer state in checkpoints]
-            saved = super().save_checkpoint(save_dir, tag, client_state or {}, False, exclude_frozen_parameters=frozen)
-        if save_latest:  # only once every rank has written every file
-            checkpoint.publish(save_dir, tag, self.global_rank)
-        return saved
-
-    def load_checkpoint(
-        self,
-        load_dir: str,
-        tag: Any = None,
-        load_module_strict: bool = True,
-        load_optimizer_states: bool = True,
-        load_lr_scheduler_states: bool = True,
-        load_module_only: bool = False,
-        custom_load_fn: Any = None,
-    ) -> tuple[str | None, Any]:
-        """DeepSpeed's ``load_checkpoint``, then the in-flight FDG state of this rank.
-
-        The in-flight micro-batches are rebuilt exactly when the checkpoint was saved by an FDG job
-        with the same stages, data parallelism and modes; otherwise they are dropped with a log line
-        saying how many. A checkpoint of another number of stages loads its weights (re-partitioned
-        by layer) when optimizer and scheduler state are not requested.
-        """
-        resolved = checkpoint.resolve_tag(load_dir, tag)
-        wrapped = self.optimizer is not self.basic_optimizer  # Note [tied optimizer state in checkpoints]
-        if self._tie_keys and wrapped and load_optimizer_states and not load_module_only and resolved is not None:
-            self._check_tied_optimizer_state(load_dir, resolved)
-        per_stage = not load_module_only and (load_optimizer_states or load_lr_scheduler_states)
-        other_stages = checkpoint.other_stages(load_dir, resolved, self.num_stages, per_stage_state=per_stage)
-        bf16_from_zero_files = load_optimizer_states and self._bf16_without_zero()
-        with self._tied.in_stage_optimizer():  # Note [tied optimizer state in checkpoints]
-            load_path, client_state = super().load_checkpoint(
-                load_dir, tag=resolved, load_module_strict=load_module_strict,
-                load_optimizer_states=load_optimizer_states and not bf16_from_zero_files,
-                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
-                custom_load_fn=custom_load_fn,
-            )  # fmt: skip
-        if load_path is None or resolved is None:
-            return load_path, client_state
-        if load_module_only:  # weights only: no in-flight work, RNG state or data position
-            return load_path, client_state
-        if bf16_from_zero_files:
-            self._load_zero_checkpoint(load_dir, resolved, load_optimizer_states=True)
-        if other_stages:
-            logger.warning(f"stage {self.stage_id}: client_state dropped: it belongs to another pipeline layout")
-            client_state = {}
-        self._restore_in_flight(load_dir, resolved)
-        return load_path, client_state
-
-    def _check_tied_optimizer_state(self, load_dir: str, tag: str) -> None:
-        """A checkpoint without FDG state (1F1B's) keeps the tied copies in the stage optimizer: under a bf16 or
-        ZeRO wrapper, whose flat buffers FDG builds without them, refuse its state.
-
-        Note [tied optimizer state in checkpoints]: an unwrapped stage optimizer loads it exactly.
-        """
-        saved_dir = os.path.join(load_dir, tag)
-        if not os.path.isdir(saved_dir) or any(n.startswith("fdg_stage") for n in os.listdir(saved_dir)):
-            return
-        keys = self._tie_keys
-        raise FDGConfigError(
-            f"checkpoint {saved_dir} has no FDG state (a 1F1B checkpoint?) and this model ties {keys} across "
-            f"stages: 1F1B's optimizer state holds the tied parameters of {keys} in the flat buffers of the stage's "
-            "bf16/ZeRO optimizer, FDG steps them with a tied optimizer of their own, so it cannot be loaded "
-            "exactly (without bf16 and ZeRO it can); call load_checkpoint(..., "
-            "load_optimizer_states=False) to load the weights and LR scheduler (optimizer state starts fresh)"
-        )
-
-    def _bf16_without_zero(self) -> bool:
-        """Note [bf16 optimizer state]: DeepSpeed 0.19.8 saves the state of its bf16 wrapper without ZeRO
-        in the ZeRO optimizer files (``bf16_zero_pp_rank_*``), one per data-parallel rank, but loads it from
-        the model-states file, where the wrapper cannot read it (``KeyError: 0``, also under 1F1B). FDG
-        loads it from the ZeRO files, as DeepSpeed does under ZeRO."""
-        return isinstance(self.optimizer, BF16_Optimizer) and not self.zero_optimization()
-
-    def _identity(self) -> dict[str, Any]:
-        return checkpoint.identity(self.num_stages, self.dp_world_size, self.fdg_config)
-
-    def _restore_in_flight(self, load_dir: str, tag: str) -> None:
-        """This rank's in-flight state from the checkpoint, or an empty pipeline when it cannot continue."""
-        dp_id, log = self.grid.data_parallel_id, self.global_rank == 0
-        saved = checkpoint.load(load_dir, tag, self.stage_id, dp_id, self._identity(), log=log, device=self.device)
-        self.fdg_state.reset()
-        self._watch.clear()
-        if saved is None:  # Note [what a layout change keeps] in fdg_schedule.checkpoint
-            tick, delta = checkpoint.carried(load_dir, tag, self.stage_id, self.num_stages)
-            self.fdg_state.tick = tick
-            if not self.fdg_state.corrections.restore(delta, strict=False):
-                logger.warning(f"{self._where()}: the checkpoint's prediction delta does not fit; it starts at 0")
-            return
-        self._reserve_pipe_buffers(ticks.num_buffers(self.num_stages, self.stage_id))
-        if self.training_data is not None and (self.is_first_stage() or self.is_last_stage()):
-            # The engine's own loader: continue after the micro-batches read before the save.
-            self._build_data_iter(self.training_data)
-            for _ in range(saved["micro_batches_read"]):
-                self._next_batch()
-        if saved.get("accumulated") is not None:  # after DeepSpeed loaded the optimizer
-            optim.restore_accumulated(self.optimizer, self._delayed.params, saved["accumulated"], self.device)
-        needs_grad = not self.is_first_stage() or self._reentrant_activation_checkpointing()
-        rebuild = lambda held, inputs: self._delayed.rebuild(held, functools.partial(self._stage_forward, inputs))
-        self.fdg_state.restore(saved, rebuild, needs_grad)
 
     # -- running ticks ----------------------------------------------------------------------------
 
@@ -524,7 +396,7 @@ class FDGPipelineEngine(PipelineEngine):
         )
 
     def _exec_advance_tick(self, entered: bool) -> None:
-        self._print_flops_profile()
+        print_flops_profile(self)
         finished = self.fdg_state.segment_tick
         self.fdg_state.tick += 1
         self.fdg_state.segment_tick += 1
@@ -573,19 +445,6 @@ class FDGPipelineEngine(PipelineEngine):
     }
 
     # -- helpers --------------------------------------------------------------------------------
-
-    def _print_flops_profile(self) -> None:
-        """DeepSpeed's flops profiler: its forwards profile tick ``profile_step`` (global rank 0, stage 0, as
-        under 1F1B); the profile is printed at the end of that tick, where DeepSpeed prints it after its step."""
-        profiler = getattr(self, "flops_profiler", None)
-        if profiler is None or not profiler.started or self.global_steps != self.flops_profiler_profile_step():
-            return
-        profiler.print_model_profile(
-            profile_step=self.global_steps, module_depth=self.flops_profiler_module_depth(),
-            top_modules=self.flops_profiler_top_modules(), detailed=self.flops_profiler_detailed(),
-            output_file=self.flops_profiler_output_file(),
-        )  # fmt: skip
-        profiler.end_profile()
 
     def _non_finite(self, what: str, micro_batch: int | None = None) -> None:
         """pipeline.fdg.nonfinite: stop with an error naming the stage and tick, or count a skipped step."""

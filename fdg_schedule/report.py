@@ -45,3 +45,17 @@ def stop_backward_timers(engine: Any) -> None:
     for name in engine.engine_timers.backward_inner_timers + engine.engine_timers.backward_timers:
         if engine.timers(name).started_:
             engine.timers(name).stop()
+
+
+def print_flops_profile(engine: Any) -> None:
+    """DeepSpeed's flops profiler: its forwards profile tick ``profile_step`` (global rank 0, stage 0, as
+    under 1F1B); the profile is printed at the end of that tick, where DeepSpeed prints it after its step."""
+    profiler = getattr(engine, "flops_profiler", None)
+    if profiler is None or not profiler.started or engine.global_steps != engine.flops_profiler_profile_step():
+        return
+    profiler.print_model_profile(
+            profile_step=engine.global_steps, module_depth=engine.flops_profiler_module_depth(),
+            top_modules=engine.flops_profiler_top_modules(), detailed=engine.flops_profiler_detailed(),
+            output_file=engine.flops_profiler_output_file(),
+        )  # fmt: skip
+    profiler.end_profile()
