@@ -72,9 +72,8 @@ class FDGPipelineEngine(FDGCheckpoints):
         delayed = not self.is_last_stage()
         self._delayed = DelayedBackward(self.module, fdg_config, delayed=delayed)
         self._tied = tied.TiedSync(
-            ties, self.stage_id, self.basic_optimizer, self.optimizer, self.grid.get_data_parallel_group(),
-            self.dp_world_size,
-            self._replicas.collective, self._where(),
+            ties, self.stage_id, self.basic_optimizer, self.optimizer,
+            self.grid.get_data_parallel_group(), self.dp_world_size, self._replicas.collective, self._where(),
         )  # fmt: skip
         self._tie_keys = list(tied.owners(self.module))  # every rank's, also where it holds no copy
         tied_ids = {id(p) for p in self._tied.params()}
