@@ -86,7 +86,12 @@ if args.backend == "reference" and args.max_ranks == 2:
 
 
 # What each correction option means in a variant spec, and how its name reads in the table.
-CORRECTIONS = {"warmup": "warm-up {} ep", "delay_lr": "delay_lr T={}", "predict": "predict γ={}"}
+CORRECTIONS = {
+    "warmup": "warm-up {} ep",
+    "delay_lr": "delay_lr T={}",
+    "predict": "predict γ={}",
+    "split": "{} split",  # not a correction: the recipe's --partition (paper, parameters, uniform)
+}
 
 
 def correction_name(options):
@@ -106,7 +111,9 @@ def fdg_variant(stages, beta, weights, options=None):
 
 
 def warmup_args(options):
-    return ["--warmup-epochs", str(int(options["warmup"]))] if "warmup" in options else []
+    """The recipe arguments of a variant's options: the warm-up, and the split (--partition)."""
+    extra = ["--warmup-epochs", str(int(options["warmup"]))] if "warmup" in options else []
+    return extra + (["--partition", options["split"]] if "split" in options else [])
 
 
 # (name, stages, config changes, recipe arguments) of the stock schedules
@@ -118,7 +125,10 @@ def parse_options(spec, text):
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
         if key not in CORRECTIONS or not value:
-            parser.error(f"--variant {spec!r}: unknown option {item!r}; options: warmup=N, delay_lr=T, predict=GAMMA")
+            parser.error(
+                f"--variant {spec!r}: unknown option {item!r}; "
+                "options: warmup=N, delay_lr=T, predict=GAMMA, split=paper|parameters|uniform"
+            )
         options[key] = value
     return options
 
