@@ -7,7 +7,7 @@ import pytest
 import torch
 import toy
 from deepspeed.runtime.lr_schedules import WarmupLR
-from dist_harness import run_ranks
+from dist_harness import run_ranks, run_ranks_each
 
 from fdg_schedule import FDGConfig, fdg_reference, ticks
 
@@ -59,14 +59,34 @@ def test_non_finite_steps_are_skipped_and_counted(tmp_path) -> None:
     assert stage1["steps"] == 4  # micro-batches 0..3 stepped, 4.. non-finite
 
 
-@pytest.mark.parametrize("stages,limit,accumulate", [(2, 10, 1), (3, 7, 1), (1, 7, 2), (2, 7, 2), (3, 7, 2), (3, 8, 3)])
-def test_data_running_out_drains_and_ends_every_rank(tmp_path, stages: int, limit: int, accumulate: int) -> None:
+DATA_END = [(2, 10, 1), (3, 7, 1), (1, 7, 2), (2, 7, 2), (3, 7, 2), (3, 8, 3)]  # (stages, limit, accumulate)
+
+
+def _data_end_case(stages: int, limit: int, accumulate: int) -> dict:
+    return {"stages": stages, "n": 16, "gas": 3, "limit": limit, "grad_shrink": 0.5, "weights": "stashed",
+            "accumulate": accumulate, "lr": 0.1, "warmup": 4}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def data_ended(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int, int], list]:
+    """Every DATA_END case, one launch per number of stages (the data ends cleanly on every rank:
+    Note [one launch, several calls] in dist_harness.py); (stages, limit, accumulate) -> results in rank order."""
+    out: dict[tuple[int, int, int], list] = {}
+    for stages in sorted({k for k, _, _ in DATA_END}):
+        params = [p for p in DATA_END if p[0] == stages]
+        calls = [(_data_end_case(*p),) for p in params]
+        tmp = tmp_path_factory.mktemp(f"data_end_k{stages}")
+        out.update(zip(params, run_ranks_each(engine_workers.data_end, stages, tmp, calls, deadline_s=240)))
+    return out
+
+
+@pytest.mark.parametrize("stages,limit,accumulate", DATA_END)
+def test_data_running_out_drains_and_ends_every_rank(data_ended, stages: int, limit: int, accumulate: int) -> None:
     """The iterator ends mid-call: every rank drains, raises DataExhausted, and the weights are
     the reference's after ``limit`` micro-batches and a drain. K = 1 with a partial accumulation at
     the end and a warm-up: its last step uses the reference's learning rate."""
-    case = {"stages": stages, "n": 16, "gas": 3, "limit": limit, "grad_shrink": 0.5, "weights": "stashed",
-            "accumulate": accumulate, "lr": 0.1, "warmup": 4}  # fmt: skip
-    results = run_ranks(engine_workers.data_end, stages, tmp_path, case, deadline_s=180)
+    case = _data_end_case(stages, limit, accumulate)
+    results = data_ended[(stages, limit, accumulate)]
     for r in results:
         # every rank raises in the call holding the tick stage 0 back-propagates the last micro-batch
         assert r["in_flight"] == 0 and r["calls"] == (limit - 1 + ticks.drain_ticks(stages)) // 3
