@@ -1,7 +1,8 @@
 """Checkpoints: exact resume of in-flight FDG work, schedule swaps, re-partitioning (real DeepSpeed, gloo).
 
-The K = 2 resume cases of three tests share one straight launch and one resumed launch, and the schedule
-swaps share their saves (Note [one launch, several calls] in dist_harness.py).
+The K = 2 resume cases of three tests and the schedule swaps share two launches (the straight runs and the
+saves, then the resumed runs and the loads); the K = 3 resumes and the load into three stages two more
+(Note [one launch, several calls] in dist_harness.py).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any
 import engine_workers
 import pytest
 import torch
-from dist_harness import run_ranks, run_ranks_each
+from dist_harness import run_ranks, run_ranks_calls
 
 pytestmark = pytest.mark.distributed
 
@@ -92,24 +93,44 @@ K2_RESUMES = {"every_mode": _k2_every_mode(), "mid_accumulation": _k2_mid_accumu
               "data_ended": _k2_data_ended()}  # fmt: skip
 
 
+SWAP_CASE = {"stages": 2, "n": 32, "gas": 2, **CORRECTIONS}  # the corrections are ignored by 1F1B
+# (saved with, loaded as): Note [what a layout change keeps]: the same stages in other modes drop the in-flight
+# work but continue t and delta.
+SWAPS = [("fdg", {**SWAP_CASE, "schedule": "1f1b"}), ("1f1b", {**SWAP_CASE, "schedule": "fdg"}),
+         ("fdg", {**SWAP_CASE, "weights": "stashed", "activations": "recomputed"})]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
-def k2_resumes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[Any], list[Any]]]:
-    """Every K = 2 resume case in one straight and one resumed launch; per group, (straight, resumed) per rank."""
-    cases = [case for group in K2_RESUMES.values() for case in group]
-    straight, resumed = _straight_and_resumed(tmp_path_factory.mktemp("k2_resumes"), 2, cases)
-    out, start = {}, 0
+def k2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Every K = 2 resume case straight through, and SWAP_CASE trained 2 calls and saved under FDG and under
+    1F1B, in one launch; then the resumed runs and the loads of SWAPS in another (per rank, results).
+
+    Returns "resumes" (per group of K2_RESUMES, (straight, resumed)), "saved" (per schedule, (its directory,
+    the saves' results)) and "loaded" (per swap, the results).
+    """
+    tmp = tmp_path_factory.mktemp("k2")
+    cases, root = [case for group in K2_RESUMES.values() for case in group], str(tmp / "ckpt")
+    dirs = {schedule: str(tmp / schedule) for schedule in ("fdg", "1f1b")}
+    first = [(engine_workers.resume, (cases, root, "straight"))]
+    first += [(engine_workers.swap, ({**SWAP_CASE, "schedule": s}, dirs[s], "save")) for s in dirs]
+    straight, *saves = run_ranks_calls(2, tmp, first, deadline_s=400)
+    second = [(engine_workers.resume, (cases, root, "resumed"))]
+    second += [(engine_workers.swap, (case, dirs[saved_with], "load")) for saved_with, case in SWAPS]
+    resumed, *loaded = run_ranks_calls(2, tmp, second, deadline_s=400)
+    out: dict[str, Any] = {"resumes": {}, "saved": dict(zip(dirs, zip(dirs.values(), saves))), "loaded": loaded}
+    start = 0
     for name, group in K2_RESUMES.items():
         part = slice(start, start + len(group))
-        out[name] = ([r[part] for r in straight], [r[part] for r in resumed])
+        out["resumes"][name] = ([r[part] for r in straight], [r[part] for r in resumed])
         start += len(group)
     return out
 
 
-def test_resume_is_bit_identical_two_stages_every_mode(k2_resumes) -> None:
-    _check_bit_identical(*k2_resumes["every_mode"], K2_RESUMES["every_mode"])
+def test_resume_is_bit_identical_two_stages_every_mode(k2) -> None:
+    _check_bit_identical(*k2["resumes"]["every_mode"], K2_RESUMES["every_mode"])
 
 
-def test_resume_is_bit_identical_three_stages_every_mode(tmp_path) -> None:
+def _k3_resumes() -> list[dict[str, Any]]:
     base = {"stages": 3, "n": 48, "gas": 2, "calls_before": 3, "calls_after": 2, "grad_shrink": 0.5}
     cases = [{**base, "weights": w, "activations": a, **(CORRECTIONS if w == "stashed" else {})} for w, a in MODES]
     # part-way through an accumulation: after T ticks stage k has back-propagated T-4+k micro-batches
@@ -117,15 +138,32 @@ def test_resume_is_bit_identical_three_stages_every_mode(tmp_path) -> None:
         {**base, "gas": 5, "calls_before": 1, "accumulate": 2},  # T=5: 1, 0, 1 passes towards a step
         {**base, "gas": 7, "calls_before": 1, "calls_after": 1, "accumulate": 3, "weights": "stashed"},  # 0, 1, 2
     ]
-    _resume_checked(tmp_path, 3, cases)
+    return cases
 
 
-def test_resume_is_bit_identical_mid_accumulation_in_bf16_zero1_and_with_dropout(k2_resumes) -> None:
-    _check_bit_identical(*k2_resumes["mid_accumulation"], K2_RESUMES["mid_accumulation"])
+@pytest.fixture(scope="module")
+def k3(tmp_path_factory: pytest.TempPathFactory, k2: dict[str, Any]) -> dict[str, Any]:
+    """The K = 3 resume cases straight through in one launch; then resumed, and K = 2's FDG save loaded into
+    three stages, in another. Returns "straight", "resumed" (per rank, per case) and "loaded" (per rank)."""
+    tmp = tmp_path_factory.mktemp("k3")
+    cases, root = _k3_resumes(), str(tmp / "ckpt")
+    straight = run_ranks(engine_workers.resume, 3, tmp, cases, root, "straight", deadline_s=300)
+    calls = [(engine_workers.resume, (cases, root, "resumed")),
+             (engine_workers.swap, ({**SWAP_CASE, "stages": 3}, k2["saved"]["fdg"][0], "load"))]  # fmt: skip
+    resumed, loaded = run_ranks_calls(3, tmp, calls, deadline_s=400)
+    return {"straight": straight, "resumed": resumed, "loaded": loaded}
 
 
-def test_resume_after_the_data_ended_on_one_stage_and_weights_only_loads(k2_resumes) -> None:
-    straight, resumed = k2_resumes["data_ended"]
+def test_resume_is_bit_identical_three_stages_every_mode(k3) -> None:
+    _check_bit_identical(k3["straight"], k3["resumed"], _k3_resumes())
+
+
+def test_resume_is_bit_identical_mid_accumulation_in_bf16_zero1_and_with_dropout(k2) -> None:
+    _check_bit_identical(*k2["resumes"]["mid_accumulation"], K2_RESUMES["mid_accumulation"])
+
+
+def test_resume_after_the_data_ended_on_one_stage_and_weights_only_loads(k2) -> None:
+    straight, resumed = k2["resumes"]["data_ended"]
     _check_bit_identical(straight, resumed, K2_RESUMES["data_ended"])
     for rank in resumed:
         assert rank[0]["exhausted"] and rank[1]["exhausted"]
@@ -141,28 +179,9 @@ def test_resume_is_bit_identical_with_data_parallelism(tmp_path) -> None:
     _resume_checked(tmp_path, 4, cases)
 
 
-SWAP_CASE = {"stages": 2, "n": 32, "gas": 2, **CORRECTIONS}  # the corrections are ignored by 1F1B
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, list[Any]]]:
-    """SWAP_CASE trained 2 calls and saved under FDG and under 1F1B (one launch); per schedule, (dir, per rank)."""
-    tmp = tmp_path_factory.mktemp("swap")
-    dirs = {schedule: str(tmp / schedule) for schedule in ("fdg", "1f1b")}
-    calls = [({**SWAP_CASE, "schedule": schedule}, dirs[schedule], "save") for schedule in dirs]
-    results = run_ranks_each(engine_workers.swap, 2, tmp, calls, deadline_s=200)
-    return {schedule: (dirs[schedule], ranks) for schedule, ranks in zip(dirs, results)}
-
-
-def test_fdg_and_1f1b_checkpoints_load_into_each_other(saved, tmp_path) -> None:
-    # Note [what a layout change keeps]: the same stages in other modes drop the in-flight work but
-    # continue t and delta.
-    other_modes = {**SWAP_CASE, "weights": "stashed", "activations": "recomputed"}
-    swaps = [("fdg", {**SWAP_CASE, "schedule": "1f1b"}), ("1f1b", {**SWAP_CASE, "schedule": "fdg"}),
-             ("fdg", other_modes)]  # fmt: skip
-    calls = [(case, saved[saved_with][0], "load") for saved_with, case in swaps]
-    loaded = run_ranks_each(engine_workers.swap, 2, tmp_path, calls, deadline_s=200)
-    for (saved_with, case), ranks in zip(swaps[:2], loaded):
+def test_fdg_and_1f1b_checkpoints_load_into_each_other(k2) -> None:
+    saved, loaded = k2["saved"], k2["loaded"]
+    for (saved_with, case), ranks in zip(SWAPS[:2], loaded):
         loaded_with = case["schedule"]
         for s, lo in zip(saved[saved_with][1], ranks):
             assert lo["error"] is None
@@ -172,7 +191,7 @@ def test_fdg_and_1f1b_checkpoints_load_into_each_other(saved, tmp_path) -> None:
             if loaded_with == "fdg":  # a 1F1B checkpoint has no FDG state: t and delta start at 0
                 assert lo["tick"] == 0
                 assert lo["delta"] is None or all(not d.any() for d in lo["delta"])
-    for s, lo in zip(saved["fdg"][1], loaded[2]):
+    for s, lo in zip(saved["fdg"][1], loaded[2]):  # other modes: t and delta go on
         assert lo["error"] is None and lo["tick"] == s["tick"] == 4
         assert (s["delta"] is None) == (lo["stage_id"] == 1)  # the last stage predicts nothing
         if s["delta"] is not None:
@@ -180,11 +199,9 @@ def test_fdg_and_1f1b_checkpoints_load_into_each_other(saved, tmp_path) -> None:
             assert all(torch.equal(a, b) for a, b in zip(s["delta"], lo["delta"]))
 
 
-def test_fdg_checkpoint_loads_into_another_number_of_stages(saved, tmp_path) -> None:
-    save_dir, k2 = saved["fdg"]
-    loaded = run_ranks(engine_workers.swap, 3, tmp_path, {**SWAP_CASE, "stages": 3}, save_dir, "load")
-    full = {k: v for s in k2 for k, v in s["state"].items()}
-    for lo in loaded:
+def test_fdg_checkpoint_loads_into_another_number_of_stages(k2, k3) -> None:
+    full = {k: v for s in k2["saved"]["fdg"][1] for k, v in s["state"].items()}
+    for lo in k3["loaded"]:
         assert "has 2 pipeline stages, this job 3" in lo["error"]
         assert "load_optimizer_states=False" in lo["error"]
         for key, value in lo["state"].items():  # weights re-partitioned by layer
