@@ -3,13 +3,15 @@
 Config-level mistakes are covered in test_config.py (pure) and test_engine.py (every rank refuses at
 deepspeed.initialize); this file covers inputs met while the job runs. The rank that meets the bad
 input raises at once; its neighbours exit within ``pipeline.fdg.timeout`` (5 s here), never hang.
+The kinds every rank refuses before any rank waits on another share one launch (Note [one launch,
+several calls] in dist_harness.py); each kind a neighbour gives up on gets a launch of its own.
 """
 
 from __future__ import annotations
 
 import engine_workers
 import pytest
-from dist_harness import run_ranks
+from dist_harness import run_ranks, run_ranks_each
 
 pytestmark = pytest.mark.distributed
 
@@ -26,10 +28,24 @@ CASES = {
 }
 
 
+REFUSED_BY_BOTH = [kind for kind, (who, _) in CASES.items() if who == "both"]
+
+
+@pytest.fixture(scope="module")
+def refused_by_both(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list]:
+    """Each kind every rank refuses, in turn in one launch: kind -> the results in rank order."""
+    calls = [(kind,) for kind in REFUSED_BY_BOTH]
+    results = run_ranks_each(engine_workers.bad_input, 2, tmp_path_factory.mktemp("refused"), calls, deadline_s=200)
+    return dict(zip(REFUSED_BY_BOTH, results))
+
+
 @pytest.mark.parametrize("kind", list(CASES))
-def test_bad_input_gets_a_clear_error_and_nobody_hangs(tmp_path, kind: str) -> None:
+def test_bad_input_gets_a_clear_error_and_nobody_hangs(request, tmp_path, kind: str) -> None:
     who, message = CASES[kind]
-    results = run_ranks(engine_workers.bad_input, 2, tmp_path, kind, deadline_s=150)
+    if who == "both":
+        results = request.getfixturevalue("refused_by_both")[kind]
+    else:
+        results = run_ranks(engine_workers.bad_input, 2, tmp_path, kind, deadline_s=150)
     raisers = [0, 1] if who == "both" else [who]
     for rank in raisers:
         assert results[rank]["error"] is not None and message in results[rank]["error"], results[rank]

@@ -8,13 +8,14 @@ every rank returns, must equal :func:`fdg_schedule.fdg_reference` to 1e-6.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import engine_workers
 import pytest
 import torch
 import toy
-from dist_harness import run_ranks
+from dist_harness import fdg_modules, run_ranks, run_ranks_calls, run_ranks_each
 
 from fdg_schedule import FDGConfig, fdg_reference, ticks
 from fdg_schedule.reference import ReferenceState
@@ -159,7 +160,7 @@ def _corrected(stages: int, gas: int, calls: int, **extra: Any) -> list[dict[str
     return cases
 
 
-def test_two_stages_all_modes_sgd_and_adam(tmp_path) -> None:
+def _two_stages_all_modes(flops_file: str) -> list[dict[str, Any]]:
     cases = _cases(2, gas=3, calls=4, drain=True)
     cases += _corrected(2, gas=3, calls=4, drain=True)
     cases += [
@@ -188,7 +189,7 @@ def test_two_stages_all_modes_sgd_and_adam(tmp_path) -> None:
             "wall_clock": True,
             "grad_shrink": 0.5,
             "drain": True,
-            "flops_file": str(tmp_path / "flops.txt"),
+            "flops_file": flops_file,
         },
         # the corrections with accumulate 2 (h = 1), a per-tick warm-up, clipping; the DeepSpeed-built
         # optimizer; ZeRO-1 (delta over the all-gathered weights); batch norm (buffers not predicted)
@@ -229,22 +230,58 @@ def test_two_stages_all_modes_sgd_and_adam(tmp_path) -> None:
             "predict_decay": 0.5,
         },  # fmt: skip
     ]
-    results = run_ranks(engine_workers.train, 2, tmp_path, cases, deadline_s=300)
+    return cases
+
+
+def _dropout_cases() -> list[dict[str, Any]]:
+    base = {"stages": 2, "n": 64, "gas": 3, "calls": 3, "grad_shrink": 0.5, "weights": "stashed", "drain": True}
+    cases = [{**base, "dropout": 0.3, "activations": a} for a in ("stored", "recomputed")]
+    cases.append({**base, "dropout": 0.0, "activations": "stored"})  # masks of nothing: they change the result
+    return cases
+
+
+def _bf16_cases() -> list[dict[str, Any]]:
+    base = {"stages": 2, "n": 64, "gas": 3, "calls": 3, "grad_shrink": 0.5, "bf16": True}
+    cases = [
+        {**base, "weights": w, "activations": a, **extra}
+        for (w, a), extra in ((("current", "stored"), {}), (("stashed", "recomputed"), {"zero": 1}))
+    ]
+    cases += [{**case, **BOTH} for case in cases]  # delta in fp32 beside bf16 weights
+    return cases
+
+
+@pytest.fixture(scope="module")
+def two_stages(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, tuple[list[Any], list[Any]]]]:
+    """The K = 2 training cases of three tests in one launch (Note [one launch, several calls] in
+    dist_harness.py; each case seeds and builds its own engine): the launch's directory and, per test,
+    (its cases, per rank the results of its cases)."""
+    tmp = tmp_path_factory.mktemp("two_stages")
+    groups = {"all_modes": _two_stages_all_modes(str(tmp / "flops.txt")), "dropout": _dropout_cases(),
+              "bf16": _bf16_cases()}  # fmt: skip
+    cases = [case for group in groups.values() for case in group]
+    results = run_ranks(engine_workers.train, 2, tmp, cases, deadline_s=420)
+    out, start = {}, 0
+    for name, group in groups.items():
+        out[name] = (group, [r[start : start + len(group)] for r in results])
+        start += len(group)
+    return tmp, out
+
+
+def test_two_stages_all_modes_sgd_and_adam(two_stages) -> None:
+    tmp, groups = two_stages
+    cases, results = groups["all_modes"]
     check_against_reference(results, cases)
-    assert "Profile Summary at step 4" in (tmp_path / "flops.txt").read_text()
+    assert "Profile Summary at step 4" in (tmp / "flops.txt").read_text()
     for rank in results:  # get_global_grad_norm(): the stage's own norm at its last step, as DeepSpeed reports
         for case, r in zip(cases, rank):
             assert r["grad_norm"] is not None and math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0, case
 
 
-def test_recomputed_forward_draws_the_stored_forwards_dropout_masks(tmp_path) -> None:
+def test_recomputed_forward_draws_the_stored_forwards_dropout_masks(two_stages) -> None:
     """Dropout on stage 0: with the forward's weights (stashed), recomputing the activations at backward
     time must give the stored run's weights exactly -- the recomputed forward replays the RNG state
     (host and accelerator, through DeepSpeed's accelerator API) the first forward drew its masks from."""
-    base = {"stages": 2, "n": 64, "gas": 3, "calls": 3, "grad_shrink": 0.5, "weights": "stashed", "drain": True}
-    cases = [{**base, "dropout": 0.3, "activations": a} for a in ("stored", "recomputed")]
-    cases.append({**base, "dropout": 0.0, "activations": "stored"})  # masks of nothing: they change the result
-    results = run_ranks(engine_workers.train, 2, tmp_path, cases, deadline_s=200)
+    _, results = two_stages[1]["dropout"]
     for r in results:
         stored, recomputed, plain = (c["states"] for c in r)
         for call, (a, b) in enumerate(zip(stored, recomputed)):
@@ -269,14 +306,28 @@ def test_three_stages_all_modes_tick_by_tick(tmp_path) -> None:
     check_against_reference(results, cases)
 
 
-def test_data_parallel_2_x_pipeline_2(tmp_path) -> None:
+def _data_parallel_cases() -> list[dict[str, Any]]:
     base = {"stages": 2, "dp": 2, "n": 32, "gas": 3, "calls": 3, "drain": True, "grad_shrink": 0.5}
     cases = [
         {**base, "weights": w, "activations": a, "optimizer": opt}
         for w, a, opt in (("current", "stored", "sgd"), ("stashed", "recomputed", "adam"))
     ]
     cases += [{**base, "weights": "stashed", "activations": "stored", "accumulate": 2, **BOTH}]
-    results = run_ranks(engine_workers.train, 4, tmp_path, cases, deadline_s=300)
+    return cases
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Any], list[Any]]:
+    """Data parallel 2 x pipeline 2 in one launch (Note [one launch, several calls] in dist_harness.py): the
+    training cases' results per rank, then the steady-state collectives of TRACED's data-parallel case."""
+    (trace_case,) = [_traced_case(extra) for extra in TRACED.values() if "dp" in extra]
+    calls = [(engine_workers.train, (_data_parallel_cases(),)), (engine_workers.trace_collectives, (trace_case,))]
+    trained, traces = run_ranks_calls(4, tmp_path_factory.mktemp("four_ranks"), calls, deadline_s=400)
+    return trained, traces
+
+
+def test_data_parallel_2_x_pipeline_2(four_ranks) -> None:
+    cases, results = _data_parallel_cases(), four_ranks[0]
     check_against_reference(results, cases)
     # Data-parallel peers of a stage hold identical weights.
     for i in range(len(cases)):
@@ -303,9 +354,14 @@ def test_one_stage_equals_plain_backprop_bit_for_bit(tmp_path) -> None:
 
 
 def test_stock_1f1b_is_unchanged_by_the_import(tmp_path) -> None:
+    # One launch: the stock runs first, loading nothing of fdg_schedule (beyond what the installed start-up
+    # hook loads with DeepSpeed); then the same cases with `import fdg_schedule` and its deepspeed.initialize.
     cases = [{"stages": 2, "n": 32, "gas": 4, "calls": 3, "schedule": schedule} for schedule in (None, "1f1b")]
-    stock = run_ranks(engine_workers.train, 2, tmp_path, cases, False, deadline_s=200)
-    imported = run_ranks(engine_workers.train, 2, tmp_path, cases, True, deadline_s=200)
+    calls = [(fdg_modules, ()), (engine_workers.train, (cases, False)), (fdg_modules, ()),
+             (engine_workers.train, (cases, True))]  # fmt: skip
+    before, stock, after_stock, imported = run_ranks_calls(2, tmp_path, calls, deadline_s=300)
+    assert before == after_stock, "the stock runs loaded fdg_schedule modules"
+    assert "fdg_schedule.engine" not in after_stock[0]
     for rank in range(2):
         for i in range(len(cases)):
             assert stock[rank][i]["engine"] == imported[rank][i]["engine"] == "PipelineEngine"
@@ -315,24 +371,40 @@ def test_stock_1f1b_is_unchanged_by_the_import(tmp_path) -> None:
                     assert torch.equal(a[key], b[key]), key
 
 
-@pytest.mark.parametrize(
-    "extra",
-    [{}, {"bf16": True, "clip": 1.0}, {"zero": 1, "clip": 1.0}, {"clip": 1.0, "dp": 2}],
-    ids=["fp32", "bf16", "zero1", "fp32-clip-dp2"],
-)
-def test_no_collective_across_stages_in_steady_state(tmp_path, extra: dict[str, Any]) -> None:
-    world = 2 * extra.get("dp", 1)
-    case = {"stages": 2, "n": 64, "gas": 3, "calls": 4, "grad_shrink": 0.5, **extra}
-    traces = run_ranks(engine_workers.trace_collectives, world, tmp_path, case, deadline_s=200)
+TRACED = {"fp32": {}, "bf16": {"bf16": True, "clip": 1.0}, "zero1": {"zero": 1, "clip": 1.0},
+          "fp32-clip-dp2": {"clip": 1.0, "dp": 2}}  # fmt: skip
+
+
+def _traced_case(extra: dict[str, Any]) -> dict[str, Any]:
+    return {"stages": 2, "n": 64, "gas": 3, "calls": 4, "grad_shrink": 0.5, **extra}
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    """The collectives of each TRACED case in steady state, and of stock 1F1B ("1f1b"): the K = 2 cases
+    without data parallelism in one launch (Note [one launch, several calls] in dist_harness.py); the
+    data-parallel one comes from the ``four_ranks`` launch."""
+    names = [name for name, extra in TRACED.items() if "dp" not in extra]
+    calls = [(_traced_case(TRACED[name]),) for name in names] + [({**_traced_case({}), "schedule": "1f1b"},)]
+    results = run_ranks_each(engine_workers.trace_collectives, 2, tmp_path_factory.mktemp("traced"), calls,
+                             deadline_s=300)  # fmt: skip
+    return dict(zip([*names, "1f1b"], results))
+
+
+@pytest.mark.parametrize("name", list(TRACED))
+def test_no_collective_across_stages_in_steady_state(request, name: str) -> None:
+    if "dp" in TRACED[name]:
+        traces = request.getfixturevalue("four_ranks")[1]
+    else:
+        traces = request.getfixturevalue("traced")[name]
     for trace in traces:
-        for name, ranks in trace["seen"]:
-            assert set(ranks) <= set(trace["dp_group"]), f"stage {trace['stage_id']}: {name} over ranks {ranks}"
-    if not extra:
+        for op, ranks in trace["seen"]:
+            assert set(ranks) <= set(trace["dp_group"]), f"stage {trace['stage_id']}: {op} over ranks {ranks}"
+    if not TRACED[name]:
         # Note [gradient reduce with one data-parallel rank]: no collective at all, not even a one-rank reduce.
         assert all(trace["seen"] == [] for trace in traces), [trace["seen"] for trace in traces]
         # The tracer does see DeepSpeed's own cross-stage collectives under 1F1B.
-        stock = run_ranks(engine_workers.trace_collectives, world, tmp_path, {**case, "schedule": "1f1b"})
-        assert any(set(ranks) == {0, 1} for _, ranks in stock[0]["seen"])
+        assert any(set(ranks) == {0, 1} for _, ranks in request.getfixturevalue("traced")["1f1b"][0]["seen"])
 
 
 BAD = [
@@ -342,32 +414,36 @@ BAD = [
 ]
 
 
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> list[list[dict[str, Any]]]:
+    """engine_workers.bad_config for each BAD config, then for tied layers across stages (which builds), in
+    one launch: every rank refuses a bad config before any rank waits on another. Results per call, by rank."""
+    calls: list[tuple] = [
+        ({"stages": 2, "config": {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, **config}},)
+        for config, _ in BAD
+    ]
+    calls.append(({"stages": 2, "config": {"train_micro_batch_size_per_gpu": 2, "pipeline": {"schedule": "fdg"}}},
+                  True))  # fmt: skip
+    return run_ranks_each(engine_workers.bad_config, 2, tmp_path_factory.mktemp("built"), calls, deadline_s=200)
+
+
 @pytest.mark.parametrize("config,message", BAD)
-def test_bad_config_fails_fast_on_every_rank(tmp_path, config: dict, message: str) -> None:
-    case = {"stages": 2, "config": {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, **config}}
-    results = run_ranks(engine_workers.bad_config, 2, tmp_path, case, deadline_s=120)
+def test_bad_config_fails_fast_on_every_rank(built, config: dict, message: str) -> None:
+    results = built[[c for c, _ in BAD].index(config)]
     for r in results:
         assert r["error"] is not None and message in r["error"]
 
 
-def test_tied_layers_across_stages_build_the_fdg_engine_on_every_rank(tmp_path) -> None:
+def test_tied_layers_across_stages_build_the_fdg_engine_on_every_rank(built) -> None:
     # Once refused; now trained (Note [tied layers across stages], tests/test_tied.py).
-    case = {"stages": 2, "config": {"train_micro_batch_size_per_gpu": 2, "pipeline": {"schedule": "fdg"}}}
-    results = run_ranks(engine_workers.bad_config, 2, tmp_path, case, True, deadline_s=120)
-    for r in results:
+    for r in built[len(BAD)]:
         assert r["error"] is None
 
 
-def test_bf16_and_zero1_follow_the_fp32_reference_closely(tmp_path) -> None:
+def test_bf16_and_zero1_follow_the_fp32_reference_closely(two_stages) -> None:
     """bf16 (DeepSpeed's BF16_Optimizer, fp32 master weights) and bf16 + ZeRO-1: the same FDG math,
     rounded: weights stay within bf16 precision of the fp32 reference."""
-    base = {"stages": 2, "n": 64, "gas": 3, "calls": 3, "grad_shrink": 0.5, "bf16": True}
-    cases = [
-        {**base, "weights": w, "activations": a, **extra}
-        for (w, a), extra in ((("current", "stored"), {}), (("stashed", "recomputed"), {"zero": 1}))
-    ]
-    cases += [{**case, **BOTH} for case in cases]  # delta in fp32 beside bf16 weights
-    results = run_ranks(engine_workers.train, 2, tmp_path, cases, deadline_s=300)
+    cases, results = two_stages[1]["bf16"]
     for i, case in enumerate(cases):
         ref_states, _ = reference(case, results[0][i]["parts"])
         for r in results:

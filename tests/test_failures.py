@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import engine_workers
 import pytest
 import torch
 import toy
 from deepspeed.runtime.lr_schedules import WarmupLR
-from dist_harness import run_ranks
+from dist_harness import run_ranks, run_ranks_calls
 
 from fdg_schedule import FDGConfig, fdg_reference, ticks
 
@@ -50,23 +52,49 @@ def test_non_finite_loss_stops_with_the_stage_and_tick(tmp_path) -> None:
     assert stage0["error"] is not None  # its neighbour stopped: it does not hang
 
 
-def test_non_finite_steps_are_skipped_and_counted(tmp_path) -> None:
-    case = {"trigger": 5, "how": "inf", "nonfinite": "skip", "calls": 6}
-    stage0, stage1 = run_ranks(engine_workers.failure, 2, tmp_path, case, deadline_s=120)
+DATA_END = [(2, 10, 1), (3, 7, 1), (1, 7, 2), (2, 7, 2), (3, 7, 2), (3, 8, 3)]  # (stages, limit, accumulate)
+
+
+def _data_end_case(stages: int, limit: int, accumulate: int) -> dict:
+    return {"stages": stages, "n": 16, "gas": 3, "limit": limit, "grad_shrink": 0.5, "weights": "stashed",
+            "accumulate": accumulate, "lr": 0.1, "warmup": 4}  # fmt: skip
+
+
+SKIPPED = {"trigger": 5, "how": "inf", "nonfinite": "skip", "calls": 6}  # stage 1's losses inf from micro-batch 4
+
+
+@pytest.fixture(scope="module")
+def ended_cleanly(tmp_path_factory: pytest.TempPathFactory) -> dict[Any, list]:
+    """The runs that end without an error on every rank (Note [one launch, several calls] in dist_harness.py),
+    one launch per number of stages: every DATA_END case, keyed (stages, limit, accumulate), and with K = 2
+    the SKIPPED failure case, keyed "skipped"; each with the results in rank order."""
+    out: dict[Any, list] = {}
+    for stages in sorted({k for k, _, _ in DATA_END}):
+        params: list[Any] = [p for p in DATA_END if p[0] == stages]
+        calls = [(engine_workers.data_end, (_data_end_case(*p),)) for p in params]
+        if stages == 2:
+            params.append("skipped")
+            calls.append((engine_workers.failure, (SKIPPED,)))
+        tmp = tmp_path_factory.mktemp(f"ended_k{stages}")
+        out.update(zip(params, run_ranks_calls(stages, tmp, calls, deadline_s=240)))
+    return out
+
+
+def test_non_finite_steps_are_skipped_and_counted(ended_cleanly) -> None:
+    stage0, stage1 = ended_cleanly["skipped"]
     for r in (stage0, stage1):
         assert r["error"] is None and r["finite"]
         assert r["skipped"] > 0 and r["skipped_steps"] == r["skipped"]  # DeepSpeed's counter too
     assert stage1["steps"] == 4  # micro-batches 0..3 stepped, 4.. non-finite
 
 
-@pytest.mark.parametrize("stages,limit,accumulate", [(2, 10, 1), (3, 7, 1), (1, 7, 2), (2, 7, 2), (3, 7, 2), (3, 8, 3)])
-def test_data_running_out_drains_and_ends_every_rank(tmp_path, stages: int, limit: int, accumulate: int) -> None:
+@pytest.mark.parametrize("stages,limit,accumulate", DATA_END)
+def test_data_running_out_drains_and_ends_every_rank(ended_cleanly, stages: int, limit: int, accumulate: int) -> None:
     """The iterator ends mid-call: every rank drains, raises DataExhausted, and the weights are
     the reference's after ``limit`` micro-batches and a drain. K = 1 with a partial accumulation at
     the end and a warm-up: its last step uses the reference's learning rate."""
-    case = {"stages": stages, "n": 16, "gas": 3, "limit": limit, "grad_shrink": 0.5, "weights": "stashed",
-            "accumulate": accumulate, "lr": 0.1, "warmup": 4}  # fmt: skip
-    results = run_ranks(engine_workers.data_end, stages, tmp_path, case, deadline_s=180)
+    case = _data_end_case(stages, limit, accumulate)
+    results = ended_cleanly[(stages, limit, accumulate)]
     for r in results:
         # every rank raises in the call holding the tick stage 0 back-propagates the last micro-batch
         assert r["in_flight"] == 0 and r["calls"] == (limit - 1 + ticks.drain_ticks(stages)) // 3

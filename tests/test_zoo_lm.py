@@ -16,7 +16,7 @@ from typing import Any
 import lm_workers
 import pytest
 import torch
-from dist_harness import run_ranks
+from dist_harness import run_ranks_each
 from transformers import AutoModelForCausalLM, GPT2Config
 
 from fdg_schedule.launch import free_port
@@ -268,13 +268,14 @@ def test_text_folder_source(tmp_path: Path) -> None:
 # distributed: two gloo ranks in subprocesses, killed at a deadline so a hang fails with the logs
 
 
-def run_two_ranks(command: list[str], tmp_path: Path, deadline: float) -> list[str]:
-    """Run ``command`` as ranks 0 and 1 (env:// rendezvous); return their logs or fail the test."""
+def run_two_ranks(command: list[str], tmp_path: Path, deadline: float, cache: Path | None = None) -> list[str]:
+    """Run ``command`` as ranks 0 and 1 (env:// rendezvous; text_data's caches in ``cache``, default in
+    ``tmp_path``); return their logs or fail the test."""
     env = {
         **os.environ,
         "DS_ACCELERATOR": "cpu",
         "OMP_NUM_THREADS": "1",
-        "FDG_CACHE": str(tmp_path / "cache"),
+        "FDG_CACHE": str(cache or tmp_path / "cache"),
         "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(free_port()),
@@ -318,10 +319,18 @@ RECIPE_RUNS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def text_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One tokenizer and token cache for the recipe runs: the first run trains and encodes, the next reads."""
+    return tmp_path_factory.mktemp("text_cache")
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("config", "flags", "tie"), RECIPE_RUNS)
-def test_recipe_reduces_loss_on_shakespeare(config: str, flags: list[str], tie: bool, tmp_path: Path) -> None:
+def test_recipe_reduces_loss_on_shakespeare(
+    config: str, flags: list[str], tie: bool, tmp_path: Path, text_cache: Path
+) -> None:
     """A few calls of the tiny GPT-2 on Shakespeare lower the loss; the export reloads, tied unless --untie."""
     steps = 12
     command = [
@@ -337,7 +346,7 @@ def test_recipe_reduces_loss_on_shakespeare(config: str, flags: list[str], tie: 
         "--sample_tokens=8",
         f"--out_dir={tmp_path / 'out'}",
     ]
-    run_two_ranks(command, tmp_path, deadline=240)
+    run_two_ranks(command, tmp_path, deadline=240, cache=text_cache)
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     train = [r["train_loss"] for r in rows if "train_loss" in r and math.isfinite(r["train_loss"])]
     val = [r["val_loss"] for r in rows if "val_loss" in r]
@@ -364,44 +373,55 @@ class Padded(torch.utils.data.Dataset):  # left-padded rows: (input_ids, attenti
         return (ids, mask), ids.masked_fill(mask == 0, -100)
 
 deepspeed.init_distributed(dist_backend="gloo")
-torch.manual_seed(0)
-model = hf_lm.build_model(hf_lm.build_config("llama", "tiny", 97, 32))
-reference = hf_lm.build_model(model.config).eval()
-reference.load_state_dict(model.state_dict())
-layers = hf_lm.pipeline_layers(model, untie=sys.argv[2] == "untied")
-pipe = PipelineModule(layers=layers, loss_fn=hf_lm.lm_loss, num_stages=2, partition_method=hf_lm.PARTITION_METHOD)
-config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4, "steps_per_print": 10**9,
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "gradient_clipping": 1.0,
-          "pipeline": {"stages": 2, "schedule": sys.argv[1]}}
-engine, *_ = deepspeed.initialize(model=pipe, model_parameters=pipe.parameters(), config=config)
-loader = torch.utils.data.DataLoader(Padded(), batch_size=4)
-pipelined = float(engine.eval_batch(iter(loader)))
-with torch.no_grad():
-    expected = sum(float(hf_lm.lm_loss(reference(ids, attention_mask=mask).logits, labels))
-                   for (ids, mask), labels in list(loader)[:4]) / 4
-engine.set_dataiterator(iter(deepspeed.utils.RepeatingLoader(loader)))
-trained = [float(engine.train_batch()) for _ in range(2)]
-print("RESULT", pipelined, expected, trained, flush=True)
-torch.distributed.barrier()
+for run in sys.argv[1:]:  # SCHEDULE:TIE, one after the other on the same two ranks
+    schedule, tie = run.split(":")
+    torch.manual_seed(0)
+    model = hf_lm.build_model(hf_lm.build_config("llama", "tiny", 97, 32))
+    reference = hf_lm.build_model(model.config).eval()
+    reference.load_state_dict(model.state_dict())
+    layers = hf_lm.pipeline_layers(model, untie=tie == "untied")
+    pipe = PipelineModule(layers=layers, loss_fn=hf_lm.lm_loss, num_stages=2,
+                          partition_method=hf_lm.PARTITION_METHOD)
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4, "steps_per_print": 10**9,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "gradient_clipping": 1.0,
+              "pipeline": {"stages": 2, "schedule": schedule}}
+    engine, *_ = deepspeed.initialize(model=pipe, model_parameters=pipe.parameters(), config=config)
+    loader = torch.utils.data.DataLoader(Padded(), batch_size=4)
+    pipelined = float(engine.eval_batch(iter(loader)))
+    with torch.no_grad():
+        expected = sum(float(hf_lm.lm_loss(reference(ids, attention_mask=mask).logits, labels))
+                       for (ids, mask), labels in list(loader)[:4]) / 4
+    engine.set_dataiterator(iter(deepspeed.utils.RepeatingLoader(loader)))
+    trained = [float(engine.train_batch()) for _ in range(2)]
+    print("RESULT", run, pipelined, expected, trained, flush=True)
+    torch.distributed.barrier()
 torch.distributed.destroy_process_group()  # exiting with gloo's threads alive can abort the process
 """
 
 
-@pytest.mark.distributed
-@pytest.mark.timeout(200)
-@pytest.mark.parametrize(
-    ("schedule", "tie"),
-    [("1f1b", "untied"), pytest.param("fdg", "tied", marks=NEEDS_FDG_TIES)],
-    ids=["1f1b-untied", "fdg-tied"],
-)
-def test_padding_mask_crosses_deepspeed_stages(schedule: str, tie: str, tmp_path: Path) -> None:
-    """(hidden_states, attention_mask) activations through real engines: eval loss equals HF's."""
-    worker = tmp_path / "worker.py"
+PADDED_RUNS = ["1f1b:untied", "fdg:tied"]  # SCHEDULE:TIE
+
+
+@pytest.fixture(scope="module")
+def padded_logs(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """PADDED_WORKER's two rank logs, for every run of PADDED_RUNS (FDG only where it trains ties) in turn."""
+    tmp = tmp_path_factory.mktemp("padded")
+    worker = tmp / "worker.py"
     worker.write_text(PADDED_WORKER)
-    logs = run_two_ranks([sys.executable, str(worker), schedule, tie], tmp_path, deadline=150)
-    for log in logs:
-        line = next(line for line in log.splitlines() if line.startswith("RESULT"))
-        pipelined, expected, *_ = line.split(" ", 3)[1:]
+    runs = [run for run in PADDED_RUNS if not run.startswith("fdg") or not fdg_refuses_ties()]
+    return run_two_ranks([sys.executable, str(worker), *runs], tmp, deadline=240)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "run", [PADDED_RUNS[0], pytest.param(PADDED_RUNS[1], marks=NEEDS_FDG_TIES)], ids=["1f1b-untied", "fdg-tied"]
+)
+def test_padding_mask_crosses_deepspeed_stages(padded_logs: list[str], run: str) -> None:
+    """(hidden_states, attention_mask) activations through real engines: eval loss equals HF's."""
+    for log in padded_logs:
+        line = next(line for line in log.splitlines() if line.startswith(f"RESULT {run} "))
+        pipelined, expected, *_ = line.split(" ", 4)[2:]
         assert abs(float(pipelined) - float(expected)) < 1e-4, line
         assert "nan" not in line, line
 
@@ -431,19 +451,30 @@ def check_tied_run(results: list[dict[str, Any]], steps: int, hf: bool) -> None:
         assert abs(first["hf_eval"] - first["eval"]) < 1e-4, (first["hf_eval"], first["eval"])
 
 
+TIED_RUNS = [("1f1b", "gpt2"), ("1f1b", "llama"), ("fdg", "gpt2")]  # (schedule, family)
+
+
+@pytest.fixture(scope="module")
+def tied_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    """lm_workers.train_tied for each of TIED_RUNS (FDG only where it trains ties) in one launch (Note [one
+    launch, several calls] in dist_harness.py); (schedule, family) -> the results in rank order."""
+    tmp = tmp_path_factory.mktemp("tied_lm")
+    runs = [run for run in TIED_RUNS if run[0] != "fdg" or not fdg_refuses_ties()]
+    calls = [({"model": family, "schedule": schedule, "steps": 4, "workdir": str(tmp / f"{schedule}-{family}")},)
+             for schedule, family in runs]  # fmt: skip
+    return dict(zip(runs, run_ranks_each(lm_workers.train_tied, 2, tmp, calls, deadline_s=400)))
+
+
 @pytest.mark.distributed
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(450)
 @pytest.mark.parametrize(
     ("schedule", "family"),
-    [("1f1b", "gpt2"), ("1f1b", "llama"), pytest.param("fdg", "gpt2", marks=NEEDS_FDG_TIES)],
+    [run if run[0] != "fdg" else pytest.param(*run, marks=NEEDS_FDG_TIES) for run in TIED_RUNS],
     ids=["1f1b-gpt2", "1f1b-llama", "fdg-gpt2"],
 )
-def test_tied_hf_lm_trains_with_equal_copies(schedule: str, family: str, tmp_path: Path) -> None:
+def test_tied_hf_lm_trains_with_equal_copies(tied_runs, schedule: str, family: str) -> None:
     """A tied GPT-2 / LLaMA at 2 stages, the same script under DeepSpeed's 1F1B and FDG (K = 2), the
     config's pipeline.schedule the only change: the two copies torch.equal after every train_batch (and
     the drain), the loss falls, eval equals the one-process model, the HF export reloads tied with that
     loss, and a DeepSpeed checkpoint loads back."""
-    steps = 4
-    case = {"model": family, "schedule": schedule, "steps": steps, "workdir": str(tmp_path)}
-    results = run_ranks(lm_workers.train_tied, 2, tmp_path, case, deadline_s=240)
-    check_tied_run(results, steps, hf=True)
+    check_tied_run(tied_runs[(schedule, family)], steps=4, hf=True)

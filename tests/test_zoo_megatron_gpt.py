@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
 import lm_workers
@@ -12,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from deepspeed.runtime.utils import partition_balanced
-from dist_harness import run_ranks
-from test_zoo_lm import NEEDS_FDG_TIES, check_tied_run
+from dist_harness import run_ranks_each
+from test_zoo_lm import NEEDS_FDG_TIES, check_tied_run, fdg_refuses_ties
 
 from fdg_schedule.zoo import megatron_gpt, tied_layers
 
@@ -101,24 +100,29 @@ def test_bad_config_names_the_values() -> None:
         megatron_gpt.GPTConfig(vocab_size=97, hidden_size=30, num_attention_heads=4)
 
 
+@pytest.fixture(scope="module")
+def megatron_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    """lm_workers.train_tied of GPTModelPipe under 1F1B and (where it trains ties) FDG, in one launch (Note [one
+    launch, several calls] in dist_harness.py); schedule -> the results in rank order."""
+    tmp = tmp_path_factory.mktemp("megatron")
+    schedules = ["1f1b"] + ([] if fdg_refuses_ties() else ["fdg"])
+    calls = [({"model": "megatron", "schedule": s, "steps": 4, "workdir": str(tmp / s)},) for s in schedules]
+    return dict(zip(schedules, run_ranks_each(lm_workers.train_tied, 2, tmp, calls, deadline_s=400)))
+
+
 @pytest.mark.distributed
-@pytest.mark.timeout(300)
-def test_megatron_gpt_trains_under_1f1b_with_equal_copies(tmp_path: Path) -> None:
+@pytest.mark.timeout(450)
+def test_megatron_gpt_trains_under_1f1b_with_equal_copies(megatron_runs) -> None:
     """GPTModelPipe at 2 stages under DeepSpeed's 1F1B: word embeddings equal on both stages after every
     train_batch, the loss falls, eval equals the one-process model, a DeepSpeed checkpoint loads back."""
-    steps = 4
-    case = {"model": "megatron", "schedule": "1f1b", "steps": steps, "workdir": str(tmp_path)}
-    results = run_ranks(lm_workers.train_tied, 2, tmp_path, case, deadline_s=240)
-    check_tied_run(results, steps, hf=False)
+    results = megatron_runs["1f1b"]
+    check_tied_run(results, steps=4, hf=False)
     assert sorted(results[0]["tied"][0]) == ["embed.word_embeddings_weight"]
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(450)
 @NEEDS_FDG_TIES
-def test_megatron_gpt_trains_under_fdg_k2_unmodified(tmp_path: Path) -> None:
+def test_megatron_gpt_trains_under_fdg_k2_unmodified(megatron_runs) -> None:
     """The same script with pipeline.schedule "fdg" (K = 2): copies torch.equal after every train_batch."""
-    steps = 4
-    case = {"model": "megatron", "schedule": "fdg", "steps": steps, "workdir": str(tmp_path)}
-    results = run_ranks(lm_workers.train_tied, 2, tmp_path, case, deadline_s=240)
-    check_tied_run(results, steps, hf=False)
+    check_tied_run(megatron_runs["fdg"], steps=4, hf=False)

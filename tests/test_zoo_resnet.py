@@ -132,12 +132,28 @@ def _two_stage_worker(rank: int, world_size: int, partition: str) -> tuple[list[
     return list(net.parts), sum(p.numel() for p in net.parameters())
 
 
+def _stage_state_worker(rank: int, world_size: int, partition: str) -> tuple[list[int], dict, bool]:
+    net = resnet.build_pipeline("resnet20", world_size, num_classes=10, in_channels=1, partition=partition, base_seed=3)
+    return list(net.parts), {k: v.clone() for k, v in net.state_dict().items()}, net.seed_layers
+
+
+def _builds_worker(rank: int, world_size: int) -> dict:
+    """Both workers' builds on one launch (the layers are seeded one by one: each build starts alike)."""
+    parts = {partition: _two_stage_worker(rank, world_size, partition) for partition in ("paper", "parameters")}
+    return {"parts": parts, "state": _stage_state_worker(rank, world_size, "paper")}
+
+
+@pytest.fixture(scope="module")
+def two_stage_builds(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """resnet20 built as a 2-stage PipelineModule three ways, in one launch; the results in rank order."""
+    return run_ranks(_builds_worker, 2, tmp_path_factory.mktemp("builds"), deadline_s=200)
+
+
 @pytest.mark.distributed
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("partition", ["paper", "parameters"])
-def test_pipeline_module_stages_hold_the_whole_model(tmp_path, partition: str) -> None:
-    results = run_ranks(_two_stage_worker, 2, tmp_path, partition, deadline_s=150)
-    (parts0, params0), (parts1, params1) = results
+def test_pipeline_module_stages_hold_the_whole_model(two_stage_builds, partition: str) -> None:
+    (parts0, params0), (parts1, params1) = (r["parts"][partition] for r in two_stage_builds)
     assert parts0 == parts1
     if partition == "paper":
         assert parts0 == [0, 5, 12]
@@ -146,16 +162,11 @@ def test_pipeline_module_stages_hold_the_whole_model(tmp_path, partition: str) -
     assert params0 > 0 and params1 > 0
 
 
-def _stage_state_worker(rank: int, world_size: int, partition: str) -> tuple[list[int], dict, bool]:
-    net = resnet.build_pipeline("resnet20", world_size, num_classes=10, in_channels=1, partition=partition, base_seed=3)
-    return list(net.parts), {k: v.clone() for k, v in net.state_dict().items()}, net.seed_layers
-
-
 @pytest.mark.distributed
-@pytest.mark.timeout(180)
-def test_build_stages_gives_each_stage_the_pipeline_modules_weights(tmp_path) -> None:
+@pytest.mark.timeout(240)
+def test_build_stages_gives_each_stage_the_pipeline_modules_weights(two_stage_builds) -> None:
     """The one-process stages of benchmarks/resnet_reference.py start where the engine's do."""
-    results = run_ranks(_stage_state_worker, 2, tmp_path, "paper", deadline_s=150)
+    results = [r["state"] for r in two_stage_builds]
     parts = resnet.stage_parts("resnet20", 2, "paper")
     stages = resnet.build_stages("resnet20", parts, num_classes=10, in_channels=1, base_seed=3)
     for k, (engine_parts, state, reseeds) in enumerate(results):
