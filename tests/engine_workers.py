@@ -343,11 +343,12 @@ def swap(rank: int, world: int, case: dict[str, Any], save_dir: str, phase: str)
 
 
 class Saboteur(torch.nn.Module):
-    """Identity until its ``trigger``-th forward, then dies, raises, hangs or returns inf (only on ``ranks``)."""
+    """Identity until its ``trigger``-th forward, then dies, raises, hangs (sleeps ``hang_s``) or returns inf
+    (only on ``ranks``)."""
 
-    def __init__(self, trigger: int, how: str, ranks: list[int] | None = None) -> None:
+    def __init__(self, trigger: int, how: str, ranks: list[int] | None = None, hang_s: float = 30.0) -> None:
         super().__init__()
-        self.trigger, self.how, self.calls, self.ranks = trigger, how, 0, ranks
+        self.trigger, self.how, self.calls, self.ranks, self.hang_s = trigger, how, 0, ranks, hang_s
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ranks is not None and dist.get_rank() not in self.ranks:
@@ -361,7 +362,7 @@ class Saboteur(torch.nn.Module):
             if self.how == "raise":
                 raise ValueError("boom in a layer of stage 1")
             if self.how == "hang":
-                time.sleep(30)
+                time.sleep(self.hang_s)
         if self.how == "inf" and self.calls >= self.trigger:
             return x * float("inf")
         return x
@@ -373,7 +374,7 @@ def failure(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
     import fdg_schedule
 
     layers = toy.layers()
-    saboteur = Saboteur(case["trigger"], case["how"], case.get("ranks"))
+    saboteur = Saboteur(case["trigger"], case["how"], case.get("ranks"), case.get("hang_s", 30.0))
     layers.insert(8, saboteur)  # on the last stage, before the output layer
     model = PipelineModule(layers=layers, num_stages=2, loss_fn=toy.loss_fn, partition_method="uniform")
     cfg = ds_config({"gas": 2, "grad_shrink": 0.5})
@@ -411,6 +412,9 @@ def data_end(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
             "stage_id": engine.stage_id, "parts": model.parts}  # fmt: skip
 
 
+BAD_INPUT_TIMEOUT_S = 3  # pipeline.fdg.timeout of bad_input: how long the neighbour of the failing rank waits
+
+
 def bad_input(rank: int, world: int, kind: str) -> dict[str, Any]:
     """Run a K=2 job with one bad input; report the error each rank ended with."""
     import fdg_schedule
@@ -419,7 +423,7 @@ def bad_input(rank: int, world: int, kind: str) -> dict[str, Any]:
     case = {"stages": 2, "n": 8, "gas": 2, "bf16": kind == "bf16_inputs"}
     try:
         cfg = ds_config(case)
-        cfg["pipeline"]["fdg"]["timeout"] = 5
+        cfg["pipeline"]["fdg"]["timeout"] = BAD_INPUT_TIMEOUT_S
         layers = toy.layers()
         if kind == "more_stages_than_layers":
             layers = [toy.SeededLinear(toy.IN, toy.CLASSES, 1)]

@@ -2,9 +2,10 @@
 
 Config-level mistakes are covered in test_config.py (pure) and test_engine.py (every rank refuses at
 deepspeed.initialize); this file covers inputs met while the job runs. The rank that meets the bad
-input raises at once; its neighbours exit within ``pipeline.fdg.timeout`` (5 s here), never hang.
-The kinds every rank refuses before any rank waits on another share one launch (Note [one launch,
-several calls] in dist_harness.py); each kind a neighbour gives up on gets a launch of its own.
+input raises at once; its neighbours exit within ``pipeline.fdg.timeout`` (3 s here:
+engine_workers.BAD_INPUT_TIMEOUT_S), never hang. The kinds every rank refuses before any rank waits on
+another share one launch (Note [one launch, several calls] in dist_harness.py); each kind a neighbour
+gives up on gets a launch of its own.
 """
 
 from __future__ import annotations
@@ -50,4 +51,5 @@ def test_bad_input_gets_a_clear_error_and_nobody_hangs(request, tmp_path, kind: 
     for rank in raisers:
         assert results[rank]["error"] is not None and message in results[rank]["error"], results[rank]
     for rank in set(range(2)) - set(raisers):  # the neighbour gives up within the timeout
-        assert "gave up" in results[rank]["error"] and results[rank]["seconds"] < 5 + 30
+        timeout = engine_workers.BAD_INPUT_TIMEOUT_S
+        assert "gave up" in results[rank]["error"] and results[rank]["seconds"] < timeout + 30

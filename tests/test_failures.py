@@ -27,7 +27,8 @@ def test_a_rank_killed_mid_run_makes_the_other_exit_with_an_error(tmp_path) -> N
 
 
 def test_a_rank_that_stops_sending_is_reported_within_the_timeout(tmp_path) -> None:
-    case = {"trigger": 5, "how": "hang", "timeout": 4}
+    # Stage 1 sleeps longer than the timeout plus the bound below: stage 0 passes only by giving up while it sleeps.
+    case = {"trigger": 5, "how": "hang", "timeout": 4, "hang_s": 4 + 10 + 2}
     stage0, stage1 = run_ranks(engine_workers.failure, 2, tmp_path, case, deadline_s=120)
     assert (
         stage0["error"].startswith("stage 0 (global rank 0): gave up") and "stage 1 (global rank 1)" in stage0["error"]

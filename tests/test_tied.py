@@ -10,7 +10,7 @@ import engine_workers
 import pytest
 import torch
 import toy
-from dist_harness import run_ranks
+from dist_harness import run_ranks_calls
 from test_engine import MODES, TOL, expected_returned_losses
 
 from fdg_schedule import FDGConfig, fdg_reference, ticks
@@ -110,50 +110,197 @@ def test_reference_keeps_tied_copies_equal_and_steps_them_once_per_accumulation(
                for s, o in zip(stages, opts))  # fmt: skip
 
 
-def test_tied_embedding_and_head_two_stages_every_mode(tmp_path) -> None:
+# -- the launches --------------------------------------------------------------------------------------
+# Note [one launch, several calls] in tests/dist_harness.py: every call below ends cleanly on every rank (the
+# refusals are caught inside the workers), so each world size shares a launch or two, built once per module.
+
+
+def _every_mode_two_stages() -> list[dict[str, Any]]:
     cases = _cases(2, gas=3, calls=4)
     # a per-tick warm-up (the tied step takes the stage optimizer's lr) and clipping (P by its own norm)
     cases += [{**cases[0], "warmup": 5, "lr": 0.1, "clip": 0.05, "accumulate": 2, "weights": "stashed"}]
     # the DeepSpeed-built optimizer (the config's "optimizer" block): built over the parameters minus the tied ones
     cases += [{**cases[0], "ds_optimizer": True, "gas": 2}]
-    results = run_ranks(engine_workers.train, 2, tmp_path, cases, deadline_s=300)
-    check_tied(results, cases)
+    return cases
 
 
-def test_tied_embedding_and_head_three_stages_every_mode_tick_by_tick(tmp_path) -> None:
+def _every_mode_three_stages() -> list[dict[str, Any]]:
     cases = _cases(3, gas=1, calls=9)
-    cases += [{**cases[1], "gas": 2, "calls": 5, "accumulate": 3}]
-    results = run_ranks(engine_workers.train, 3, tmp_path, cases, deadline_s=300)
-    check_tied(results, cases)
-    assert math.isfinite(results[0][0]["losses"][-1])
+    return cases + [{**cases[1], "gas": 2, "calls": 5, "accumulate": 3}]
 
 
-def test_tied_data_parallel_2_x_pipeline_2(tmp_path) -> None:
+def _data_parallel() -> list[dict[str, Any]]:
     base = {"stages": 2, "dp": 2, "n": 32, "gas": 3, "calls": 3, "drain": True, "grad_shrink": 0.5, "tied": True}
-    cases = [
+    return [
         {**base, "weights": "current", "activations": "stored", "optimizer": "sgd"},
         {**base, "weights": "stashed", "activations": "recomputed", "optimizer": "adam", "accumulate": 2},
     ]
-    results = run_ranks(engine_workers.train, 4, tmp_path, cases, deadline_s=300)
-    check_tied(results, cases)
 
 
-def test_three_owners_and_two_keys(tmp_path) -> None:
+def _three_owners() -> list[dict[str, Any]]:
     """Key "emb" on stages 0 and 2 (not neighbours), key "mid" with a copy on each of the 3 stages."""
     base = {"stages": 3, "n": 64, "gas": 2, "calls": 5, "grad_shrink": 0.5, "tied": "three", "drain": True}
-    cases = [
+    return [
         {**base, "weights": "current", "activations": "stored", "optimizer": "adam"},
         {**base, "weights": "stashed", "activations": "recomputed", "accumulate": 2},
     ]
-    results = run_ranks(engine_workers.train, 3, tmp_path, cases, deadline_s=300)
+
+
+def _trace_case(dp: int) -> dict[str, Any]:
+    return {"stages": 2, "dp": dp, "n": 64, "gas": 3, "calls": 4, "grad_shrink": 0.5, "tied": True, "clip": 1.0}
+
+
+def _zero1() -> list[dict[str, Any]]:
+    base = {"stages": 2, "n": 64, "gas": 3, "calls": 3, "grad_shrink": 0.5, "tied": True, "drain": True, "zero": 1}
+    return [{**base, "weights": "stashed", "accumulate": 2}, {**base, "optimizer": "adam", "clip": 0.05}]
+
+
+def _bf16() -> list[dict[str, Any]]:
+    base = {"stages": 2, "n": 64, "gas": 3, "calls": 3, "grad_shrink": 0.5, "tied": True, "bf16": True}
+    return [
+        {**base, "weights": "current", "activations": "stored", "accumulate": 2},
+        {**base, "weights": "stashed", "activations": "recomputed", "zero": 1, "optimizer": "adam"},
+    ]
+
+
+def _data_end_case(stages: int, limit: int, accumulate: int) -> dict[str, Any]:
+    return {"stages": stages, "n": 16, "gas": 3, "limit": limit, "grad_shrink": 0.5, "weights": "stashed",
+            "accumulate": accumulate, "lr": 0.1, "warmup": 4, "tied": True}  # fmt: skip
+
+
+DATA_END = {2: (2, 6, 3), 3: (3, 6, 3)}  # per stage count, the (stages, limit, accumulate) of its case
+
+
+def _resumes_two_stages() -> list[dict[str, Any]]:
+    # Saved at tick 3 with accumulate 2: P holds G(2) and the tied optimizers have state (Adam, momentum).
+    base = {"stages": 2, "n": 48, "gas": 3, "calls_before": 1, "calls_after": 2, "grad_shrink": 0.5, "tied": True}
+    return [
+        {**base, "weights": w, "activations": a, "optimizer": opt, "accumulate": acc}
+        for (w, a), opt, acc in zip(MODES, ("sgd", "adam", "adam", "sgd"), (2, 2, 1, 2))
+    ]
+
+
+def _resumes_three_stages() -> list[dict[str, Any]]:
+    base = {"stages": 3, "n": 48, "gas": 3, "calls_before": 1, "calls_after": 2, "grad_shrink": 0.5, "accumulate": 2}
+    return [
+        {**base, "tied": True, "weights": "stashed", "activations": "stored", "optimizer": "adam"},
+        {**base, "tied": "three", "weights": "current", "activations": "recomputed"},
+    ]
+
+
+def _resumes_bf16() -> list[dict[str, Any]]:
+    base = {"stages": 2, "n": 48, "gas": 3, "calls_before": 1, "calls_after": 2, "grad_shrink": 0.5, "tied": True}
+    return [{**base, "bf16": True, "accumulate": 2}, {**base, "bf16": True, "zero": 1, "optimizer": "adam"}]
+
+
+# The swap tests' case and (saved with, loaded with) pairs.
+SWAP_EXACT = {"stages": 2, "n": 32, "gas": 2, "tied": True, "optimizer": "adam", "param_groups": True}
+SWAP_ZERO = {"stages": 2, "n": 32, "gas": 2, "tied": True, "zero": 1}
+SWAPS: dict[str, tuple[dict[str, Any], tuple[tuple[str, str], ...]]] = {
+    "exact": (SWAP_EXACT, (("fdg", "1f1b"), ("1f1b", "fdg"))),
+    "zero": (SWAP_ZERO, (("1f1b", "fdg"), ("fdg", "1f1b"))),
+}
+
+ONLY_TIED: dict[str, Any] = {
+    "stages": 2,
+    "config": {"train_micro_batch_size_per_gpu": 2, "pipeline": {"schedule": "fdg"}},
+}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """World 2, first launch: the training cases, the dp1 trace, data-end (2 stages), the only-tied refusal, the
+    two-stage and bf16 resumes straight through and the swap tests' saves. Second launch: the resumes resumed
+    and the loads. Returns each call's results (per rank) by name; "resumes" holds (straight, resumed) per
+    group and "swaps" (per swap test, per pair) (saved, loaded)."""
+    tmp = tmp_path_factory.mktemp("two_ranks")
+    trained = {"every_mode": _every_mode_two_stages(), "zero1": _zero1(), "bf16": _bf16()}
+    resumes = {"two_stages": _resumes_two_stages(), "bf16": _resumes_bf16()}
+    swaps = [(name, pair) for name, (_, pairs) in SWAPS.items() for pair in pairs]
+    swap_dir = {(name, pair): str(tmp / f"{name}-{pair[0]}-to-{pair[1]}") for name, pair in swaps}
+    first: list[tuple[Any, tuple]] = [(engine_workers.train, (cases,)) for cases in trained.values()]
+    first += [(engine_workers.trace_collectives, (_trace_case(1),)),
+              (engine_workers.data_end, (_data_end_case(*DATA_END[2]),)),
+              (engine_workers.bad_config, (ONLY_TIED, "only"))]  # fmt: skip
+    first += [(engine_workers.resume, (cases, str(tmp / name), "straight")) for name, cases in resumes.items()]
+    first += [(engine_workers.swap, ({**SWAPS[name][0], "schedule": pair[0]}, swap_dir[name, pair], "save"))
+              for name, pair in swaps]  # fmt: skip
+    out1 = run_ranks_calls(2, tmp, first, deadline_s=900)
+    second: list[tuple[Any, tuple]] = [
+        (engine_workers.resume, (cases, str(tmp / name), "resumed")) for name, cases in resumes.items()
+    ]
+    second += [(engine_workers.swap, ({**SWAPS[name][0], "schedule": pair[1]}, swap_dir[name, pair], "load"))
+               for name, pair in swaps]  # fmt: skip
+    out2 = run_ranks_calls(2, tmp, second, deadline_s=600)
+    out: dict[str, Any] = dict(zip(trained, out1))
+    out["trace"], out["data_end"], out["only_tied"] = out1[len(trained) : len(trained) + 3]
+    straight = out1[len(trained) + 3 : len(trained) + 3 + len(resumes)]
+    out["resumes"] = dict(zip(resumes, zip(straight, out2[: len(resumes)])))
+    saved, loaded = out1[len(trained) + 3 + len(resumes) :], out2[len(resumes) :]
+    out["swaps"] = {}
+    for (name, pair), s, lo in zip(swaps, saved, loaded, strict=True):
+        out["swaps"].setdefault(name, {})[pair] = (s, lo)
+    return out
+
+
+@pytest.fixture(scope="module")
+def three_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """World 3: the three-stage and three-owner training, data-end (3 stages) and the three-stage resumes
+    straight through in one launch; resumed in a second. Returns each call's results (per rank) by name."""
+    tmp = tmp_path_factory.mktemp("three_ranks")
+    root = str(tmp / "ckpt")
+    first: list[tuple[Any, tuple]] = [
+        (engine_workers.train, (_every_mode_three_stages(),)),
+        (engine_workers.train, (_three_owners(),)),
+        (engine_workers.data_end, (_data_end_case(*DATA_END[3]),)),
+        (engine_workers.resume, (_resumes_three_stages(), root, "straight")),
+    ]
+    every_mode, three_owners, data_end, straight = run_ranks_calls(3, tmp, first, deadline_s=600)
+    [resumed] = run_ranks_calls(3, tmp, [(engine_workers.resume, (_resumes_three_stages(), root, "resumed"))],
+                                deadline_s=300)  # fmt: skip
+    return {"every_mode": every_mode, "three_owners": three_owners, "data_end": data_end,
+            "resumes": (straight, resumed)}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """World 4 (2 stages x 2 replicas): the data-parallel training and the dp2 trace in one launch."""
+    calls: list[tuple[Any, tuple]] = [
+        (engine_workers.train, (_data_parallel(),)),
+        (engine_workers.trace_collectives, (_trace_case(2),)),
+    ]
+    trained, trace = run_ranks_calls(4, tmp_path_factory.mktemp("four_ranks"), calls, deadline_s=400)
+    return {"data_parallel": trained, "trace": trace}
+
+
+# -- training ------------------------------------------------------------------------------------------
+
+
+def test_tied_embedding_and_head_two_stages_every_mode(two_ranks) -> None:
+    check_tied(two_ranks["every_mode"], _every_mode_two_stages())
+
+
+def test_tied_embedding_and_head_three_stages_every_mode_tick_by_tick(three_ranks) -> None:
+    results = three_ranks["every_mode"]
+    check_tied(results, _every_mode_three_stages())
+    assert math.isfinite(results[0][0]["losses"][-1])
+
+
+def test_tied_data_parallel_2_x_pipeline_2(four_ranks) -> None:
+    check_tied(four_ranks["data_parallel"], _data_parallel())
+
+
+def test_three_owners_and_two_keys(three_ranks) -> None:
+    """Key "emb" on stages 0 and 2 (not neighbours), key "mid" with a copy on each of the 3 stages."""
+    results = three_ranks["three_owners"]
     assert results[0][0]["parts"] == [0, 4, 7, 10]
-    check_tied(results, cases)
+    check_tied(results, _three_owners())
 
 
 @pytest.mark.parametrize("dp", [1, 2], ids=["dp1", "dp2"])
-def test_no_collective_across_stages_with_tied_layers(tmp_path, dp: int) -> None:
-    case = {"stages": 2, "dp": dp, "n": 64, "gas": 3, "calls": 4, "grad_shrink": 0.5, "tied": True, "clip": 1.0}
-    traces = run_ranks(engine_workers.trace_collectives, 2 * dp, tmp_path, case, deadline_s=200)
+def test_no_collective_across_stages_with_tied_layers(request: pytest.FixtureRequest, dp: int) -> None:
+    traces = request.getfixturevalue("two_ranks" if dp == 1 else "four_ranks")["trace"]
+    assert len(traces) == 2 * dp
     for trace in traces:
         for name, ranks in trace["seen"]:
             assert set(ranks) <= set(trace["dp_group"]), f"stage {trace['stage_id']}: {name} over ranks {ranks}"
@@ -166,12 +313,9 @@ def test_no_collective_across_stages_with_tied_layers(tmp_path, dp: int) -> None
 # -- checkpoints --------------------------------------------------------------------------------------
 
 
-def _resume_checked(tmp_path, world: int, cases: list[dict[str, Any]]) -> None:
+def _resume_checked(straight: list[Any], resumed: list[Any], cases: list[dict[str, Any]]) -> None:
     """Straight and resumed runs agree bit for bit; after the load every owner's copies are equal, and equal
     to the weights at the save."""
-    root = str(tmp_path / "ckpt")
-    straight = run_ranks(engine_workers.resume, world, tmp_path, cases, root, "straight", deadline_s=300)
-    resumed = run_ranks(engine_workers.resume, world, tmp_path, cases, root, "resumed", deadline_s=300)
     for i, case in enumerate(cases):
         for a, b in zip((r[i] for r in straight), (r[i] for r in resumed)):
             assert a["global_steps"] == b["global_steps"] and a["losses"] == b["losses"], case
@@ -187,23 +331,14 @@ def _resume_checked(tmp_path, world: int, cases: list[dict[str, Any]]) -> None:
             assert all(torch.equal(final[0], c) for c in final), f"{case} {name} after training on"
 
 
-def test_tied_resume_is_bit_identical_undrained_two_stages(tmp_path) -> None:
-    # Saved at tick 3 with accumulate 2: P holds G(2) and the tied optimizers have state (Adam, momentum).
-    base = {"stages": 2, "n": 48, "gas": 3, "calls_before": 1, "calls_after": 2, "grad_shrink": 0.5, "tied": True}
-    cases = [
-        {**base, "weights": w, "activations": a, "optimizer": opt, "accumulate": acc}
-        for (w, a), opt, acc in zip(MODES, ("sgd", "adam", "adam", "sgd"), (2, 2, 1, 2))
-    ]
-    _resume_checked(tmp_path, 2, cases)
+def test_tied_resume_is_bit_identical_undrained_two_stages(two_ranks) -> None:
+    straight, resumed = two_ranks["resumes"]["two_stages"]
+    _resume_checked(straight, resumed, _resumes_two_stages())
 
 
-def test_tied_resume_is_bit_identical_undrained_three_stages(tmp_path) -> None:
-    base = {"stages": 3, "n": 48, "gas": 3, "calls_before": 1, "calls_after": 2, "grad_shrink": 0.5, "accumulate": 2}
-    cases = [
-        {**base, "tied": True, "weights": "stashed", "activations": "stored", "optimizer": "adam"},
-        {**base, "tied": "three", "weights": "current", "activations": "recomputed"},
-    ]
-    _resume_checked(tmp_path, 3, cases)
+def test_tied_resume_is_bit_identical_undrained_three_stages(three_ranks) -> None:
+    straight, resumed = three_ranks["resumes"]
+    _resume_checked(straight, resumed, _resumes_three_stages())
 
 
 def _same_optimizer_state(saved: dict[str, Any], loaded: dict[str, Any], what: str) -> None:
@@ -216,16 +351,12 @@ def _same_optimizer_state(saved: dict[str, Any], loaded: dict[str, Any], what: s
             assert torch.equal(torch.as_tensor(a["state"][k]), torch.as_tensor(b["state"][k])), f"{what} {name} {k}"
 
 
-def test_fdg_and_1f1b_checkpoints_swap_exactly_with_a_tie(tmp_path) -> None:
+def test_fdg_and_1f1b_checkpoints_swap_exactly_with_a_tie(two_ranks) -> None:
     """Note [tied optimizer state in checkpoints]: with the stage optimizer unwrapped (fp32, no ZeRO), FDG -> 1F1B
     and 1F1B -> FDG load the weights and every parameter's optimizer state -- the tied copies' Adam moments and
     their param group's settings included -- exactly; both train on and FDG's copies stay equal. Two param
     groups (the second with weight decay) put the tied copies at inner slots of their groups."""
-    case = {"stages": 2, "n": 32, "gas": 2, "tied": True, "optimizer": "adam", "param_groups": True}
-    for saved_with, loaded_with in (("fdg", "1f1b"), ("1f1b", "fdg")):
-        save_dir = str(tmp_path / f"{saved_with}-to-{loaded_with}")
-        saved = run_ranks(engine_workers.swap, 2, tmp_path, {**case, "schedule": saved_with}, save_dir, "save")
-        loaded = run_ranks(engine_workers.swap, 2, tmp_path, {**case, "schedule": loaded_with}, save_dir, "load")
+    for (saved_with, loaded_with), (saved, loaded) in two_ranks["swaps"]["exact"].items():
         what = f"{saved_with} -> {loaded_with}"
         for s, lo in zip(saved, loaded):
             assert lo["error"] is None, f"{what}: {lo['error']}"
@@ -242,15 +373,11 @@ def test_fdg_and_1f1b_checkpoints_swap_exactly_with_a_tie(tmp_path) -> None:
             assert not torch.equal(copies[0], loaded[0]["state"][name]), f"{what} {name} did not train on"
 
 
-def test_optimizer_state_swap_under_zero_with_a_tie_is_refused_and_weights_load(tmp_path) -> None:
+def test_optimizer_state_swap_under_zero_with_a_tie_is_refused_and_weights_load(two_ranks) -> None:
     """Under a ZeRO (or bf16) wrapper FDG builds the flat optimizer buffers without the tied copies, so the
     layouts differ: 1F1B -> FDG is refused with the key and the fix on every rank, FDG -> 1F1B by stock
     DeepSpeed (it raises; nothing loads silently); then the weights load both ways."""
-    case = {"stages": 2, "n": 32, "gas": 2, "tied": True, "zero": 1}
-    for saved_with, loaded_with in (("1f1b", "fdg"), ("fdg", "1f1b")):
-        save_dir = str(tmp_path / f"{saved_with}-to-{loaded_with}")
-        saved = run_ranks(engine_workers.swap, 2, tmp_path, {**case, "schedule": saved_with}, save_dir, "save")
-        loaded = run_ranks(engine_workers.swap, 2, tmp_path, {**case, "schedule": loaded_with}, save_dir, "load")
+    for (saved_with, loaded_with), (saved, loaded) in two_ranks["swaps"]["zero"].items():
         for s, lo in zip(saved, loaded):
             assert lo["error"] is not None, f"{saved_with} -> {loaded_with} loaded the optimizer state"
             if loaded_with == "fdg":
@@ -263,24 +390,16 @@ def test_optimizer_state_swap_under_zero_with_a_tie_is_refused_and_weights_load(
 # -- bf16 and ZeRO-1 --------------------------------------------------------------------------------
 
 
-def test_tied_zero1_equals_the_reference(tmp_path) -> None:
+def test_tied_zero1_equals_the_reference(two_ranks) -> None:
     """ZeRO-1 (fp32): the tied copies are outside the ZeRO optimizer; the engine equals the reference to 1e-6."""
-    base = {"stages": 2, "n": 64, "gas": 3, "calls": 3, "grad_shrink": 0.5, "tied": True, "drain": True, "zero": 1}
-    cases = [{**base, "weights": "stashed", "accumulate": 2}, {**base, "optimizer": "adam", "clip": 0.05}]
-    results = run_ranks(engine_workers.train, 2, tmp_path, cases, deadline_s=300)
-    check_tied(results, cases)
+    check_tied(two_ranks["zero1"], _zero1())
 
 
-def test_tied_bf16_and_bf16_zero1_keep_copies_bit_identical_and_follow_the_reference(tmp_path) -> None:
+def test_tied_bf16_and_bf16_zero1_keep_copies_bit_identical_and_follow_the_reference(two_ranks) -> None:
     """bf16 (fp32 masters of the tied copies, stepped by the tied optimizer) with and without ZeRO-1: the copies
     are torch.equal on both owners after every call, the weights move, and they stay within bf16 precision of
     the fp32 reference (the tolerance the other bf16 tests use)."""
-    base = {"stages": 2, "n": 64, "gas": 3, "calls": 3, "grad_shrink": 0.5, "tied": True, "bf16": True}
-    cases = [
-        {**base, "weights": "current", "activations": "stored", "accumulate": 2},
-        {**base, "weights": "stashed", "activations": "recomputed", "zero": 1, "optimizer": "adam"},
-    ]
-    results = run_ranks(engine_workers.train, 2, tmp_path, cases, deadline_s=300)
+    cases, results = _bf16(), two_ranks["bf16"]
     name = "tied_modules.emb.weight"
     for i, case in enumerate(cases):
         ref_states, _, _ = tied_reference(case, results[0][i]["parts"])
@@ -295,14 +414,15 @@ def test_tied_bf16_and_bf16_zero1_keep_copies_bit_identical_and_follow_the_refer
                 torch.testing.assert_close(value, want, rtol=0.05, atol=0.02, msg=f"{case} {key}")
 
 
-def test_tied_resume_is_bit_identical_in_bf16_and_bf16_zero1(tmp_path) -> None:
-    base = {"stages": 2, "n": 48, "gas": 3, "calls_before": 1, "calls_after": 2, "grad_shrink": 0.5, "tied": True}
-    cases = [{**base, "bf16": True, "accumulate": 2}, {**base, "bf16": True, "zero": 1, "optimizer": "adam"}]
-    _resume_checked(tmp_path, 2, cases)
+def test_tied_resume_is_bit_identical_in_bf16_and_bf16_zero1(two_ranks) -> None:
+    straight, resumed = two_ranks["resumes"]["bf16"]
+    _resume_checked(straight, resumed, _resumes_bf16())
 
 
 @pytest.mark.parametrize("stages,limit,accumulate", [(2, 6, 3), (3, 6, 3)])
-def test_tied_data_running_out_flushes_the_last_contributions(tmp_path, stages: int, limit: int, accumulate: int):
+def test_tied_data_running_out_flushes_the_last_contributions(
+    request: pytest.FixtureRequest, stages: int, limit: int, accumulate: int
+) -> None:
     """The iterator ends mid-call: the segment's last tick flushes P (Note [tied layers across stages], 5), so
     the weights equal the reference's after ``limit`` micro-batches and a drain, the copies bit-identical.
     The segment's last tick is limit - 1 + 2(K-1), so t = 8 (K = 2) and 10 (K = 3) are no multiples of 3: only
@@ -311,9 +431,10 @@ def test_tied_data_running_out_flushes_the_last_contributions(tmp_path, stages: 
     fdg_reference does; that is outside the tied sync.)"""
     from deepspeed.runtime.lr_schedules import WarmupLR
 
-    case = {"stages": stages, "n": 16, "gas": 3, "limit": limit, "grad_shrink": 0.5, "weights": "stashed",
-            "accumulate": accumulate, "lr": 0.1, "warmup": 4, "tied": True}  # fmt: skip
-    results = run_ranks(engine_workers.data_end, stages, tmp_path, case, deadline_s=180)
+    assert DATA_END[stages] == (stages, limit, accumulate)  # the case the fixture ran
+    case = _data_end_case(stages, limit, accumulate)
+    results = request.getfixturevalue({2: "two_ranks", 3: "three_ranks"}[stages])["data_end"]
+    assert len(results) == stages
     ref, ties = toy.tied_reference(results[0]["parts"])
     opts = [torch.optim.SGD(s.parameters(), lr=0.1, momentum=0.9) for s in ref]
     scheds = [WarmupLR(o, warmup_min_lr=0.0, warmup_max_lr=0.1, warmup_num_steps=4) for o in opts]
@@ -327,8 +448,8 @@ def test_tied_data_running_out_flushes_the_last_contributions(tmp_path, stages: 
     assert torch.equal(a, b)
 
 
-def test_a_stage_of_only_tied_layers_is_refused_on_every_rank(tmp_path) -> None:
-    case = {"stages": 2, "config": {"train_micro_batch_size_per_gpu": 2, "pipeline": {"schedule": "fdg"}}}
-    results = run_ranks(engine_workers.bad_config, 2, tmp_path, case, "only", deadline_s=120)
+def test_a_stage_of_only_tied_layers_is_refused_on_every_rank(two_ranks) -> None:
+    results = two_ranks["only_tied"]
+    assert len(results) == 2
     for r in results:
         assert r["error"] is not None and "pipeline stages [0] hold only tied layers (['emb'])" in r["error"], r
