@@ -412,7 +412,7 @@ def data_end(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
             "stage_id": engine.stage_id, "parts": model.parts}  # fmt: skip
 
 
-BAD_INPUT_TIMEOUT_S = 3  # pipeline.fdg.timeout of bad_input: how long the neighbour of the failing rank waits
+BAD_INPUT_TIMEOUT_S = 5  # pipeline.fdg.timeout of bad_input: how long the neighbour of the failing rank waits
 
 
 def bad_input(rank: int, world: int, kind: str) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 Config-level mistakes are covered in test_config.py (pure) and test_engine.py (every rank refuses at
 deepspeed.initialize); this file covers inputs met while the job runs. The rank that meets the bad
-input raises at once; its neighbours exit within ``pipeline.fdg.timeout`` (3 s here:
+input raises at once; its neighbours exit within ``pipeline.fdg.timeout`` (5 s here:
 engine_workers.BAD_INPUT_TIMEOUT_S), never hang. The kinds every rank refuses before any rank waits on
 another share one launch (Note [one launch, several calls] in dist_harness.py); each kind a neighbour
 gives up on gets a launch of its own.
