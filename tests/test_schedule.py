@@ -225,21 +225,27 @@ def test_a_drain_learns_an_earlier_end_of_the_data_on_its_way_down() -> None:
     assert rendered == ["A5 X[] T"]
 
 
-def test_the_last_stage_steps_a_partial_accumulation_at_the_end_of_its_labels() -> None:
-    # K = 2, accumulate 2, 7 micro-batches (Note [end of data]): stage 1's labels run out at micro-batch 7
-    # (read at tick 7); it forwards micro-batch 6 at tick 7 holding no more labels, so it steps after that
-    # backward, at tick 7 as the reference does, not at tick 8 when the dummy tells it the data ended.
-    last = FDGTrainSchedule(9, 2, 1, accumulate=2)
+def _render_with_labels_ending_at_7(plan: FDGTrainSchedule) -> list[str]:
+    """The last stage's ticks, rendered, when its labels run out after micro-batch 6 (told at that forward)
+    and the end of the data arrives where micro-batch 7 would (Note [end of data])."""
     rendered = []
-    for step in last.steps():
+    for step in plan.steps():
         cmds = []
         for cmd in step:
             cmds.append(short(cmd))
             if isinstance(cmd, FDGForward) and cmd.micro_batch == 6:
-                last.end_labels(7)
+                plan.end_labels(7)
             if isinstance(cmd, WaitActivation) and cmd.micro_batch == 7:
-                last.end_data(7)
+                plan.end_data(7)
         rendered.append(" ".join(cmds))
+    return rendered
+
+
+def test_the_last_stage_steps_a_partial_accumulation_at_the_end_of_its_labels() -> None:
+    # K = 2, accumulate 2, 7 micro-batches (Note [end of data]): stage 1's labels run out at micro-batch 7
+    # (read at tick 7); it forwards micro-batch 6 at tick 7 holding no more labels, so it steps after that
+    # backward, at tick 7 as the reference does, not at tick 8 when the dummy tells it the data ended.
+    rendered = _render_with_labels_ending_at_7(FDGTrainSchedule(9, 2, 1, accumulate=2))
     assert rendered[6:] == ["A5 L6 F5 B5 R S X[sg,ra] T+", "A6 L7 F6 B6 R S X[sg,ra] T+", "A7 X[] T"]
     with pytest.raises(FDGRuntimeError, match="labels ran out at micro-batch 3"):
         FDGTrainSchedule(9, 2, 0, accumulate=2).end_labels(3)  # only the last stage holds labels
@@ -250,14 +256,5 @@ def test_a_drain_after_the_data_ended_steps_the_partial_accumulation_the_labels_
     # drain (limit 8 as far as stage 2 knows) starts there: its labels ran out at micro-batch 7, so it
     # steps after the backward of micro-batch 6 at tick 8, as the reference does, then learns the end.
     drain = FDGTrainSchedule(ticks.drain_ticks(3), 3, 2, start_tick=8, accumulate=2, drain=True)
-    rendered = []
-    for step in drain.steps():
-        cmds = []
-        for cmd in step:
-            cmds.append(short(cmd))
-            if isinstance(cmd, FDGForward) and cmd.micro_batch == 6:
-                drain.end_labels(7)
-            if isinstance(cmd, WaitActivation) and cmd.micro_batch == 7:
-                drain.end_data(7)
-        rendered.append(" ".join(cmds))
+    rendered = _render_with_labels_ending_at_7(drain)
     assert rendered == ["A6 F6 B6 R S X[sg,ra] T", "A7 X[] T", "X[] T"]
