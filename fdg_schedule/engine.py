@@ -20,8 +20,6 @@ import time
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
-from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.schedule import PipeInstruction, ReduceGrads
@@ -34,8 +32,9 @@ from fdg_schedule.delayed import DelayedBackward
 from fdg_schedule.engine_checkpoints import FDGCheckpoints
 from fdg_schedule.errors import DataExhausted, FDGRuntimeError
 from fdg_schedule.replicas import Replicas
-from fdg_schedule.report import print_flops_profile, report_call, stop_backward_timers
+from fdg_schedule.report import print_flops_profile, report_call
 from fdg_schedule.schedule import OPS, FDGTrainSchedule, Kind
+from fdg_schedule.stage_backward import stage_backward
 from fdg_schedule.stage_state import StageState
 from fdg_schedule.staleness import Corrections, StalenessMeter
 from fdg_schedule.tensors import as_tuple, describe, floating, input_grads, to_device
@@ -76,10 +75,9 @@ class FDGPipelineEngine(FDGCheckpoints):
             self.grid.get_data_parallel_group(), self.dp_world_size, self._replicas.collective, self._where(),
         )  # fmt: skip
         self._tie_keys = list(tied.owners(self.module))  # every rank's, also where it holds no copy
-        tied_ids = {id(p) for p in self._tied.params()}
-        self._own_params = [p for p in self.module.parameters() if id(p) not in tied_ids]  # stepped by the stage
+        self._own_params = self._tied.without(self.module.parameters())  # stepped by the stage's optimizer
         params, every = self._delayed.params, fdg_config.staleness_every
-        corrected = [p for p in params if id(p) not in tied_ids]  # tied copies are never predicted nor lr-scaled
+        corrected = self._tied.without(params)  # tied copies are never predicted nor lr-scaled
         self.fdg_state = StageState(
             self.num_stages, self._exchange, self.pipe_buffers,
             corrections=Corrections(corrected, self.num_stages, self.stage_id, fdg_config),
@@ -92,7 +90,6 @@ class FDGPipelineEngine(FDGCheckpoints):
         self.fdg_stats: dict[str, float] = {"ticks": 0, "steps": 0, "skipped": 0, **{f"{k.value}_s": 0.0 for k in Kind}}
         self.fdg_stats["staleness"] = 0.0 if every and not delayed else math.nan
         self.fdg_stats["staleness_tick"] = math.nan  # the tick of the backward it was measured at
-        self._staleness_read = 0  # measurements already copied into fdg_stats
         self.observers = observe.observers_from_config(self, self._config._param_dict)
         self._reduce_is_identity = optim.reduce_is_identity(self)
 
@@ -189,13 +186,11 @@ class FDGPipelineEngine(FDGCheckpoints):
         wait_start = time.perf_counter()
         self._exchange.complete()
         self.fdg_stats["wait_s"] += time.perf_counter() - wait_start
-        meter = self.fdg_state.meter
-        if meter.count != self._staleness_read:  # the call's one host read of the metric, if it measured
-            self._staleness_read = meter.count
-            self.fdg_stats["staleness"] = meter.read()
-            self.fdg_stats["staleness_tick"] = float(meter.tick if meter.tick is not None else math.nan)
+        self.fdg_state.meter.report_new(self.fdg_stats)
         data_ended = self.fdg_state.segment_over()
-        self.agg_train_loss = self._mean_call_loss()
+        self.agg_train_loss = self._replicas.mean_loss(
+            self.fdg_state.call_losses, self.grid.get_data_parallel_group(), self.device
+        )
         elapsed = time.perf_counter() - start
         report_call(self, steps_before, elapsed)
         for observer in self.observers:
@@ -227,15 +222,6 @@ class FDGPipelineEngine(FDGCheckpoints):
     def _plan(self) -> str:
         """Every stage's plan around this tick, for errors that mean the stages disagree on it."""
         return "" if self._running is None else grid.around(self._running, self.fdg_state.segment_tick)
-
-    def _mean_call_loss(self) -> Tensor:
-        losses = self.fdg_state.call_losses
-        loss = torch.stack(losses).mean() if losses else torch.tensor(math.nan, device=self.device)
-        if self.is_data_parallel:  # stage-local: the data-parallel peers of this stage only
-            with self._replicas.collective("the loss all-reduce"):
-                dist.all_reduce(loss, group=self.grid.get_data_parallel_group())
-            loss /= self.dp_world_size
-        return loss
 
     # -- instruction handlers -------------------------------------------------------------------
 
@@ -318,7 +304,7 @@ class FDGPipelineEngine(FDGCheckpoints):
             stored = self.pipe_buffers["outputs"][buffer_id]
             self.fdg_state.meter.before_backward(self.fdg_state.tick, buffer_id)  # the live weights are w_bwd
             with self._delayed.backward(held, stored, lambda: self._stage_forward(inputs)) as outputs:
-                self._autograd_backward(floating(outputs), grads)
+                stage_backward(self, floating(outputs), grads, self._where)
             self._tied.after_backward()  # Note [tied layers across stages]: before the stage's reduce and step
         self.fdg_state.call_losses.append(carried)
         if not self.is_first_stage():
@@ -361,11 +347,8 @@ class FDGPipelineEngine(FDGCheckpoints):
         if not wrapped:
             norm = optim.clip_stage_local(self._own_params, self.gradient_clipping())
             self._global_grad_norm = norm  # get_global_grad_norm(): this stage's own norm, left on the device
-            if self.fdg_config.nonfinite == "skip":
-                if not guards.finite(norm):
-                    return False
-            else:
-                self._watch.record("gradient", norm, self.global_steps)
+            if not self._watch.allows(self.fdg_config.nonfinite, "gradient", norm, self.global_steps):
+                return False
         return self.fdg_state.corrections.step(self.optimizer, self.fdg_state.tick, self._optimizer_step)
 
     def _optimizer_step(self) -> bool:
@@ -421,13 +404,9 @@ class FDGPipelineEngine(FDGCheckpoints):
 
     def _tied_guard(self, norm: Tensor) -> bool:
         """pipeline.fdg.nonfinite for a tied step: queue the check ("error"), or skip and count it ("skip")."""
-        if self.fdg_config.nonfinite == "error":
-            self._watch.record("tied gradient", norm, self.global_steps)
-            return True
-        if guards.finite(norm):
-            return True
-        self.fdg_stats["skipped"] += 1
-        return False
+        allowed = self._watch.allows(self.fdg_config.nonfinite, "tied gradient", norm, self.global_steps)
+        self.fdg_stats["skipped"] += not allowed
+        return allowed
 
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,
@@ -463,28 +442,3 @@ class FDGPipelineEngine(FDGCheckpoints):
         # A clone, as in DeepSpeed: layers may write into their input; the buffer stays the leaf.
         cloned = tuple(t.clone() for t in inputs) if isinstance(inputs, tuple) else inputs.clone()
         return DeepSpeedEngine.forward(self, cloned)
-
-    def _autograd_backward(self, outputs: list[Tensor], grads: tuple[Tensor, ...]) -> None:
-        if len(outputs) != len(grads):
-            raise FDGRuntimeError(f"{self._where()}: {len(outputs)} floating output tensors but {len(grads)} gradients")
-        no_grad = [i for i, t in enumerate(outputs) if not t.requires_grad]
-        if no_grad:
-            i = no_grad[0]
-            raise FDGRuntimeError(
-                f"{self._where()}: floating output {i} of the stage ({describe(outputs[i])}) does not require grad, "
-                "so the gradient the next stage sends back cannot flow through it (no trainable parameter of the "
-                "stage, and no input that requires grad, leads to it: frozen or parameter-free layers); put a layer "
-                "with trainable parameters on this stage (e.g. PipelineModule(partition_method='parameters')), or "
-                "pass the tensor on as an integer tensor"
-            )
-        bf16 = isinstance(self.optimizer, BF16_Optimizer)
-        if bf16:  # as DeepSpeed's pipeline backward: we do not go through optimizer.backward()
-            self.optimizer.clear_lp_grads()
-        self._running_engine_backward = True
-        try:
-            torch.autograd.backward(outputs, grads)
-        finally:
-            self._running_engine_backward = False
-            stop_backward_timers(self)
-        if bf16 and not self._config.bfloat16_config.immediate_grad_update:
-            self.optimizer.update_hp_grads(clear_lp_grads=False)

@@ -68,6 +68,14 @@ class NonFiniteWatch:
         """Queue the check that ``value`` is finite; no host read."""
         self._flags.append(_Flag(what, tick, micro_batch, torch.isfinite(value.detach()).all()))
 
+    def allows(self, policy: str, what: str, value: Tensor, tick: int) -> bool:
+        """``pipeline.fdg.nonfinite`` before a step on ``value`` (a norm): "error" queues the check and allows
+        the step (the run stops at the next read); "skip" reads it now and allows only a finite one."""
+        if policy == "error":
+            self.record(what, value, tick)
+            return True
+        return finite(value)
+
     def pending(self) -> int:
         return len(self._flags)
 

@@ -23,12 +23,14 @@ All of this runs only with more than one data-parallel replica, once per call, o
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from fdg_schedule.errors import FDGRuntimeError
 from fdg_schedule.guards import read_host
@@ -75,6 +77,16 @@ class Replicas:
                 f"(global ranks {self.ranks}, timeout {self.timeout.total_seconds():g} s): a replica failed, was "
                 f"killed, or its data ended at another length -- see the logs of those ranks [{err}]"
             ) from err
+
+    def mean_loss(self, losses: list[Tensor], data_group: Any, device: Any) -> Tensor:
+        """The mean of a call's ``losses`` (NaN without any) over the stage's replicas, all-reduced in
+        ``data_group`` (DeepSpeed's data-parallel group: the peers of this stage only)."""
+        loss = torch.stack(losses).mean() if losses else torch.tensor(math.nan, device=device)
+        if len(self.ranks) > 1:
+            with self.collective("the loss all-reduce"):
+                dist.all_reduce(loss, group=data_group)
+            loss /= len(self.ranks)
+        return loss
 
     def agree(self, limit: int | None, failed: str | None = None) -> str:
         """End of a call: raise unless every replica is fine and its data ended where this one's did.

@@ -163,6 +163,7 @@ class StalenessMeter:
         self.value: Tensor | None = None  # the latest measurement
         self.tick: int | None = None  # the tick of the backward it was measured at
         self.count = 0  # measurements so far (observers compare it to see a new one)
+        self._reported = 0  # measurements already copied into the engine's stats (report_new)
 
     def after_forward(self, tick: int, buffer_id: int, stashed: list[Tensor] | None) -> None:
         """Keep the weights of the forward that just ran in ``buffer_id`` when ``tick`` is measured.
@@ -192,6 +193,15 @@ class StalenessMeter:
     def reset(self) -> None:
         """Forget kept forwards (their micro-batches are dropped, or rebuilt without them after a load)."""
         self.probes.clear()
+
+    def report_new(self, stats: dict[str, float]) -> None:
+        """A measurement taken since the last call into ``stats["staleness"]`` and ``["staleness_tick"]``
+        (the engine's one host read of the metric per call; nothing when none was taken)."""
+        if self.count == self._reported:
+            return
+        self._reported = self.count
+        stats["staleness"] = self.read()
+        stats["staleness_tick"] = float(self.tick if self.tick is not None else math.nan)
 
     def read(self) -> float:
         """The latest measurement on the host (NaN before the first): a device synchronisation."""

@@ -56,8 +56,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -66,6 +66,8 @@ from torch import Tensor, nn
 from fdg_schedule.comm import PeerMessage
 from fdg_schedule.config import FDGConfigError
 from fdg_schedule.guards import read_host
+
+_P = TypeVar("_P", bound=Tensor)
 
 
 @dataclasses.dataclass
@@ -320,6 +322,11 @@ class TiedSync:
 
     def params(self) -> list[nn.Parameter]:
         return [c.tie.param for c in self.copies]
+
+    def without(self, params: Iterable[_P]) -> list[_P]:
+        """``params`` less this stage's tied copies (what the stage's own optimizer and corrections see)."""
+        tied = {id(p) for p in self.params()}
+        return [p for p in params if id(p) not in tied]
 
     def after_backward(self) -> None:
         """Take this stage's tied gradients out of the backward just run, averaged over its data-parallel group."""
