@@ -50,6 +50,14 @@ class FDGCheckpoints(PipelineEngine):
         """
         if drain:
             self.drain()
+        if self._tied.in_flat_file and self.fdg_state.in_flight():  # Note [tied copies in flat optimizer files]
+            logger.warning(
+                f"{self._where()}: saved undrained with layers tied across stages under a flat (bf16/ZeRO-1) "
+                "optimizer, whose file holds one step count per param group; the owner stages have taken different "
+                "numbers of steps, so a 1F1B job loading this checkpoint would step the tied copies with different "
+                "step counts (Adam's bias correction) and they would drift apart. An FDG job resumes it exactly; "
+                "to switch to 1F1B, save with save_checkpoint(..., drain=True)"
+            )
         tag = str(tag if tag is not None else f"global_step{self.global_steps}")
         path = checkpoint.state_path(save_dir, tag, self.stage_id, self.grid.data_parallel_id)
         captured = self.fdg_state.capture()
@@ -81,7 +89,8 @@ class FDGCheckpoints(PipelineEngine):
         by layer) when optimizer and scheduler state are not requested.
         """
         resolved = checkpoint.resolve_tag(load_dir, tag)
-        wrapped = self.optimizer is not self.basic_optimizer  # Note [tied optimizer state in checkpoints]
+        # Note [tied optimizer state in checkpoints]; Note [tied copies in flat optimizer files]
+        wrapped = self.optimizer is not self.basic_optimizer and not self._tied.in_flat_file
         if self._tie_keys and wrapped and load_optimizer_states and not load_module_only and resolved is not None:
             self._check_tied_optimizer_state(load_dir, resolved)
         per_stage = not load_module_only and (load_optimizer_states or load_lr_scheduler_states)
@@ -94,12 +103,12 @@ class FDGCheckpoints(PipelineEngine):
                 load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
                 custom_load_fn=custom_load_fn,
             )  # fmt: skip
+            if bf16_from_zero_files and load_path is not None and resolved is not None and not load_module_only:
+                self._load_zero_checkpoint(load_dir, resolved, load_optimizer_states=True)
         if load_path is None or resolved is None:
             return load_path, client_state
         if load_module_only:  # weights only: no in-flight work, RNG state or data position
             return load_path, client_state
-        if bf16_from_zero_files:
-            self._load_zero_checkpoint(load_dir, resolved, load_optimizer_states=True)
         if other_stages:
             logger.warning(f"stage {self.stage_id}: client_state dropped: it belongs to another pipeline layout")
             client_state = {}
@@ -107,10 +116,12 @@ class FDGCheckpoints(PipelineEngine):
         return load_path, client_state
 
     def _check_tied_optimizer_state(self, load_dir: str, tag: str) -> None:
-        """A checkpoint without FDG state (1F1B's) keeps the tied copies in the stage optimizer: under a bf16 or
-        ZeRO wrapper, whose flat buffers FDG builds without them, refuse its state.
+        """A checkpoint without FDG state (1F1B's) keeps the tied copies in the stage optimizer: under a wrapper
+        whose flat file FDG does not translate (a param group of only tied copies, ``round_robin_gradients``),
+        refuse its state.
 
-        Note [tied optimizer state in checkpoints]: an unwrapped stage optimizer loads it exactly.
+        Note [tied optimizer state in checkpoints]: an unwrapped stage optimizer loads it exactly, and Note
+        [tied copies in flat optimizer files] a bf16 / ZeRO-1 one.
         """
         saved_dir = os.path.join(load_dir, tag)
         if not os.path.isdir(saved_dir) or any(n.startswith("fdg_stage") for n in os.listdir(saved_dir)):
@@ -119,8 +130,8 @@ class FDGCheckpoints(PipelineEngine):
         raise FDGConfigError(
             f"checkpoint {saved_dir} has no FDG state (a 1F1B checkpoint?) and this model ties {keys} across "
             f"stages: 1F1B's optimizer state holds the tied parameters of {keys} in the flat buffers of the stage's "
-            "bf16/ZeRO optimizer, FDG steps them with a tied optimizer of their own, so it cannot be loaded "
-            "exactly (without bf16 and ZeRO it can); call load_checkpoint(..., "
+            "bf16/ZeRO optimizer in a layout FDG does not translate (a param group of only tied parameters, or "
+            "zero_optimization.round_robin_gradients), so it cannot be loaded exactly; call load_checkpoint(..., "
             "load_optimizer_states=False) to load the weights and LR scheduler (optimizer state starts fresh)"
         )
 

@@ -46,16 +46,19 @@ Note [tied optimizer state in checkpoints]
     the stage optimizer at their *slots* -- (group, index) as DeepSpeed builds 1F1B's optimizer,
     from the client optimizer or ``model_parameters`` -- carrying their tied optimizer's state
     (:meth:`TiedSync.in_stage_optimizer`): DeepSpeed's optimizer file is then byte for byte the
-    layout 1F1B writes and reads. Under a wrapper (bf16, ZeRO) the copies' state lives in FDG's
-    per-stage file and 1F1B's optimizer state does not load into FDG (refused with the fix); so too
-    when a param group held only tied copies (DeepSpeed drops the group FDG leaves empty: the
-    layouts differ), where the copies step with that group's settings at group 0's lr.
+    layout 1F1B writes and reads. Under a bf16 / ZeRO-1 wrapper the file is flat and FDG translates
+    it (Note [tied copies in flat optimizer files] in :mod:`fdg_schedule.flat_state`); the copies'
+    own state also stays in FDG's per-stage file (their step, which a flat file cannot hold). When a
+    param group held only tied copies (DeepSpeed drops the group FDG leaves empty: the layouts
+    differ) the copies' state lives only in FDG's file and 1F1B's optimizer state does not load into
+    FDG (refused with the fix); the copies step with that group's settings at group 0's lr.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -63,6 +66,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from fdg_schedule import flat_state
 from fdg_schedule.comm import PeerMessage
 from fdg_schedule.config import FDGConfigError
 from fdg_schedule.guards import read_host
@@ -80,6 +84,7 @@ class Tie:
     ranks: list[int]  # the global rank of each owner with this rank's data-parallel index
     param: nn.Parameter  # this stage's copy (in the module)
     slot: tuple[int, int] | None = None  # (group, index) in 1F1B's stage optimizer (take_out)
+    flat_index: int = 0  # its index among that group's trainable parameters (1F1B's flat buffer)
     group: int | None = None  # the group in FDG's stage optimizer (None: it held only tied copies)
     settings: dict[str, Any] = dataclasses.field(default_factory=dict)  # that group's settings, as given
 
@@ -182,6 +187,7 @@ def take_out(ties: Sequence[Tie], optimizer: Any, model_parameters: Any, module:
             if id(p) in tied:
                 t = tied[id(p)]
                 t.slot, t.group, t.settings = (kept_1f1b, i), (kept_fdg if own else None), hyperparameters(group)
+                t.flat_index = sum(1 for q in params[:i] if q.requires_grad and q.numel() > 0)
         kept_1f1b += bool(params)
         kept_fdg += bool(own)
     if client is not None:
@@ -208,6 +214,37 @@ def build_optimizer(
             f"but {kind.__module__}.{kind.__qualname__}(params, **defaults) failed: {err}; use a torch-style "
             "optimizer whose constructor takes its defaults as keyword arguments, or untie the layers"
         ) from err
+
+
+def flat_layouts(wrapper: Any) -> list[flat_state.FlatGroup] | None:
+    """The flat-buffer layout of each param group of DeepSpeed's bf16 or ZeRO-1 wrapper (None: not one of those,
+    or a layout FDG does not translate -- ZeRO's ``round_robin_gradients`` reorders the parameters)."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if isinstance(wrapper, BF16_Optimizer):
+        groups, lean, alignments = wrapper.bf16_groups, False, [1] * len(wrapper.bf16_groups)
+    elif isinstance(wrapper, DeepSpeedZeroOptimizer) and not wrapper.partition_gradients:
+        if wrapper.round_robin_gradients:
+            return None
+        groups, lean = wrapper.round_robin_bit16_groups, True
+        sizes = [g[0].element_size() if g else 4 for g in groups]
+        alignments = [16 // math.gcd(16, size) if wrapper.parameter_alignment else 1 for size in sizes]
+    else:
+        return None
+    names = getattr(wrapper, "param_names", {})
+    layouts = []
+    for i, group in enumerate(groups):
+        dp = dist.get_world_size(group=wrapper.real_dp_process_group[i])
+        layout = flat_state.FlatGroup(
+            tuple(p.numel() for p in group), tuple(names.get(p, f"param{j}") for j, p in enumerate(group)),
+            dp, alignments[i], lean,
+        )  # fmt: skip
+        padding = getattr(wrapper, "round_robin_bit16_padding", [list(layout.paddings)] * len(groups))[i]
+        if list(layout.paddings) != list(padding):  # DeepSpeed's layout is not the one read here
+            return None
+        layouts.append(layout)
+    return layouts
 
 
 class _Copy:
@@ -316,6 +353,13 @@ class TiedSync:
             and stage_optimizer is basic
             and all(c.master is c.tie.param and c.group is not None for c in self.copies)
         )
+        # Note [tied copies in flat optimizer files]: a bf16 / ZeRO-1 wrapper's file gets 1F1B's layout
+        self.in_flat_file = (
+            bool(self.copies)
+            and flat_layouts(stage_optimizer) is not None
+            and all(c.group is not None for c in self.copies)
+        )
+        self._loaded_masters: list[Tensor] | None = None  # fp32 masters a flat load brought (for reset)
 
     def __bool__(self) -> bool:
         return bool(self.copies)
@@ -396,7 +440,12 @@ class TiedSync:
         """Inside, the stage optimizer holds the tied copies at their slots with their tied optimizer's state:
         DeepSpeed saves and loads 1F1B's layout (Note [tied optimizer state in checkpoints]). On the way
         out, the state it then holds for them (what a load put there) goes back to the tied optimizers,
-        with the group's settings; nothing happens when the copies' state lives in FDG's file."""
+        with the group's settings; nothing happens when the copies' state lives in FDG's file. A bf16 / ZeRO-1
+        wrapper's flat file is translated instead (Note [tied copies in flat optimizer files])."""
+        if self.in_flat_file:
+            with self._flat_file():
+                yield
+            return
         if not self.in_stage_file:
             yield
             return
@@ -422,6 +471,73 @@ class TiedSync:
             for group in optimizer.param_groups:
                 group["params"] = [p for p in group["params"] if id(p) not in tied]
 
+    def _entries(self, with_values: bool) -> list[list[flat_state.TiedEntry]]:
+        """Each flat group's tied copies, ascending by index (values: the fp32 masters and tied state)."""
+        wrapper = self.stage_optimizer
+        names = getattr(wrapper, "param_names", {})
+        entries: list[list[flat_state.TiedEntry]] = [[] for _ in wrapper.param_groups]
+        for c in sorted(self.copies, key=lambda c: c.tie.flat_index):
+            entry = flat_state.TiedEntry(
+                c.tie.flat_index, names.get(c.tie.param, f"tied_modules.{c.tie.key}.{c.tie.attr}"), c.tie.param.shape
+            )
+            if with_values:
+                entry.fp32 = c.master.detach()
+                entry.state = dict(c.optimizer.state.get(c.master, {}))
+            entries[c.group or 0].append(entry)
+        return entries
+
+    def _gather(self, t: Tensor, group: int) -> list[Tensor]:
+        if self.dp_size == 1:
+            return [t]
+        out = [torch.empty_like(t) for _ in range(self.dp_size)]
+        with self.collective("the tied copies' flat optimizer state"):
+            dist.all_gather(out, t.contiguous(), group=self.dp_group)
+        return out
+
+    @contextlib.contextmanager
+    def _flat_file(self) -> Iterator[None]:
+        """Inside, the wrapper's ``state_dict`` / ``load_state_dict`` speak 1F1B's layout, the tied copies at
+        their slots (Note [tied copies in flat optimizer files])."""
+        wrapper = self.stage_optimizer
+        layouts = flat_layouts(wrapper)
+        assert layouts is not None
+        own_state_dict, own_load = wrapper.state_dict, wrapper.load_state_dict
+        rank = dist.get_rank(group=self.dp_group) if self.dp_size > 1 else 0
+
+        def state_dict() -> dict[str, Any]:
+            return flat_state.to_1f1b(own_state_dict(), layouts, self._entries(True), rank, self._gather)
+
+        def load_state_dict(state_dict_list: Any = None, *args: Any, **kwargs: Any) -> Any:
+            if state_dict_list is None or kwargs.get("checkpoint_folder"):
+                return own_load(state_dict_list, *args, **kwargs)
+            entries = self._entries(False)
+            translated = list(state_dict_list)  # DeepSpeed reads only this rank's (the others are None)
+            translated[rank] = flat_state.from_1f1b(state_dict_list[rank], layouts, entries, rank, self._gather)
+            loaded = own_load(translated, *args, **kwargs)
+            self._take_loaded(entries, kwargs.get("load_optimizer_states", True), kwargs.get("load_from_fp32_weights"))
+            return loaded
+
+        wrapper.state_dict, wrapper.load_state_dict = state_dict, load_state_dict
+        try:
+            yield
+        finally:
+            del wrapper.state_dict, wrapper.load_state_dict
+
+    def _take_loaded(self, entries: list[list[flat_state.TiedEntry]], states: bool, fp32: bool | None) -> None:
+        """The copies' part of a loaded flat file: fp32 masters (kept for :meth:`reset`) and tied optimizer state."""
+        by_flat = {(c.group or 0, c.tie.flat_index): c for c in self.copies}
+        masters: dict[int, Tensor] = {}
+        for g, group in enumerate(entries):
+            for entry in group:
+                c = by_flat[g, entry.index]
+                master = entry.fp32 if fp32 and entry.fp32 is not None else c.tie.param.detach().float()
+                masters[id(c)] = master.to(c.master.device)
+                if states:
+                    settings = hyperparameters(self.stage_optimizer.param_groups[g])
+                    state = {0: entry.state} if entry.state else {}
+                    c.optimizer.load_state_dict({"state": state, "param_groups": [{**settings, "params": [0]}]})
+        self._loaded_masters = [masters[id(c)] for c in self.copies]
+
     def capture(self) -> list[dict[str, Any]]:
         """P, the count, the tied optimizer's state (unless it goes in the stage optimizer's file) and the fp32
         master of each copy (for a checkpoint)."""
@@ -442,6 +558,7 @@ class TiedSync:
         if saved is None:
             self.reset()
             return
+        self._loaded_masters = None  # FDG's own file has the masters and the tied optimizers' own state
         names = [(s["key"], s["attr"]) for s in saved]
         if names != [(c.tie.key, c.tie.attr) for c in self.copies]:
             raise FDGConfigError(
@@ -461,12 +578,18 @@ class TiedSync:
             c.passes.zero_()
 
     def reset(self) -> None:
-        """P and counts to zero; fp32 masters re-read from the module weights (after weights were loaded)."""
-        for c in self.copies:
+        """P and counts to zero; fp32 masters re-read from the module weights (after weights were loaded), or
+        taken from the flat optimizer file just loaded (Note [tied copies in flat optimizer files])."""
+        loaded, self._loaded_masters = self._loaded_masters, None
+        for i, c in enumerate(self.copies):
             c.accumulated.zero_()
             c.count = 0
             c.contribution.zero_()
             c.passes.zero_()
-            if c.master is not c.tie.param:
-                with torch.no_grad():
+            with torch.no_grad():
+                if loaded is not None:
+                    c.master.copy_(loaded[i])
+                    if c.master is not c.tie.param:
+                        c.tie.param.data.copy_(c.master)
+                elif c.master is not c.tie.param:
                     c.master.copy_(c.tie.param)

@@ -39,6 +39,8 @@ def ds_config(case: dict[str, Any]) -> dict[str, Any]:
         cfg["zero_optimization"] = {"stage": case["zero"]}
     if case.get("bf16"):
         cfg["bf16"] = {"enabled": True}
+    if case.get("grad_accum_dtype"):  # bf16 + ZeRO-1 with fp32 accumulation: DeepSpeed's BF16_Optimizer
+        cfg["data_types"] = {"grad_accum_dtype": case["grad_accum_dtype"]}
     if case.get("wall_clock"):  # DeepSpeed's timers: started by its output hooks, printed every step
         cfg["wall_clock_breakdown"] = True
         cfg["steps_per_print"] = 1
@@ -122,26 +124,44 @@ def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _optimizer_state(engine: Any, model: torch.nn.Module) -> dict[str, dict[str, Any]] | None:
-    """Every parameter's optimizer state by name, the tied copies' from their tied optimizer under FDG (None
-    under a bf16/ZeRO wrapper, whose state is flat)."""
-    if engine.optimizer is not engine.basic_optimizer:
-        return None
-    states = dict(engine.optimizer.state)
-    for c in getattr(getattr(engine, "_tied", None), "copies", []):
-        states[c.tie.param] = c.optimizer.state.get(c.master, {})
+    """Every parameter's optimizer state by name, the tied copies' from their tied optimizer under FDG. Under a
+    bf16/ZeRO-1 wrapper each parameter's slice of the flat state ("fp32": its fp32 weight; "step": its group's;
+    a collective of the data-parallel group)."""
+    copies = {id(c.tie.param): c for c in getattr(getattr(engine, "_tied", None), "copies", [])}
+    wrapped = engine.optimizer is not engine.basic_optimizer
+    if wrapped:  # link each parameter's slice of the flat state (DeepSpeed does it at its first step, not a load)
+        engine.optimizer._hp_optimizer_states_linked = False
+        engine.optimizer._lazy_init_hp_params_optimizer_state()
     out = {}
     for name, p in model.named_parameters():
-        settings = next(
-            ({k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups
-             if any(q is p for q in g["params"])),
-            None,
-        )  # fmt: skip
-        for c in getattr(getattr(engine, "_tied", None), "copies", []):
-            if c.tie.param is p:
-                settings = {k: v for k, v in c.optimizer.param_groups[0].items() if k != "params"}
-        state = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in states.get(p, {}).items()}
+        c = copies.get(id(p))
+        group = next((g for g in engine.optimizer.param_groups if wrapped or any(q is p for q in g["params"])), None)
+        if c is not None:
+            state = dict(c.optimizer.state.get(c.master, {}))
+            group = c.optimizer.param_groups[0]
+            if wrapped:
+                state["fp32"] = c.master
+        elif wrapped:
+            from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+            index = next(i for i, g in enumerate(_flat_groups(engine.optimizer)) if any(q is p for q in g))
+            group = engine.optimizer.param_groups[index]
+            flat = engine.optimizer.optimizer.state.get(group["params"][0], {})
+            state = {k: safe_get_full_optimizer_state(p, k) for k in ("exp_avg", "exp_avg_sq") if k in flat}
+            state["fp32"] = safe_get_full_fp32_param(p)
+            if "step" in flat:
+                state["step"] = flat["step"]
+        else:
+            state = dict(engine.optimizer.state.get(p, {}))
+        settings = None if group is None else {k: v for k, v in group.items() if k != "params"}
+        state = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in state.items()}
         out[name] = {"state": state, "settings": settings}
     return out
+
+
+def _flat_groups(wrapper: Any) -> list[list[torch.Tensor]]:
+    """The parameters of each param group of DeepSpeed's bf16 or ZeRO-1 wrapper."""
+    return getattr(wrapper, "bf16_groups", None) or wrapper.bit16_groups
 
 
 def train(rank: int, world: int, cases: list[dict[str, Any]], import_fdg: bool = True) -> list[dict[str, Any]]:
@@ -312,9 +332,13 @@ def swap(rank: int, world: int, case: dict[str, Any], save_dir: str, phase: str)
     if phase == "save":
         for _ in range(2):
             engine.train_batch(it)
-        engine.save_checkpoint(save_dir)
+        if case.get("drain_save") and case.get("schedule") == "fdg":
+            engine.save_checkpoint(save_dir, drain=True)
+        else:
+            engine.save_checkpoint(save_dir)
         fdg_state = getattr(engine, "fdg_state", None)
         return {"state": _state(model), "engine": type(engine).__name__, "optim": _optimizer_state(engine, model),
+                "optimizer": type(engine.optimizer).__name__,
                 "tick": None if fdg_state is None else fdg_state.tick,
                 "delta": None if fdg_state is None else fdg_state.corrections.capture()}  # fmt: skip
     error = None
@@ -335,6 +359,7 @@ def swap(rank: int, world: int, case: dict[str, Any], save_dir: str, phase: str)
     engine.train_batch(it)  # and it trains on
     after = _state(model)
     return {"state": state, "error": error, "engine": type(engine).__name__, "stage_id": engine.stage_id,
+            "optimizer": type(engine.optimizer).__name__,
             "optim": optim, "after": after,
             "tick": tick, "delta": delta}  # fmt: skip
 

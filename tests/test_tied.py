@@ -4,6 +4,7 @@ reference, copies bit-identical on every owner after every call, no collective a
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import engine_workers
@@ -188,17 +189,28 @@ def _resumes_three_stages() -> list[dict[str, Any]]:
     ]
 
 
-def _resumes_bf16() -> list[dict[str, Any]]:
+def _resumes_flat() -> list[dict[str, Any]]:
+    """The flat (bf16 / ZeRO-1) optimizers, whose files FDG writes in 1F1B's layout (Note [tied copies in flat
+    optimizer files])."""
     base = {"stages": 2, "n": 48, "gas": 3, "calls_before": 1, "calls_after": 2, "grad_shrink": 0.5, "tied": True}
-    return [{**base, "bf16": True, "accumulate": 2}, {**base, "bf16": True, "zero": 1, "optimizer": "adam"}]
+    return [
+        {**base, "bf16": True, "accumulate": 2},
+        {**base, "bf16": True, "zero": 1, "optimizer": "adam"},
+        {**base, "zero": 1, "optimizer": "adam", "param_groups": True},
+    ]
 
 
 # The swap tests' case and (saved with, loaded with) pairs.
 SWAP_EXACT = {"stages": 2, "n": 32, "gas": 2, "tied": True, "optimizer": "adam", "param_groups": True}
-SWAP_ZERO = {"stages": 2, "n": 32, "gas": 2, "tied": True, "zero": 1}
+# Drained, as a switch to 1F1B should be (docs/fdg.md): then every owner's param group has the same step.
+SWAP_ZERO1 = {**SWAP_EXACT, "zero": 1, "drain_save": True}
+SWAP_BF16_ZERO1 = {**SWAP_ZERO1, "param_groups": False, "bf16": True}
+BOTH_WAYS = (("fdg", "1f1b"), ("1f1b", "fdg"))
 SWAPS: dict[str, tuple[dict[str, Any], tuple[tuple[str, str], ...]]] = {
-    "exact": (SWAP_EXACT, (("fdg", "1f1b"), ("1f1b", "fdg"))),
-    "zero": (SWAP_ZERO, (("1f1b", "fdg"), ("fdg", "1f1b"))),
+    "exact": (SWAP_EXACT, BOTH_WAYS),
+    "zero1": (SWAP_ZERO1, BOTH_WAYS),
+    "bf16_zero1": (SWAP_BF16_ZERO1, BOTH_WAYS),
+    "bf16_zero1_fp32_accumulation": ({**SWAP_BF16_ZERO1, "grad_accum_dtype": "fp32"}, BOTH_WAYS),
 }
 
 ONLY_TIED: dict[str, Any] = {
@@ -215,7 +227,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     group and "swaps" (per swap test, per pair) (saved, loaded)."""
     tmp = tmp_path_factory.mktemp("two_ranks")
     trained = {"every_mode": _every_mode_two_stages(), "zero1": _zero1(), "bf16": _bf16()}
-    resumes = {"two_stages": _resumes_two_stages(), "bf16": _resumes_bf16()}
+    resumes = {"two_stages": _resumes_two_stages(), "flat": _resumes_flat()}
     swaps = [(name, pair) for name, (_, pairs) in SWAPS.items() for pair in pairs]
     swap_dir = {(name, pair): str(tmp / f"{name}-{pair[0]}-to-{pair[1]}") for name, pair in swaps}
     first: list[tuple[Any, tuple]] = [(engine_workers.train, (cases,)) for cases in trained.values()]
@@ -237,9 +249,10 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     straight = out1[len(trained) + 3 : len(trained) + 3 + len(resumes)]
     out["resumes"] = dict(zip(resumes, zip(straight, out2[: len(resumes)])))
     saved, loaded = out1[len(trained) + 3 + len(resumes) :], out2[len(resumes) :]
-    out["swaps"] = {}
+    out["swaps"], out["swap_dirs"] = {}, {}
     for (name, pair), s, lo in zip(swaps, saved, loaded, strict=True):
         out["swaps"].setdefault(name, {})[pair] = (s, lo)
+        out["swap_dirs"].setdefault(name, {})[pair] = swap_dir[name, pair]
     return out
 
 
@@ -265,12 +278,18 @@ def three_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """World 4 (2 stages x 2 replicas): the data-parallel training and the dp2 trace in one launch."""
+    tmp = tmp_path_factory.mktemp("four_ranks")
+    dirs = {pair: str(tmp / f"{pair[0]}-to-{pair[1]}") for pair in BOTH_WAYS}
     calls: list[tuple[Any, tuple]] = [
         (engine_workers.train, (_data_parallel(),)),
         (engine_workers.trace_collectives, (_trace_case(2),)),
     ]
-    trained, trace = run_ranks_calls(4, tmp_path_factory.mktemp("four_ranks"), calls, deadline_s=400)
-    return {"data_parallel": trained, "trace": trace}
+    for pair in BOTH_WAYS:  # save, then load in the same processes (each call builds its own engine)
+        calls += [(engine_workers.swap, ({**SWAP_ZERO1, "schedule": pair[0]}, dirs[pair], "save")),
+                  (engine_workers.swap, ({**SWAP_ZERO1, "schedule": pair[1]}, dirs[pair], "load"))]  # fmt: skip
+    trained, trace, *swapped = run_ranks_calls(4, tmp, calls, deadline_s=500)
+    swaps = {pair: (swapped[2 * i], swapped[2 * i + 1]) for i, pair in enumerate(BOTH_WAYS)}
+    return {"data_parallel": trained, "trace": trace, "swaps": swaps, "swap_dirs": dirs}
 
 
 # -- training ------------------------------------------------------------------------------------------
@@ -373,18 +392,84 @@ def test_fdg_and_1f1b_checkpoints_swap_exactly_with_a_tie(two_ranks) -> None:
             assert not torch.equal(copies[0], loaded[0]["state"][name]), f"{what} {name} did not train on"
 
 
-def test_optimizer_state_swap_under_zero_with_a_tie_is_refused_and_weights_load(two_ranks) -> None:
-    """Under a ZeRO (or bf16) wrapper FDG builds the flat optimizer buffers without the tied copies, so the
-    layouts differ: 1F1B -> FDG is refused with the key and the fix on every rank, FDG -> 1F1B by stock
-    DeepSpeed (it raises; nothing loads silently); then the weights load both ways."""
-    for (saved_with, loaded_with), (saved, loaded) in two_ranks["swaps"]["zero"].items():
+def _flat_swap_checked(swaps: dict[tuple[str, str], Any], what: str) -> None:
+    """Note [tied copies in flat optimizer files]: each parameter's fp32 weight, Adam moments and settings load
+    exactly both ways, the tied copies' included; a tied copy's step is its group's in 1F1B's file."""
+    for (saved_with, loaded_with), (saved, loaded) in swaps.items():
+        how = f"{what} {saved_with} -> {loaded_with}"
         for s, lo in zip(saved, loaded):
-            assert lo["error"] is not None, f"{saved_with} -> {loaded_with} loaded the optimizer state"
-            if loaded_with == "fdg":
-                assert "ties ['emb'] across stages" in lo["error"], lo["error"]
-                assert "load_optimizer_states=False" in lo["error"]
+            assert lo["error"] is None, f"{how}: {lo['error']}"
+            assert lo["engine"] == ("FDGPipelineEngine" if loaded_with == "fdg" else "PipelineEngine"), how
             for key in s["state"]:
-                assert torch.equal(s["state"][key], lo["state"][key]), f"{saved_with} -> {loaded_with} {key}"
+                assert torch.equal(s["state"][key], lo["state"][key]), f"{how} {key}"
+            tied = [n for n in s["optim"] if n.startswith("tied_modules.")]
+            own = [n for n in s["optim"] if n not in tied]
+            assert tied and own and all("exp_avg" in s["optim"][n]["state"] for n in s["optim"]), how
+            for name in s["optim"]:
+                a, b = s["optim"][name], lo["optim"][name]
+                assert a["settings"] == b["settings"], f"{how} {name}"
+                assert a["state"].keys() == b["state"].keys(), f"{how} {name}"
+                for k in a["state"]:
+                    want = a["state"][k]
+                    if k == "step" and name in tied and saved_with == "fdg":  # 1F1B's file: the group's step
+                        want = s["optim"][own[0]]["state"]["step"]
+                    assert torch.equal(torch.as_tensor(want), torch.as_tensor(b["state"][k])), f"{how} {name} {k}"
+        for name in {k for lo in loaded for k in lo["after"] if k.startswith("tied_modules.")}:
+            copies = [lo["after"][name] for lo in loaded]  # trained on after the load: the copies still equal
+            assert all(torch.equal(copies[0], c) for c in copies), f"{how} {name}"
+            assert not torch.equal(copies[0], loaded[0]["state"][name]), f"{how} {name} did not train on"
+
+
+def _flat_files(save_dir: str) -> dict[str, Any]:
+    """The ZeRO / bf16 optimizer files of a checkpoint, by file name (the tag dropped)."""
+    return {
+        path.name: torch.load(path, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+        for path in sorted(Path(save_dir).glob("*/*zero_pp_rank_*_optim_states.pt"))
+    }
+
+
+def _same_layout_as_1f1b(dirs: dict[tuple[str, str], str], what: str) -> None:
+    """FDG's file (saved for the swap to 1F1B) has the layout of 1F1B's own (saved for the other swap): the same
+    partition sizes, paddings and parameter slices, rank by rank."""
+    fdg, genuine = _flat_files(dirs["fdg", "1f1b"]), _flat_files(dirs["1f1b", "fdg"])
+    assert fdg.keys() == genuine.keys() and fdg, what
+    for file in fdg:
+        a, b = fdg[file], genuine[file]
+        assert a.keys() == b.keys(), f"{what} {file}"
+        for key in ("group_paddings", "param_alignment_paddings", "param_slice_mappings", "partition_count"):
+            assert a.get(key) == b.get(key), f"{what} {file} {key}: {a.get(key)} != {b.get(key)}"
+        assert [t.shape for t in a["single_partition_of_fp32_groups"]] == [
+            t.shape for t in b["single_partition_of_fp32_groups"]
+        ], f"{what} {file}"
+        sa, sb = a["base_optimizer_state"]["state"], b["base_optimizer_state"]["state"]
+        assert {g: {k: v.shape for k, v in st.items()} for g, st in sa.items()} == {
+            g: {k: v.shape for k, v in st.items()} for g, st in sb.items()
+        }, f"{what} {file}"
+
+
+FLAT_WRAPPERS = {
+    "zero1": "DeepSpeedZeroOptimizer",
+    "bf16_zero1": "DeepSpeedZeroOptimizer",
+    "bf16_zero1_fp32_accumulation": "BF16_Optimizer",
+}
+
+
+@pytest.mark.parametrize("name", list(FLAT_WRAPPERS))
+def test_flat_optimizer_state_swaps_exactly_with_a_tie(two_ranks, name: str) -> None:
+    """ZeRO-1 (two param groups, the tied copies at inner slots), bf16 + ZeRO-1 and bf16 + ZeRO-1 accumulating in
+    fp32 (DeepSpeed's two flat wrappers): FDG -> 1F1B and 1F1B -> FDG load every parameter's fp32 weight and
+    optimizer state exactly, and FDG writes 1F1B's file layout."""
+    wrapper = FLAT_WRAPPERS[name]
+    for saved, loaded in two_ranks["swaps"][name].values():
+        assert all(r["optimizer"] == wrapper for r in saved + loaded), name
+    _flat_swap_checked(two_ranks["swaps"][name], name)
+    _same_layout_as_1f1b(two_ranks["swap_dirs"][name], name)
+
+
+def test_flat_optimizer_state_swaps_exactly_with_a_tie_data_parallel_2(four_ranks) -> None:
+    """DP 2 x PP 2 under ZeRO-1: each replica's partition moves, the tied copies' values cross partitions."""
+    _flat_swap_checked(four_ranks["swaps"], "dp2 zero1")
+    _same_layout_as_1f1b(four_ranks["swap_dirs"], "dp2 zero1")
 
 
 # -- bf16 and ZeRO-1 --------------------------------------------------------------------------------
@@ -414,9 +499,11 @@ def test_tied_bf16_and_bf16_zero1_keep_copies_bit_identical_and_follow_the_refer
                 torch.testing.assert_close(value, want, rtol=0.05, atol=0.02, msg=f"{case} {key}")
 
 
-def test_tied_resume_is_bit_identical_in_bf16_and_bf16_zero1(two_ranks) -> None:
-    straight, resumed = two_ranks["resumes"]["bf16"]
-    _resume_checked(straight, resumed, _resumes_bf16())
+def test_tied_resume_is_bit_identical_with_flat_optimizers(two_ranks) -> None:
+    """bf16, bf16 + ZeRO-1 and ZeRO-1 (two param groups): FDG's file is in 1F1B's layout, and the tied optimizers'
+    own state (their step included) comes back from FDG's per-stage file."""
+    straight, resumed = two_ranks["resumes"]["flat"]
+    _resume_checked(straight, resumed, _resumes_flat())
 
 
 @pytest.mark.parametrize("stages,limit,accumulate", [(2, 6, 3), (3, 6, 3)])
