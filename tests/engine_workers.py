@@ -6,6 +6,7 @@ package never imported.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -112,6 +113,28 @@ def build(case: dict[str, Any], world: int, import_fdg: bool = True):
             **kwargs,
         )
     return engine, model, data
+
+
+class _Warnings(logging.Handler):
+    """DeepSpeed's logger's warnings while installed (``with _Warnings() as w: ...; w.messages``)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def __enter__(self) -> _Warnings:
+        from deepspeed.utils import logger
+
+        logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from deepspeed.utils import logger
+
+        logger.removeHandler(self)
 
 
 def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -286,11 +309,14 @@ def resume(rank: int, world: int, cases: list[dict[str, Any]], root: str, phase:
         save_dir = f"{root}/case{i}"
         before, after = case["calls_before"], case["calls_after"]
         module_only: dict[str, Any] = {}
+        save_warnings: list[str] = []
         if phase == "straight":
             it = iter(data)
             for _ in range(before):
                 engine.train_batch(it) if not case.get("training_data") else engine.train_batch()
-            engine.save_checkpoint(save_dir, drain=case.get("drain_save", False))
+            with _Warnings() as saved:
+                engine.save_checkpoint(save_dir, drain=case.get("drain_save", False))
+            save_warnings = saved.messages
             after_load = _state(model)  # the weights at the save, which the resumed run loads
         else:
             torch.manual_seed(999)  # the resumed run must not depend on the process's own RNG
@@ -318,7 +344,7 @@ def resume(rank: int, world: int, cases: list[dict[str, Any]], root: str, phase:
         losses.append(engine.drain().item())
         out.append({"state": _state(model), "losses": losses, "global_steps": engine.global_steps,
                     "stage_id": engine.stage_id, "exhausted": exhausted, "module_only": module_only,
-                    "after_load": after_load})  # fmt: skip
+                    "after_load": after_load, "save_warnings": save_warnings})  # fmt: skip
     return out
 
 
@@ -332,13 +358,14 @@ def swap(rank: int, world: int, case: dict[str, Any], save_dir: str, phase: str)
     if phase == "save":
         for _ in range(2):
             engine.train_batch(it)
-        if case.get("drain_save") and case.get("schedule") == "fdg":
-            engine.save_checkpoint(save_dir, drain=True)
-        else:
-            engine.save_checkpoint(save_dir)
+        with _Warnings() as saved:
+            if case.get("drain_save") and case.get("schedule") == "fdg":
+                engine.save_checkpoint(save_dir, drain=True)
+            else:
+                engine.save_checkpoint(save_dir)
         fdg_state = getattr(engine, "fdg_state", None)
         return {"state": _state(model), "engine": type(engine).__name__, "optim": _optimizer_state(engine, model),
-                "optimizer": type(engine.optimizer).__name__,
+                "optimizer": type(engine.optimizer).__name__, "save_warnings": saved.messages,
                 "tick": None if fdg_state is None else fdg_state.tick,
                 "delta": None if fdg_state is None else fdg_state.corrections.capture()}  # fmt: skip
     error = None

@@ -460,8 +460,10 @@ def test_flat_optimizer_state_swaps_exactly_with_a_tie(two_ranks, name: str) -> 
     fp32 (DeepSpeed's two flat wrappers): FDG -> 1F1B and 1F1B -> FDG load every parameter's fp32 weight and
     optimizer state exactly, and FDG writes 1F1B's file layout."""
     wrapper = FLAT_WRAPPERS[name]
-    for saved, loaded in two_ranks["swaps"][name].values():
+    for (saved_with, _), (saved, loaded) in two_ranks["swaps"][name].items():
         assert all(r["optimizer"] == wrapper for r in saved + loaded), name
+        if saved_with == "fdg":  # drained: no warning
+            assert not any("drain=True" in w for r in saved for w in r["save_warnings"]), name
     _flat_swap_checked(two_ranks["swaps"][name], name)
     _same_layout_as_1f1b(two_ranks["swap_dirs"][name], name)
 
@@ -504,6 +506,9 @@ def test_tied_resume_is_bit_identical_with_flat_optimizers(two_ranks) -> None:
     own state (their step included) comes back from FDG's per-stage file."""
     straight, resumed = two_ranks["resumes"]["flat"]
     _resume_checked(straight, resumed, _resumes_flat())
+    for i, case in enumerate(_resumes_flat()):  # saved undrained: stage 0, holding work in flight, warns
+        warned = [any("save_checkpoint(..., drain=True)" in w for w in r[i]["save_warnings"]) for r in straight]
+        assert warned == [r[i]["stage_id"] == 0 for r in straight], case
 
 
 @pytest.mark.parametrize("stages,limit,accumulate", [(2, 6, 3), (3, 6, 3)])
