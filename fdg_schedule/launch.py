@@ -23,6 +23,13 @@ values travel back through ``torch.save`` (tensors are fine). A rank that raises
 finish within ``deadline_s`` makes :func:`run` kill the others and raise :class:`RankFailed` with the
 rank's traceback; a rank still running shortly before the deadline prints where it is stuck.
 
+Note [preloaded ranks]: each ``spawn``-ed rank imports torch and DeepSpeed afresh, seconds of a short
+run. With ``FDG_LAUNCH_PRELOAD=torch,deepspeed,...`` (the test suite sets it) the ranks are forked
+from a ``forkserver`` that imported those modules once, in a clean process of its own, with the
+environment of the first run: DeepSpeed picks its accelerator while imported, so set
+``DS_ACCELERATOR`` before the first run. Each rank still gets the caller's environment of the
+moment.
+
 Note [a rank does not import the package]: a rank runs this file as a plain script (``runpy``)
 rather than importing ``fdg_schedule.launch``, so a function that never imports ``fdg_schedule``
 trains with stock DeepSpeed, untouched. (With the package installed, importing DeepSpeed loads the
@@ -76,13 +83,13 @@ def run(
         threads: CPU threads per rank (``torch.set_num_threads`` and ``OMP_NUM_THREADS``).
         init_timeout_s: how long ``init_process_group`` may wait for the other ranks.
     """
-    import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         results: Any = ctx.Queue()
         launch = {
-            "worker": worker, "world_size": world_size, "args": args, "results": results, "threads": threads,
+            "environ": dict(os.environ), "worker": worker, "world_size": world_size, "args": args,
+            "results": results, "threads": threads,
             "init_file": os.path.join(tmp, "rendezvous"), "init_timeout_s": init_timeout_s,
             "dump_after_s": max(1.0, deadline_s - 5),
         }  # fmt: skip
@@ -104,6 +111,19 @@ def run(
                 if p.is_alive():
                     p.kill()
                 p.join(timeout=10)
+
+
+def _context() -> Any:
+    """Note [preloaded ranks]: ``spawn``, or with ``FDG_LAUNCH_PRELOAD`` set a ``forkserver`` that imported
+    those modules once."""
+    import torch.multiprocessing as mp
+
+    preload = [m for m in os.environ.get("FDG_LAUNCH_PRELOAD", "").split(",") if m]
+    if not preload:
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(preload)  # read when the server starts: the first run of this process
+    return ctx
 
 
 def free_port() -> int:
@@ -148,6 +168,7 @@ def _collect(procs: list[Any], results: Any, deadline_s: float, expect_exit: dic
 
 
 def _rank_main(
+    environ: dict[str, str],
     worker: Callable[..., Any],
     rank: int,
     world_size: int,
@@ -160,6 +181,8 @@ def _rank_main(
 ) -> None:
     # A rank still running just before the deadline prints where it is stuck.
     faulthandler.dump_traceback_later(dump_after_s, exit=False)
+    os.environ.clear()  # the caller's environment at run(), also from a forkserver started earlier
+    os.environ.update(environ)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.update(
         OMP_NUM_THREADS=str(threads), RANK=str(rank), WORLD_SIZE=str(world_size),

@@ -9,6 +9,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Note [preloaded ranks] in fdg_schedule/launch.py: ranks forked from a server that imported these once.
+os.environ.setdefault("FDG_LAUNCH_PRELOAD", "torch,deepspeed,deepspeed.runtime.pipe.engine")
 
 
 import pytest  # noqa: E402
