@@ -77,7 +77,7 @@ parser.add_argument(
     action="append",
     metavar="SPEC",
     help="run only these (repeatable): BP, 1F1B or fdg:K:beta:weights, e.g. fdg:2:0.2:current, each "
-    "optionally followed by :warmup=EPOCHS,delay_lr=TICKS,predict=GAMMA (BP takes warmup only); "
+    "optionally followed by :warmup=EPOCHS,delay_lr=TICKS,predict=GAMMA,momentum=1 (BP takes warmup only); "
     "replaces the grid of --stages x --weights x --betas",
 )
 args = parser.parse_args()
@@ -90,6 +90,7 @@ CORRECTIONS = {
     "warmup": "warm-up {} ep",
     "delay_lr": "delay_lr T={}",
     "predict": "predict γ={}",
+    "momentum": "delay_momentum",  # momentum=1
     "split": "{} split",  # not a correction: the recipe's --partition (paper, parameters, uniform)
 }
 
@@ -106,6 +107,8 @@ def fdg_variant(stages, beta, weights, options=None):
         fdg["delay_lr_ticks"] = int(options["delay_lr"])
     if "predict" in options:
         fdg["predict_decay"] = float(options["predict"])
+    if options.get("momentum") == "1":
+        fdg["delay_momentum"] = True
     name = f"FDG K={stages} β={beta:g} {weights}" + correction_name(options)
     return name, stages, {"pipeline": {"schedule": "fdg", "fdg": fdg}}, warmup_args(options)
 
@@ -127,7 +130,7 @@ def parse_options(spec, text):
         if key not in CORRECTIONS or not value:
             parser.error(
                 f"--variant {spec!r}: unknown option {item!r}; "
-                "options: warmup=N, delay_lr=T, predict=GAMMA, split=paper|parameters|uniform"
+                "options: warmup=N, delay_lr=T, predict=GAMMA, momentum=1, split=paper|parameters|uniform"
             )
         options[key] = value
     return options

@@ -21,11 +21,11 @@ same stage-local clipping); a K=2 reference run checks that the reference tracks
 Run names say what runs (any combination; the table in docs/staleness.md):
 
     bp[_s<seed>]                                  BP, a DeepSpeed job of the recipe
-    fdg_k<K>_b<beta>[_stashed][_dlr<T>][_p<gamma>][_s<seed>]
+    fdg_k<K>_b<beta>[_stashed][_dlr<T>][_p<gamma>][_m][_s<seed>]
                                                   FDG on the DeepSpeed engine (K ranks): weights "stashed"
                                                   (default "current"), the staleness corrections
-                                                  delay_lr_ticks T and predict_decay gamma
-    ref_k<K>_b<beta>[_stashed][_dlr<T>][_p<gamma>][_s<seed>]
+                                                  delay_lr_ticks T, predict_decay gamma, delay_momentum
+    ref_k<K>_b<beta>[_stashed][_dlr<T>][_p<gamma>][_m][_s<seed>]
                                                   the same with fdg_reference in one process
     <any DeepSpeed run above>_tied / _untied      the model with its LM head tied to the input embedding
                                                   (docs/lm_convergence_model.json, tie_word_embeddings
@@ -59,7 +59,7 @@ RUNS = "bp,fdg_k2_b0.5,fdg_k2_b1.0,ref_k2_b0.5,ref_k3_b0.5,ref_k3_b1.0"  # the d
 TIE_RUNS = "bp_tied,bp_untied,fdg_k2_b0.5_tied,fdg_k2_b0.5_untied"  # tied vs untied at K = 2
 NAME = re.compile(
     r"^(?:bp|(?P<kind>fdg|ref)_k(?P<K>\d+)_b(?P<beta>[\d.]+)(?:_(?P<weights>stashed))?"
-    r"(?:_dlr(?P<T>\d+))?(?:_p(?P<gamma>[\d.]+))?)(?:_s(?P<seed>\d+))?(?:_(?P<tie>tied|untied))?$"
+    r"(?:_dlr(?P<T>\d+))?(?:_p(?P<gamma>[\d.]+))?(?P<momentum>_m)?)(?:_s(?P<seed>\d+))?(?:_(?P<tie>tied|untied))?$"
 )
 
 
@@ -76,6 +76,7 @@ class Run:
     predict_decay: float | None
     seed: int
     tie: str = ""  # "" (the model file as it is), "tied" or "untied" (the tied model, --untie)
+    delay_momentum: bool = False
 
     @property
     def baseline(self) -> str:
@@ -98,7 +99,7 @@ def parse_run(name: str) -> Run:
             f"compare tied and untied embeddings with DeepSpeed runs (bp_{tie}, fdg_k2_b0.5_{tie})"
         )
     seed = int(match["seed"] or 1234)
-    return Run(name, kind, stages, float(match["beta"] or 1.0), weights, T, gamma, seed, tie)
+    return Run(name, kind, stages, float(match["beta"] or 1.0), weights, T, gamma, seed, tie, bool(match["momentum"]))
 
 
 def model_config(run: Run, out: Path) -> tuple[Path, list[str]]:
@@ -123,6 +124,7 @@ def run_deepspeed(run: Run, micro_batches: int, eval_every: int) -> None:
         config["pipeline"]["fdg"]["weights"] = run.weights
         config["pipeline"]["fdg"]["delay_lr_ticks"] = run.delay_lr_ticks
         config["pipeline"]["fdg"]["predict_decay"] = run.predict_decay
+        config["pipeline"]["fdg"]["delay_momentum"] = run.delay_momentum
         config["pipeline"]["fdg"]["timeout"] = 36000  # an experiment paused by quiet.sh must not time out
     (out / "ds_config.json").write_text(json.dumps(config, indent=2))
     per_call = 1 if stages == 1 else GAS
@@ -219,6 +221,7 @@ def run_reference(run: Run, micro_batches: int, eval_every: int) -> None:
             weights=run.weights,
             delay_lr_ticks=run.delay_lr_ticks,
             predict_decay=run.predict_decay,
+            delay_momentum=run.delay_momentum,
         ),
         drain=True,
         clip_grad_norm=float(ds_config["gradient_clipping"]),  # stage-local, as the engine does

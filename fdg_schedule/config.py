@@ -11,6 +11,7 @@ The public keys::
         "accumulate": 1,              # backward passes per optimizer step, >= 1
         "delay_lr_ticks": 0,          # T: delayed stages start at a lower learning rate, full at tick T; 0 = off
         "predict_decay": null,        # gamma in [0, 1): forwards run on predicted weights; null = off
+        "delay_momentum": false,      # momentum mu of stage k taken as mu ** (1 + h_k) in its steps
         "staleness_every": 100,       # measure ||w_fwd - w_bwd|| / ||w|| every N ticks; 0 = off
         "nonfinite": "error",         # "error" | "skip": a non-finite loss or gradient on a stage
         "timeout": 60,                # seconds a stage waits for a neighbour before failing
@@ -73,6 +74,12 @@ class FDGConfig:
     every forward on ``w + (delay_k / accumulate) * delta``. In [0, 1); None turns it off. Costs one
     parameter-sized tensor per stage."""
 
+    delay_momentum: bool = False
+    """Delay-aware momentum (Note [staleness corrections] in reference.py): the step of stage k uses
+    momentum ``mu ** (1 + h_k)``, h_k = delay_k / accumulate, where mu is each param group's
+    ``momentum`` (SGD, RMSprop) or first beta (Adam, AdamW, Lion): a delayed gradient already carries
+    the memory of h_k steps, so the stage keeps less of it. False turns it off."""
+
     staleness_every: int = 100
     """N: every N ticks each delayed stage measures its staleness, the relative distance
     ``||w_fwd - w_bwd|| / ||w_bwd||`` between the weights the forward of the micro-batch entering it
@@ -124,6 +131,11 @@ class FDGConfig:
                     f"predict_decay must be in [0, 1) or null, got {self.predict_decay!r} "
                     "(pipeline.fdg.predict_decay in ds_config); null turns weight prediction off"
                 )
+        if not isinstance(self.delay_momentum, bool):
+            raise FDGConfigError(
+                f"delay_momentum must be true or false, got {type(self.delay_momentum).__name__} "
+                f"{self.delay_momentum!r} (pipeline.fdg.delay_momentum in ds_config); false turns it off"
+            )
         _check_number("staleness_every", self.staleness_every, int, "; e.g. 100, or 0 for off")
         if self.staleness_every < 0:
             raise FDGConfigError(

@@ -83,6 +83,7 @@ class FDGPipelineEngine(FDGCheckpoints):
             corrections=Corrections(corrected, self.num_stages, self.stage_id, fdg_config),
             meter=StalenessMeter(params, every, delayed), tied=self._tied,
         )  # fmt: skip
+        self.fdg_state.corrections.check_optimizer(self.optimizer, self._where())
         self._watch = guards.NonFiniteWatch()  # Note [no host sync in a tick]
         self._running: FDGTrainSchedule | None = None  # the call in progress: told when the data ends
         # Counters, seconds spent per kind of instruction ("<kind>_s", see schedule.Kind), and the

@@ -14,14 +14,19 @@ batch-norm running statistics'), so stored forwards run under saved-tensor hooks
 very same tensors back, which skips the version check.
 
 Note [staleness corrections]
-    Two optional corrections (``pipeline.fdg.delay_lr_ticks`` = T, ``pipeline.fdg.predict_decay``
-    = gamma). Stage k of K has delay d_k = 2(K-1-k) ticks, h_k = d_k / accumulate optimizer steps
+    Three optional corrections (``pipeline.fdg.delay_lr_ticks`` = T, ``pipeline.fdg.predict_decay``
+    = gamma, ``pipeline.fdg.delay_momentum``). Stage k of K has delay d_k = 2(K-1-k) ticks,
+    h_k = d_k / accumulate optimizer steps
     (0 on the last stage) and tau_k = max(1, h_k); t is the tick of a step counted from the start of
     training (fill and drain ticks included; `ReferenceState` carries it from call to call).
 
     delay_lr: the step of stage k in tick t runs with every param group's lr multiplied by
     ``tau_k ** -max(0, 1 - t/T)``; the lr is put back right after the step, so a scheduler or the
     user sees its own value.
+
+    delay_momentum: the step of stage k runs with every param group's momentum mu (``momentum``,
+    or the first of ``betas``) taken as ``mu ** (1 + h_k)``, put back right after the step. A
+    gradient h_k steps old already carries h_k steps of the trajectory; the stage keeps less memory.
 
     predict: stage k keeps delta (one tensor per trainable parameter, zero at first); after each of
     its steps ``delta <- gamma*delta + (1-gamma)*(w_after - w_before)``. Every forward on stage k
@@ -198,6 +203,8 @@ class _Corrections:
         if config.delay_lr_ticks > 0:
             tau = max(1.0, self.h)
             self.lr_factor = tau ** -max(0.0, 1.0 - t / config.delay_lr_ticks)
+        # delay_momentum: mu ** (1 + h_k) in the step (the last stage, h = 0, keeps mu)
+        self.momentum_power = 1.0 + self.h if config.delay_momentum else 1.0
         self.gamma = config.predict_decay
         self.delta: dict[str, Tensor] | None = None
         if self.gamma is not None and self.h > 0:
@@ -223,19 +230,30 @@ class _Corrections:
 
     @contextlib.contextmanager
     def step(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
-        """Around one optimizer step: the lr factor for the step only, then the delta update."""
+        """Around one optimizer step: the lr factor and the momentum power for the step only, then the delta
+        update."""
         before = None
         if self.delta is not None:
             before = {name: p.detach().clone() for name, p in self.stage.named_parameters() if name in self.delta}
-        lrs = [group["lr"] for group in optimizer.param_groups]
-        if self.lr_factor != 1.0:
-            for group, lr in zip(optimizer.param_groups, lrs):
-                group["lr"] = lr * self.lr_factor
+        groups = optimizer.param_groups
+        saved = [dict(group) for group in groups]  # lr, momentum, betas as they were: put back after
+        for group in groups:
+            group["lr"] = group["lr"] * self.lr_factor
+            if self.momentum_power != 1.0:
+                if "momentum" in group:
+                    group["momentum"] = group["momentum"] ** self.momentum_power
+                elif "betas" in group:
+                    beta1, *rest = group["betas"]
+                    group["betas"] = (beta1**self.momentum_power, *rest)
+                else:
+                    raise ValueError(f"delay_momentum: param group without 'momentum' or 'betas': {sorted(group)}")
         try:
             yield
         finally:
-            for group, lr in zip(optimizer.param_groups, lrs):
-                group["lr"] = lr
+            for group, settings in zip(groups, saved):
+                for key in ("lr", "momentum", "betas"):
+                    if key in settings:
+                        group[key] = settings[key]
         if before is not None and self.delta is not None and self.gamma is not None:
             with torch.no_grad():
                 for name, p in self.stage.named_parameters():

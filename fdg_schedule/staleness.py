@@ -34,7 +34,24 @@ import torch
 from torch import Tensor
 
 from fdg_schedule import ticks
-from fdg_schedule.config import FDGConfig
+from fdg_schedule.config import FDGConfig, FDGConfigError
+
+
+def momentum_of(group: dict[str, Any]) -> tuple[str | None, Any]:
+    """The key holding a param group's momentum (``"momentum"``, or ``"betas"`` whose first entry it is)
+    and its value; (None, None) without one."""
+    for key in ("momentum", "betas"):
+        if key in group:
+            return key, group[key]
+    return None, None
+
+
+def set_momentum(group: dict[str, Any], key: str | None, value: Any, power: float) -> None:
+    """mu -> mu ** power in ``group`` (delay-aware momentum); betas keep their other entries."""
+    if key == "momentum":
+        group[key] = value**power
+    elif key == "betas":
+        group[key] = (value[0] ** power, *value[1:])
 
 
 class Corrections:
@@ -51,6 +68,8 @@ class Corrections:
         self.h = ticks.delay(stages, stage_id) / config.accumulate  # the delay in optimizer steps
         self.tau = max(1.0, self.h)
         self.delay_lr_ticks = config.delay_lr_ticks
+        self.delay_momentum = config.delay_momentum
+        self.momentum_power = 1.0 + self.h if config.delay_momentum and self.h > 0 else None
         self.gamma = config.predict_decay if self.h > 0 else None  # the last stage has nothing to predict
         # Note [delta in fp32]
         self.delta: list[Tensor] | None = None
@@ -83,13 +102,15 @@ class Corrections:
         """Run ``take_step()`` (one optimizer step; returns whether it was taken) in tick ``tick``.
 
         The lr of every param group of ``optimizer`` is multiplied by :meth:`lr_factor` for the step
-        only: the value it had is written back afterwards (not divided back), so a scheduler or the
-        user sees its own. DeepSpeed's bf16 and ZeRO wrappers share ``param_groups`` (the same dicts)
-        with the optimizer they wrap. After a step that was taken, delta moves towards the step:
+        only, and with ``delay_momentum`` its momentum mu is taken as ``mu ** (1 + h)``: the values
+        they had are written back afterwards (not divided back), so a scheduler or the user sees its
+        own. DeepSpeed's bf16 and ZeRO wrappers share ``param_groups`` (the same dicts) with the
+        optimizer they wrap. After a step that was taken, delta moves towards the step:
         ``delta <- gamma*delta + (1-gamma)*(w_after - w_before)``.
         """
         groups = optimizer.param_groups
         lrs = [group["lr"] for group in groups]
+        momenta = [momentum_of(group) for group in groups]
         factor = self.lr_factor(tick)
         before = None
         if self.delta is not None:
@@ -98,17 +119,35 @@ class Corrections:
         if factor != 1.0:
             for group, lr in zip(groups, lrs):
                 group["lr"] = lr * factor
+        if self.momentum_power is not None:
+            for group, (key, value) in zip(groups, momenta):
+                set_momentum(group, key, value, self.momentum_power)
         try:
             taken = take_step()
         finally:
-            for group, lr in zip(groups, lrs):
+            for group, lr, (key, value) in zip(groups, lrs, momenta):
                 group["lr"] = lr
+                if key is not None:
+                    group[key] = value
         if taken and before is not None and self.delta is not None and self.gamma is not None:
             with torch.no_grad():
                 moved = torch._foreach_sub(_fp32(_data(self.params)), _fp32(before))
                 torch._foreach_mul_(self.delta, self.gamma)
                 torch._foreach_add_(self.delta, moved, alpha=1.0 - self.gamma)
         return taken
+
+    def check_optimizer(self, optimizer: Any, where: str) -> None:
+        """With ``delay_momentum``, every param group must have a momentum to take the power of (checked on
+        every stage, the last one too, so that all raise alike)."""
+        if not self.delay_momentum:
+            return
+        for i, group in enumerate(optimizer.param_groups):
+            if momentum_of(group)[0] is None:
+                raise FDGConfigError(
+                    f"{where}: pipeline.fdg.delay_momentum is true but param group {i} of the optimizer "
+                    f"({type(optimizer).__name__}) has no 'momentum' nor 'betas'; set delay_momentum to false, "
+                    "or use an optimizer with momentum (SGD with momentum, Adam, AdamW)"
+                )
 
     def reset(self) -> None:
         """delta back to zero (a checkpoint that cannot continue this stage's prediction)."""

@@ -18,7 +18,8 @@ from deepspeed.pipe import PipelineModule
 
 # The pipeline.fdg keys a test case may set (the same keys build the reference's FDGConfig).
 FDG_KEYS = (
-    "grad_shrink", "weights", "activations", "accumulate", "delay_lr_ticks", "predict_decay", "staleness_every",
+    "grad_shrink", "weights", "activations", "accumulate", "delay_lr_ticks", "predict_decay", "delay_momentum",
+    "staleness_every",
     "check_every", "nonfinite",
 )  # fmt: skip
 

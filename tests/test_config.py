@@ -29,6 +29,8 @@ def test_staleness_corrections_are_off_by_default_and_read_from_the_block() -> N
     assert config == FDGConfig(delay_lr_ticks=2000, predict_decay=0.9)
     assert parse(_ds({"predict_decay": 0})) == FDGConfig(predict_decay=0)  # gamma 0: delta is the last step
     assert parse(_ds({"predict_decay": None})) == FDGConfig()
+    assert default.delay_momentum is False
+    assert parse(_ds({"delay_momentum": True})) == FDGConfig(delay_momentum=True)
 
 
 @pytest.mark.parametrize("pipeline", [None, {}, {"schedule": "1f1b"}, {"schedule": "1F1B", "stages": 2}])
@@ -65,6 +67,8 @@ def test_no_fdg_means_stock_deepspeed(pipeline) -> None:
         (_ds(torch_autocast={"enabled": True}), "remove torch_autocast and use bf16"),
         (_ds(zero_optimization={"stage": 2}), "zero_optimization.stage=2 is not supported"),
         (_ds(zero_optimization={"stage": 3}), "set zero_optimization.stage to 1"),
+        (_ds({"delay_momentum": 1}), "delay_momentum must be true or false, got int 1 (pipeline.fdg.delay_momentum"),
+        (_ds({"delay_momentum": "true"}), "got str 'true' (pipeline.fdg.delay_momentum in ds_config); false turns"),
         (_ds({"delay_lr_ticks": -1}), "delay_lr_ticks must be an integer >= 0, got -1 (pipeline.fdg.delay_lr_ticks"),
         (_ds({"delay_lr_ticks": -1}), "0 turns the delay-aware learning rate off"),
         (_ds({"delay_lr_ticks": 10.5}), "delay_lr_ticks must be an integer, got float 10.5"),

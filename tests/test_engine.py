@@ -25,8 +25,13 @@ pytestmark = pytest.mark.distributed
 MODES = [(w, a) for w in ("current", "stashed") for a in ("stored", "recomputed")]
 TOL = {"rtol": 1e-6, "atol": 1e-6}
 # The staleness corrections separately and together; T small enough that the ramp ends within a test.
-CORRECTIONS = [{"delay_lr_ticks": 8}, {"predict_decay": 0.5}, {"delay_lr_ticks": 8, "predict_decay": 0.5}]
-BOTH = CORRECTIONS[-1]
+CORRECTIONS = [
+    {"delay_lr_ticks": 8},
+    {"predict_decay": 0.5},
+    {"delay_momentum": True},
+    {"delay_lr_ticks": 8, "predict_decay": 0.5, "delay_momentum": True},
+]
+BOTH = CORRECTIONS[-1]  # all of them
 
 
 def reference(case: dict[str, Any], parts: list[int]) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
@@ -148,14 +153,15 @@ def _cases(stages: int, gas: int, calls: int, **extra: Any) -> list[dict[str, An
 
 
 def _corrected(stages: int, gas: int, calls: int, **extra: Any) -> list[dict[str, Any]]:
-    """Every mode with both corrections (Note [staleness corrections]), then each correction alone
+    """Every mode with all corrections (Note [staleness corrections]), then each correction alone
     in one mode; SGD and Adam in turn."""
     base = {"stages": stages, "n": 64, "gas": gas, "calls": calls, "grad_shrink": 0.5, **extra}
     cases = [
         {**base, "weights": w, "activations": a, "optimizer": ("sgd", "adam")[i % 2], **BOTH}
         for i, (w, a) in enumerate(MODES)
     ]
-    alone = zip(CORRECTIONS[:-1], (("current", "recomputed"), ("stashed", "stored")), ("adam", "sgd"))
+    modes = (("current", "recomputed"), ("stashed", "stored"), ("current", "stored"))
+    alone = zip(CORRECTIONS[:-1], modes, ("adam", "sgd", "adam"))
     cases += [{**base, "weights": w, "activations": a, "optimizer": opt, **c} for c, (w, a), opt in alone]
     return cases
 

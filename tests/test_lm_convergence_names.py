@@ -51,3 +51,11 @@ def test_both_variants_train_the_same_tied_model(tmp_path: Path) -> None:
 def test_reference_runs_have_no_tied_variant() -> None:
     with pytest.raises(SystemExit, match="fdg_reference runs have no tied variant"):
         benchmark().parse_run("ref_k3_b0.5_tied")
+
+
+def test_the_m_suffix_turns_delay_aware_momentum_on() -> None:
+    lm = benchmark()
+    run = lm.parse_run("ref_k4_b1.0_stashed_p0.9_m_s3")
+    assert run.delay_momentum and run.predict_decay == 0.9 and run.weights == "stashed" and run.seed == 3
+    assert run.kind == "reference" and run.baseline == "bp_s3"
+    assert not lm.parse_run("ref_k4_b1.0").delay_momentum

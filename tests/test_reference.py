@@ -428,3 +428,43 @@ def test_schedulers_step_once_per_accumulate_ticks() -> None:
     after = lambda tick: lrs.append(opts[0].param_groups[0]["lr"])  # noqa: E731
     fdg_reference(st, opts, _data(3), F.cross_entropy, config, drain=True, schedulers=scheds, after_tick=after)
     assert lrs == [1.0, 0.5, 0.5, 0.25, 0.25]  # 3 micro-batches + 2 drain ticks
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_delay_momentum_is_the_momentum_of_each_stage_raised_to_one_plus_its_delay(
+    optimizer: str, accumulate: int
+) -> None:
+    """delay_momentum (Note [staleness corrections]) equals running the plain update with stage k's optimizer built
+    with momentum mu ** (1 + h_k), h_k = 2(K-1-k) / accumulate: the last stage keeps mu."""
+    K, mu = 3, 0.9
+
+    def build(with_power: bool) -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+        torch.manual_seed(0)
+        for p in model.parameters():
+            nn.init.normal_(p, std=0.5)
+        stages = [model[0:2], model[2:4], model[4:]]
+        opts = []
+        for k, stage in enumerate(stages):
+            m = mu ** (1 + 2 * (K - 1 - k) / accumulate) if with_power else mu
+            if optimizer == "sgd":
+                opts.append(torch.optim.SGD(stage.parameters(), lr=0.1, momentum=m))
+            else:
+                opts.append(torch.optim.Adam(stage.parameters(), lr=0.01, betas=(m, 0.99)))
+        return stages, opts
+
+    data = _data(12)
+    corrected, corrected_opts = build(False)
+    config = FDGConfig(0.5, "stashed", accumulate=accumulate)
+    got = fdg_reference(corrected, corrected_opts, data, F.cross_entropy, FDGConfig(
+        0.5, "stashed", accumulate=accumulate, delay_momentum=True), drain=True)  # fmt: skip
+    preset, preset_opts = build(True)
+    want = fdg_reference(preset, preset_opts, data, F.cross_entropy, config, drain=True)
+    assert got == want
+    for a, b in zip(corrected, preset):
+        for p, q in zip(a.parameters(), b.parameters()):
+            assert torch.equal(p, q)
+    for opt in corrected_opts:  # put back after every step
+        group = opt.param_groups[0]
+        assert group.get("momentum", mu) == mu and group.get("betas", (mu, 0.99)) == (mu, 0.99)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from fdg_schedule.config import FDGConfig
+from fdg_schedule.config import FDGConfig, FDGConfigError
 from fdg_schedule.staleness import Corrections, StalenessMeter
 
 
@@ -53,6 +53,37 @@ def test_the_step_runs_at_the_scaled_lr_and_the_lr_is_written_back() -> None:
     with pytest.raises(RuntimeError):
         corrections.step(optimizer, 0, failing)
     assert [group["lr"] for group in optimizer.param_groups] == [0.3, 0.1]
+
+
+@pytest.mark.parametrize("stage,power", [(0, 1 + 4 / 2), (1, 1 + 2 / 2), (2, None)])  # K = 3, accumulate 2
+def test_the_step_runs_with_delay_aware_momentum_and_it_is_written_back(stage: int, power: float | None) -> None:
+    """delay_momentum: mu ** (1 + h) in the step, h = delay / accumulate (SGD's momentum, Adam's first beta); the
+    values are put back after it, also when it fails; the last stage (h = 0) keeps mu."""
+    params = _params()
+    sgd = torch.optim.SGD([{"params": params[:1], "momentum": 0.9}, {"params": params[1:], "momentum": 0.5}], lr=0.1)
+    adam = torch.optim.Adam(params, betas=(0.8, 0.95))
+    corrections = Corrections(params, 3, stage, FDGConfig(delay_momentum=True, accumulate=2))
+    seen: list[list[object]] = []
+    for optimizer, key in ((sgd, "momentum"), (adam, "betas")):
+        before = [group[key] for group in optimizer.param_groups]
+        corrections.step(optimizer, 5, lambda o=optimizer, k=key: seen.append([g[k] for g in o.param_groups]) or True)
+        assert [group[key] for group in optimizer.param_groups] == before
+        with pytest.raises(RuntimeError):
+            corrections.step(optimizer, 5, lambda: (_ for _ in ()).throw(RuntimeError("boom")))
+        assert [group[key] for group in optimizer.param_groups] == before
+    p = power or 1.0
+    assert seen == [[0.9**p, 0.5**p], [(0.8**p, 0.95)]]
+
+
+def test_delay_momentum_needs_an_optimizer_with_momentum() -> None:
+    """Checked on every stage, the last one too (every rank raises alike), naming the key and the fix."""
+    params = _params()
+    for stage in (0, 1):
+        corrections = Corrections(params, 2, stage, FDGConfig(delay_momentum=True))
+        with pytest.raises(FDGConfigError, match="delay_momentum is true but param group 0 .*Adagrad.* no 'momentum'"):
+            corrections.check_optimizer(torch.optim.Adagrad(params), "stage 0")
+        corrections.check_optimizer(torch.optim.SGD(params, lr=0.1), "stage 0")  # momentum 0: allowed
+    Corrections(params, 2, 0, FDGConfig()).check_optimizer(torch.optim.Adagrad(params), "stage 0")  # off
 
 
 def test_delta_follows_taken_steps_only() -> None:
