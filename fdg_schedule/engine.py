@@ -78,12 +78,11 @@ class FDGPipelineEngine(FDGCheckpoints):
         self._own_params = self._tied.without(self.module.parameters())  # stepped by the stage's optimizer
         params, every = self._delayed.params, fdg_config.staleness_every
         corrected = self._tied.without(params)  # tied copies are never predicted nor lr-scaled
+        corrections = Corrections(corrected, self.num_stages, self.stage_id, fdg_config, self.optimizer, self._where())
         self.fdg_state = StageState(
-            self.num_stages, self._exchange, self.pipe_buffers,
-            corrections=Corrections(corrected, self.num_stages, self.stage_id, fdg_config),
+            self.num_stages, self._exchange, self.pipe_buffers, corrections=corrections,
             meter=StalenessMeter(params, every, delayed), tied=self._tied,
         )  # fmt: skip
-        self.fdg_state.corrections.check_optimizer(self.optimizer, self._where())
         self._watch = guards.NonFiniteWatch()  # Note [no host sync in a tick]
         self._running: FDGTrainSchedule | None = None  # the call in progress: told when the data ends
         # Counters, seconds spent per kind of instruction ("<kind>_s", see schedule.Kind), and the

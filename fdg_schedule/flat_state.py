@@ -158,6 +158,21 @@ def _check_rigid(sd: dict[str, Any]) -> None:
         )
 
 
+def _with_tied(layout: FlatGroup, entries: Sequence[TiedEntry]) -> FlatGroup:
+    """1F1B's layout of a group: FDG's with the tied copies inserted at their indices (ascending)."""
+    for entry in entries:
+        layout = layout.with_inserted(entry.index, math.prod(entry.shape), entry.name)
+    return layout
+
+
+def _with_layout(out: dict[str, Any], sd: dict[str, Any], layouts: Sequence[FlatGroup], rank: int) -> None:
+    """``out``'s layout fields (paddings, parameter slices) as DeepSpeed writes them for ``layouts``."""
+    out[GROUP_PADDINGS] = [layout.group_padding(rank) for layout in layouts]
+    out[SLICES] = [layout.slices(rank) for layout in layouts]
+    if PARAM_PADDINGS in sd:
+        out[PARAM_PADDINGS] = [list(layout.paddings) for layout in layouts]
+
+
 def to_1f1b(
     sd: dict[str, Any],
     groups: Sequence[FlatGroup],
@@ -175,11 +190,9 @@ def to_1f1b(
     out = dict(sd)
     base = dict(sd[BASE])
     states = {k: dict(v) for k, v in base["state"].items()}
-    fp32_out, paddings, param_paddings, slices = [], [], [], []
-    for g, layout in enumerate(groups):
-        wide = layout
-        for entry in tied[g]:
-            wide = wide.with_inserted(entry.index, math.prod(entry.shape), entry.name)
+    fp32_out = []
+    wides = [_with_tied(layout, entries) for layout, entries in zip(groups, tied)]
+    for g, (layout, wide) in enumerate(zip(groups, wides)):
 
         def move(partition: Tensor, tied_values: list[Tensor], layout: FlatGroup = layout, wide: FlatGroup = wide,
                  g: int = g) -> Tensor:  # fmt: skip
@@ -192,22 +205,15 @@ def to_1f1b(
         fp32 = move(sd[FP32][g], [e.fp32 for e in tied[g]])  # type: ignore[misc]
         fp32_out.append(fp32[: wide.partition - wide.group_padding(rank)] if layout.lean_fp32 else fp32)
         if g not in states:  # no step yet: 1F1B's group starts fresh too (FDG's file keeps the tied state)
-            paddings.append(wide.group_padding(rank))
-            param_paddings.append(list(wide.paddings))
-            slices.append(wide.slices(rank))
             continue
         state = states[g]
         keys = _partition_keys(state, layout.partition)
         _check_state(state, keys, layout.partition, f"param group {g}")
         for key in keys:
             state[key] = move(state[key], [e.state[key] for e in tied[g]])
-        paddings.append(wide.group_padding(rank))
-        param_paddings.append(list(wide.paddings))
-        slices.append(wide.slices(rank))
     base["state"] = states
-    out[BASE], out[FP32], out[GROUP_PADDINGS], out[SLICES] = base, fp32_out, paddings, slices
-    if PARAM_PADDINGS in sd:
-        out[PARAM_PADDINGS] = param_paddings
+    out[BASE], out[FP32] = base, fp32_out
+    _with_layout(out, sd, wides, rank)
     return out
 
 
@@ -229,9 +235,7 @@ def from_1f1b(
     states = {k: dict(v) for k, v in base["state"].items()}
     fp32_out = []
     for g, layout in enumerate(groups):
-        wide = layout
-        for entry in tied[g]:
-            wide = wide.with_inserted(entry.index, math.prod(entry.shape), entry.name)
+        wide = _with_tied(layout, tied[g])
 
         def move(partition: Tensor, layout: FlatGroup = layout, wide: FlatGroup = wide,
                  g: int = g) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
@@ -257,8 +261,5 @@ def from_1f1b(
                 entry.state[key] = value.reshape(entry.shape).clone()
     base["state"] = states
     out[BASE], out[FP32] = base, fp32_out
-    out[GROUP_PADDINGS] = [layout.group_padding(rank) for layout in groups]
-    out[SLICES] = [layout.slices(rank) for layout in groups]
-    if PARAM_PADDINGS in sd:
-        out[PARAM_PADDINGS] = [list(layout.paddings) for layout in groups]
+    _with_layout(out, sd, groups, rank)
     return out

@@ -60,10 +60,14 @@ class Corrections:
     Args:
         params: the stage's trainable parameters (the ones the optimizer steps).
         stages, stage_id: ``K`` and ``k``.
-        config: ``delay_lr_ticks``, ``predict_decay`` and ``accumulate``.
+        config: ``delay_lr_ticks``, ``predict_decay``, ``delay_momentum`` and ``accumulate``.
+        optimizer, where: the stage's optimizer, checked at once (:meth:`check_optimizer`; errors name ``where``).
     """
 
-    def __init__(self, params: Sequence[Tensor], stages: int, stage_id: int, config: FDGConfig) -> None:
+    def __init__(
+        self, params: Sequence[Tensor], stages: int, stage_id: int, config: FDGConfig, optimizer: Any = None,
+        where: str = "",
+    ) -> None:  # fmt: skip
         self.params = list(params)
         self.h = ticks.delay(stages, stage_id) / config.accumulate  # the delay in optimizer steps
         self.tau = max(1.0, self.h)
@@ -75,6 +79,8 @@ class Corrections:
         self.delta: list[Tensor] | None = None
         if self.gamma is not None:
             self.delta = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
+        if optimizer is not None:
+            self.check_optimizer(optimizer, where)
 
     def lr_factor(self, tick: int) -> float:
         """``tau ** -max(0, 1 - t/T)``: what the step in tick ``t`` multiplies every param group's lr by."""
@@ -110,7 +116,7 @@ class Corrections:
         """
         groups = optimizer.param_groups
         lrs = [group["lr"] for group in groups]
-        momenta = [momentum_of(group) for group in groups]
+        momenta = [momentum_of(group) if self.momentum_power is not None else (None, None) for group in groups]
         factor = self.lr_factor(tick)
         before = None
         if self.delta is not None:
