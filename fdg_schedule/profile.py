@@ -8,7 +8,8 @@ measures once per model, micro-batch, device, dtype and optimizer, on global ran
 rank (and every later run) the same file, so all stages agree on the split without re-profiling.
 
 What one layer costs (medians over ``repeats`` rounds after ``warmup`` rounds that are not counted;
-every round runs the four passes in this order on the same input):
+every round runs the four passes in this order on the same input, for every layer in turn, so a
+slow moment of a shared machine falls on all layers alike):
 
     forward_s      forward with autograd recording (what "stored" activations and 1F1B run)
     backward_s     backward from the layer's outputs (from the loss, for the last layer when a
@@ -229,6 +230,7 @@ def profile_layers(
     dtype: torch.dtype | None = None,
     repeats: int = 7,
     warmup: int = 2,
+    interleave: bool = True,
 ) -> ModelProfile:
     """Time and size every layer of ``layers`` on the micro-batch ``inputs`` (see the module docstring).
 
@@ -240,6 +242,9 @@ def profile_layers(
         device: where to run (default: DeepSpeed's accelerator's current device).
         dtype: floating dtype for weights and floating inputs (default: as they are).
         repeats: timed rounds per layer (medians are kept); warmup: rounds before them, not kept.
+        interleave: every round times every layer in turn (a copy of every layer, its optimizer state
+            and its input are alive at once); False times the layers one after another, one layer in
+            memory at a time, for a model whose copy does not fit the device twice.
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
@@ -248,15 +253,23 @@ def profile_layers(
     device = torch.device(device) if device is not None else _default_device()
     x = _to(inputs, device, dtype)
     y = _to(labels, device, None)
-    results = []
     devices = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(0)
+        results, everyone = [], []
         for index, layer in enumerate(layers):
             last = index == len(layers) - 1
             loss = _loss_of(loss_fn, y) if (last and loss_fn is not None and y is not None) else None
-            cost, x = _profile_one(layer, x, index, loss, optimizer, device, dtype, repeats, warmup)
-            results.append(cost)
+            passes = _Passes(*_runnable(layer, device, dtype), x, index > 0, loss, optimizer, device)
+            x = passes.output()
+            if interleave:
+                everyone.append(passes)
+            else:
+                (kept,) = _interleaved([passes], warmup, repeats)
+                results.append(passes.cost(layer_name(layer), kept))
+        if interleave:
+            rounds = _interleaved(everyone, warmup, repeats)
+            results = [passes.cost(layer_name(layer), kept) for passes, layer, kept in zip(everyone, layers, rounds)]
     return ModelProfile(
         layers=tuple(results),
         micro_batch=_leading_size(inputs),
@@ -267,6 +280,7 @@ def profile_layers(
         meta={
             "repeats": repeats,
             "warmup": warmup,
+            "interleaved": interleave,
             "optimizer": _describe_optimizer(optimizer),
             "loss_in_last_layer": loss_fn is not None and labels is not None,
             "threads": torch.get_num_threads(),
@@ -278,63 +292,92 @@ def profile_layers(
     )
 
 
-def _profile_one(
-    layer: Any,
-    x: Any,
-    index: int,
-    loss: Callable[[Any], Tensor] | None,
-    optimizer: OptimizerFactory,
-    device: torch.device,
-    dtype: torch.dtype | None,
-    repeats: int,
-    warmup: int,
-) -> tuple[LayerCost, Any]:
-    """One layer's cost, and its output (detached) for the next layer."""
-    run, module = _runnable(layer, device, dtype)
-    params = [p for p in module.parameters() if p.requires_grad] if module is not None else []
-    opt = optimizer(params) if params else None
-    state = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())} if module else set()
-    # A stage's input needs a gradient unless it is the data (layer 0), as in DeepSpeed's pipeline.
-    leaf = _leaf(x, requires_grad=index > 0)
-    out = run(_clone(leaf))
-    saved = _saved_bytes(lambda: run(_clone(leaf)), state)
-    grads = _output_grads(out)
-    times: dict[str, list[float]] = {"forward_s": [], "backward_s": [], "step_s": [], "recompute_s": []}
-    for round_ in range(warmup + repeats):
+class _Passes:
+    """A layer (or layers run back to back) set up for timing; :meth:`round` times its four passes once."""
+
+    def __init__(
+        self,
+        run: Callable[[Any], Any],
+        module: nn.Module | None,
+        x: Any,
+        input_needs_grad: bool,
+        loss: Callable[[Any], Tensor] | None,
+        optimizer: OptimizerFactory,
+        device: torch.device,
+    ) -> None:
+        self.run, self.module, self.loss, self.device = run, module, loss, device
+        self.params = [p for p in module.parameters() if p.requires_grad] if module is not None else []
+        self.opt = optimizer(self.params) if self.params else None
+        # A stage's input needs a gradient unless it is the data (layer 0), as in DeepSpeed's pipeline.
+        self.leaf = _leaf(x, requires_grad=input_needs_grad)
+        self.grads = _output_grads(run(_clone(self.leaf)))
+
+    def round(self) -> tuple[float, float, float, float]:
+        """Seconds of (forward with autograd, backward, optimizer step, forward without autograd)."""
+        run, leaf, device = self.run, self.leaf, self.device
         t0 = _now(device)
         out = run(_clone(leaf))
-        target = loss(out) if loss is not None else None
+        target = self.loss(out) if self.loss is not None else None
         t1 = _now(device)
-        _backward(out, target, grads)
+        _backward(out, target, self.grads)
         t2 = _now(device)
-        if opt is not None:
-            opt.step()
+        if self.opt is not None:
+            self.opt.step()
         t3 = _now(device)
-        if opt is not None:
-            opt.zero_grad(set_to_none=True)
+        if self.opt is not None:
+            self.opt.zero_grad(set_to_none=True)
         for t in _tensors(leaf):
             t.grad = None
         with torch.no_grad():
             run(_clone(leaf))
         t4 = _now(device)
-        if round_ >= warmup:
-            step = t3 - t2 if opt is not None else 0.0  # no parameters: no step to take
-            for key, value in zip(times, (t1 - t0, t2 - t1, step, t4 - t3)):
-                times[key].append(value)
-    param_list = list(module.parameters()) if module is not None else []
-    state_bytes = sum(_nbytes(v) for s in (opt.state.values() if opt else ()) for v in s.values() if torch.is_tensor(v))
-    with torch.no_grad():
-        out = run(_clone(leaf))
-    cost = LayerCost(
-        name=layer_name(layer),
-        **{key: statistics.median(values) for key, values in times.items()},
-        param_bytes=sum(p.numel() * p.element_size() for p in param_list),
-        activation_bytes=_nbytes(out),
-        saved_bytes=saved,
-        params=sum(p.numel() for p in params),  # trainable, as DeepSpeed's "parameters" method counts
-        optimizer_state_bytes=state_bytes,
-    )
-    return cost, _detach(out)
+        return t1 - t0, t2 - t1, (t3 - t2 if self.opt is not None else 0.0), t4 - t3  # no parameters: no step
+
+    def output(self) -> Any:
+        """The output of a forward without autograd, detached: the next layer's input."""
+        with torch.no_grad():
+            return _detach(self.run(_clone(self.leaf)))
+
+    def cost(self, name: str, rounds: Sequence[tuple[float, float, float, float]]) -> LayerCost:
+        """Medians of ``rounds`` (as :meth:`round` returns them) and the sizes, as a :class:`LayerCost`."""
+        module, opt = self.module, self.opt
+        state = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())} if module else set()
+        saved = _saved_bytes(lambda: self.run(_clone(self.leaf)), state)
+        states = opt.state.values() if opt else ()
+        state_bytes = sum(_nbytes(v) for state_ in states for v in state_.values() if torch.is_tensor(v))
+        out = self.output()
+        forward, backward, step, recompute = (statistics.median(column) for column in zip(*rounds))
+        cost = LayerCost(
+            name=name,
+            forward_s=forward,
+            backward_s=backward,
+            recompute_s=recompute,
+            step_s=step,
+            param_bytes=sum(p.numel() * p.element_size() for p in (module.parameters() if module else ())),
+            activation_bytes=_nbytes(out),
+            saved_bytes=saved,
+            params=sum(p.numel() for p in self.params),  # trainable, as DeepSpeed's "parameters" method counts
+            optimizer_state_bytes=state_bytes,
+        )
+        return cost
+
+
+Rounds = list[tuple[float, float, float, float]]
+
+
+def _interleaved(everyone: Sequence[_Passes], warmup: int, repeats: int) -> list[Rounds]:
+    """Per item, its ``repeats`` rounds after ``warmup``; round r times every item once, in an order rotated by r.
+
+    A slow moment of a shared machine then falls on every item alike, not on one end of the model.
+    """
+    rounds: list[Rounds] = [[] for _ in everyone]
+    for round_ in range(warmup + repeats):
+        for j in range(len(everyone)):
+            i = (round_ + j) % len(everyone)
+            timed = everyone[i].round()
+            if round_ >= warmup:
+                rounds[i].append(timed)
+    return rounds
 
 
 def _loss_of(loss_fn: Callable[..., Tensor], labels: Any) -> Callable[[Any], Tensor]:

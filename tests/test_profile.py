@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,37 @@ def test_every_layer_is_measured(measured: ModelProfile) -> None:
     pair = measured.layers[3]  # h -> (h, h * h): two outputs; h * h saves h twice (counted per save, as the engine)
     assert pair.activation_bytes == 2 * 4 * 8 * 4 and pair.saved_bytes == 2 * 4 * 8 * 4
     assert measured.layers[-1].backward_s > 0  # from the loss
+
+
+def test_rounds_interleave_the_layers_unless_told_not_to() -> None:
+    # Plain functions run as they are (no copy), so they can log which layer ran a forward with autograd.
+    ran: list[int] = []
+
+    def logging_layer(i: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        def layer(x: torch.Tensor) -> torch.Tensor:
+            if torch.is_grad_enabled():
+                ran.append(i)
+            return torch.tanh(x)
+
+        return layer
+
+    layers = [logging_layer(i) for i in range(3)]
+    x = torch.randn(4, 5)
+    interleaved = profile_layers(layers, x, repeats=2, warmup=1)
+    # set-up (one forward per layer), 3 rounds each rotated by one, the saved-bytes count per layer
+    assert ran == [0, 1, 2] + [0, 1, 2, 1, 2, 0, 2, 0, 1] + [0, 1, 2]
+    ran.clear()
+    one_by_one = profile_layers(layers, x, repeats=2, warmup=1, interleave=False)
+    assert ran == [i for i in range(3) for _ in range(5)]  # set-up, 3 rounds, saved bytes; then the next layer
+    assert interleaved.meta["interleaved"] and not one_by_one.meta["interleaved"]
+
+
+def test_sizes_do_not_depend_on_interleaving(measured: ModelProfile) -> None:
+    x, y = toy.micro_batches(1, 4)[0]
+    one_by_one = profile_layers(toy.layers(), x, y, toy.loss_fn, repeats=1, warmup=0, interleave=False)
+    sizes = ("name", "param_bytes", "activation_bytes", "saved_bytes", "params", "optimizer_state_bytes")
+    for a, b in zip(measured.layers, one_by_one.layers):
+        assert [getattr(a, k) for k in sizes] == [getattr(b, k) for k in sizes]
 
 
 def test_the_model_and_the_random_stream_are_untouched() -> None:
