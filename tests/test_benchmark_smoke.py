@@ -112,3 +112,16 @@ def test_correction_cost_measures_every_correction_and_its_delta(tmp_path: Path)
         expected = 4 * result["stage0_params"] if name in ("predict", "both") else 0
         assert row["held_bytes"] == expected, name
     assert "| predict |" in (tmp_path / "correction_cost.md").read_text()
+
+
+@pytest.mark.timeout(150)
+def test_core_contention_reports_both_modes_and_the_ceiling() -> None:
+    command = [sys.executable, str(ROOT / "benchmarks" / "core_contention.py"), "--models=resnet8_tiny"]
+    command += ["--rounds=2", "--iterations=1"]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=140)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (row,) = [line for line in done.stdout.splitlines() if line.startswith("| resnet8_tiny |")]
+    alone, pair, slowdown, ceiling = (cell.strip() for cell in row.strip("|").split("|")[1:])
+    medians = [float(cell.split()[0]) for cell in (alone, pair, ceiling)]
+    assert all(0 < value < math.inf for value in medians) and float(slowdown) > 0, row
