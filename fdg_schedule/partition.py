@@ -132,6 +132,8 @@ class Partition:
     parts: list[int]
     stages: tuple[StagePlan, ...]
     objective: Objective
+    profile: ModelProfile | None = dataclasses.field(default=None, compare=False, repr=False)
+    """The profile the predictions come from (for :func:`rescaled`)."""
 
     @property
     def bottleneck_s(self) -> float:
@@ -225,7 +227,7 @@ def evaluate_partition(profile: ModelProfile, parts: Sequence[int], objective: O
                 peak_bytes=peak,
             )
         )
-    return Partition(parts=parts, stages=tuple(plans), objective=objective)
+    return Partition(parts=parts, stages=tuple(plans), objective=objective, profile=profile)
 
 
 class _Costs:
@@ -323,6 +325,41 @@ class _Costs:
             stop = int(np.flatnonzero(starts & (positions < stop) & (first <= stop) & (last >= stop))[0])
             parts.append(stop)
         return parts[::-1]
+
+
+def rescaled(profile: ModelProfile, plan: Partition, measured_s: Sequence[float]) -> ModelProfile:
+    """``profile`` with each stage's layer times scaled so that ``plan``'s stages predict ``measured_s``.
+
+    Note [rebalancing on measured stage times]: a profile times layers one at a time on an otherwise
+    quiet device; in the pipeline every stage shares the machine with the others, and the slowdown
+    lands unevenly (on two CPU cores the deep half of a ResNet ran 24 % over its prediction, the
+    shallow half 4 %: docs/performance.md). Given the measured compute per micro-batch of each stage
+    of a run on ``plan``, every layer of stage k gets its four times multiplied by
+    ``measured_s[k] / predicted_k``, so the rescaled profile predicts exactly what was measured for
+    that split, and :func:`balanced_partition` on it moves the cut towards the measured balance. A
+    layer that changes stage keeps its old stage's factor: one correction is a first-order step, and
+    a run on the new split measures again. Sizes are unchanged.
+    """
+    if len(measured_s) != len(plan.stages):
+        raise ValueError(f"measured_s has {len(measured_s)} stage times for a split of {len(plan.stages)} stages")
+    if any(not t > 0 for t in measured_s):
+        raise ValueError(f"every measured stage time must be > 0 seconds, got {list(measured_s)}")
+    layers = list(profile.layers)
+    factors = []
+    for stage, measured in zip(plan.stages, measured_s):
+        factor = measured / stage.time_s if stage.time_s > 0 else 1.0
+        factors.append(factor)
+        for i in range(stage.start, stage.stop):
+            c = layers[i]
+            layers[i] = dataclasses.replace(
+                c,
+                forward_s=c.forward_s * factor,
+                backward_s=c.backward_s * factor,
+                recompute_s=c.recompute_s * factor,
+                step_s=c.step_s * factor,
+            )
+    meta = {**profile.meta, "rescaled": {"parts": plan.parts, "measured_s": list(measured_s), "factors": factors}}
+    return dataclasses.replace(profile, layers=tuple(layers), meta=meta)
 
 
 def _prefix(values: np.ndarray) -> np.ndarray:

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from fdg_schedule.partition import Partition, balanced_partition, rescaled
+
 COMPUTE = ("forward_s", "backward_s", "step_s", "reduce_s")
 
 
@@ -150,4 +152,21 @@ def stage_report(engine: Any, clock: StageClock) -> str | None:
             f"{k} | {parts[k]}-{parts[k + 1] - 1} | {'-' if predicted is None else f'{predicted:.2f}'} | "
             f"{compute:.2f} | {error} | {measured['wait_s'] * 1e3:.2f}"
         )
+    measured = [r["measured"]["compute_s"] for r in per_stage]
+    if plan is not None and plan.profile is not None and len(measured) > 1 and all(t > 0 for t in measured):
+        lines.append(rebalanced_advice(plan, measured))
     return "\n".join(lines)
+
+
+def rebalanced_advice(plan: Partition, measured_s: list[float]) -> str:
+    """One line: the split :func:`~fdg_schedule.partition.balanced_partition` gives once ``plan``'s profile
+    is rescaled to these measured stage times (Note [rebalancing on measured stage times])."""
+    assert plan.profile is not None
+    again = balanced_partition(rescaled(plan.profile, plan, measured_s), len(plan.stages), plan.objective)
+    if again.parts == plan.parts:
+        return f"rebalanced on these measurements: the same parts {plan.parts}"
+    return (
+        f"rebalanced on these measurements: parts {again.parts}, slowest stage {again.bottleneck_s * 1e3:.2f} ms "
+        f"predicted against {max(measured_s) * 1e3:.2f} ms measured here; to use it: "
+        f'partition_method "parts:{",".join(str(p) for p in again.parts)}"'
+    )

@@ -7,7 +7,14 @@ import random
 
 import pytest
 
-from fdg_schedule.partition import Objective, Partition, balanced_partition, evaluate_partition, parameter_split
+from fdg_schedule.partition import (
+    Objective,
+    Partition,
+    balanced_partition,
+    evaluate_partition,
+    parameter_split,
+    rescaled,
+)
 from fdg_schedule.profile import LayerCost, ModelProfile
 
 OBJECTIVES = [
@@ -201,3 +208,25 @@ def test_objective_from_ds_config() -> None:
 def test_parameter_split_is_deepspeeds() -> None:
     profile = profile_of(*[layer(1e-3, 1e-3, params=p) for p in (10, 10, 10, 30)])
     assert parameter_split(profile, 2) == [0, 3, 4]
+
+
+def test_rescaled_profile_predicts_what_was_measured_and_moves_the_cut() -> None:
+    profile = profile_of(*[layer(0.25, 0.75, recompute=0.25, step=0.1, saved_bytes=7) for _ in range(8)])
+    plan = balanced_partition(profile, 2)
+    assert plan.parts == [0, 4, 8]
+    measured = [plan.stages[0].time_s, 1.5 * plan.stages[1].time_s]  # stage 1 ran 50 % over its prediction
+    again = rescaled(profile, plan, measured)
+    assert [s.time_s for s in evaluate_partition(again, plan.parts).stages] == pytest.approx(measured, rel=1e-9)
+    assert balanced_partition(again, 2).parts == [0, 5, 8]  # one layer moves to the stage that was faster
+    assert [c.saved_bytes for c in again.layers] == [7] * 8
+    assert again.meta["rescaled"]["factors"] == pytest.approx([1.0, 1.5])
+    # every component scales, so the recomputed objective's prediction matches too
+    recomputing = Objective(activations="recomputed")
+    plan_r = balanced_partition(profile, 2, recomputing)
+    measured_r = [2 * s.time_s for s in plan_r.stages]
+    predicted_r = evaluate_partition(rescaled(profile, plan_r, measured_r), plan_r.parts, recomputing).stages
+    assert [s.time_s for s in predicted_r] == pytest.approx(measured_r, rel=1e-9)
+    with pytest.raises(ValueError, match="measured_s has 1 stage times for a split of 2 stages"):
+        rescaled(profile, plan, [1.0])
+    with pytest.raises(ValueError, match="must be > 0 seconds"):
+        rescaled(profile, plan, [1.0, 0.0])

@@ -198,8 +198,13 @@ def test_in_real_pipelines(tmp_path: Path, toy_profile: Path, stages: int) -> No
     plan = balanced_partition(profile, stages)
     for schedule in SCHEDULES:
         report, _ = results[0]["reports"][schedule]
-        rows = [line.split(" | ") for line in report.splitlines()[2:]]
+        *table, advice = report.splitlines()[2:]
+        rows = [line.split(" | ") for line in table]
         assert [int(row[0]) for row in rows] == list(range(stages)), report
+        # The split balanced on the profile rescaled to these measurements: a valid split of the 9 layers.
+        assert advice.startswith("rebalanced on these measurements: "), report
+        parts = json.loads(advice[advice.index("[") : advice.index("]") + 1])
+        assert len(parts) == stages + 1 and parts[0] == 0 and parts[-1] == 9 and parts == sorted(set(parts))
         assert [row[1] for row in rows] == [f"{a}-{b - 1}" for a, b in zip(plan.parts, plan.parts[1:])]
         assert [float(row[2]) for row in rows] == [round(s.time_s * 1e3, 2) for s in plan.stages]
         assert all(float(row[3]) > 0 for row in rows) and "warm-up included" not in report
