@@ -6,7 +6,7 @@ import statistics
 from typing import Any
 
 from bench_models import MODELS
-from throughput_variants import COMPUTE_KINDS, CORRECTED, split_key
+from throughput_variants import COMPUTE_KINDS, CORRECTED, split_key, split_objective
 
 
 def _spread(values: list[float]) -> dict[str, float]:
@@ -76,6 +76,7 @@ def summarize(plan: dict[str, Any], ranks: list[dict[str, Any]], memory: dict[st
         row["memory"] = [
             {**m, **{k: v for k, v in f.items() if k.startswith("rss")}} for m, f in zip(in_process, fresh)
         ]
+        row["split_key"] = split_key(specs[name]) if specs[name]["stages"] > 1 else None
         row["split"] = plan["splits"].get(split_key(specs[name])) if specs[name]["stages"] > 1 else None
         predicted = plan.get("predicted", {}).get(split_key(specs[name])) if specs[name]["stages"] > 1 else None
         row["stage_predicted_s_per_micro_batch"] = predicted["predicted_s"] if predicted else None
@@ -105,6 +106,7 @@ def markdown(report: dict[str, Any]) -> str:
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         lines += [_row(name, row) for name, row in result["variants"].items()]
+        lines += _rebalanced(result)
         lines += _corrections_table(result["variants"])
         loads = [load for row in result["variants"].values() for pair in row["load_avg_1min"] for load in pair]
         lines += ["", f"Load average (1 min) during the windows: {min(loads):.2f}–{max(loads):.2f}.", ""]
@@ -122,6 +124,25 @@ def markdown(report: dict[str, Any]) -> str:
                 lines.append(f"| {name} | {k} | {held} | {rss} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def _rebalanced(result: dict[str, Any]) -> list[str]:
+    """Per pipeline variant, the split balanced on the profile rescaled to its measured stage compute."""
+    from fdg_schedule.partition import evaluate_partition
+    from fdg_schedule.profile import ModelProfile
+    from fdg_schedule.stage_times import rebalanced_advice
+
+    if "profile" not in result:
+        return []
+    profile = ModelProfile.from_dict(result["profile"])
+    lines = []
+    for name, row in result["variants"].items():
+        measured = row.get("stage_compute_s_per_micro_batch") or []
+        if row.get("split_key") is None or row.get("split") is None or not all(t > 0 for t in measured):
+            continue
+        plan = evaluate_partition(profile, row["split"], split_objective(row["split_key"]))
+        lines.append(f"- {name}: {rebalanced_advice(plan, measured)}")
+    return ["", *lines] if lines else []
 
 
 def _corrections_table(rows: dict[str, dict[str, Any]]) -> list[str]:

@@ -55,6 +55,8 @@ def test_quick_run_writes_a_complete_report(tmp_path: Path) -> None:
     assert set(rows) == VARIANTS
     for name, row in rows.items():
         assert name in markdown
+        if row["split"] is not None:  # every pipeline variant: the split rebalanced on its measured stage times
+            assert f"- {name}: rebalanced on these measurements: " in markdown, name
         sps = row["samples_per_s"]
         assert 0 < sps["min"] <= sps["median"] <= sps["max"] < math.inf, (name, sps)
         assert 0 < row["efficiency"]["median"] <= 1.05, (name, row["efficiency"])  # timers inside the wall time
