@@ -109,11 +109,13 @@ def profile_and_balance(
     ds_config: Mapping[str, Any],
     cache_dir: str | Path,
     memory_limit_mib: float | None = None,
+    interleave: bool = True,
 ) -> str:
     """Profile ``layers`` on one micro-batch (once: cached in ``cache_dir``) and return the ``"balanced:"``
     method for ``ds_config``'s schedule. Every rank calls it; global rank 0 measures (see ``cached_profile``).
 
     The step is timed with the config's optimizer type; weights and inputs in bf16 when the config says so.
+    ``interleave=False`` profiles one layer at a time (a model whose copy does not fit the device twice).
     """
     import torch
 
@@ -126,6 +128,7 @@ def profile_and_balance(
         loss_fn=loss_fn,
         optimizer=optimizer_from_ds_config(dict(ds_config)),
         dtype=torch.bfloat16 if bf16 else None,
+        interleave=interleave,
     )
     return balanced_method(path, ds_config, memory_limit_mib)
 

@@ -470,13 +470,15 @@ def cached_profile(
     dtype: torch.dtype | None = None,
     repeats: int = 7,
     warmup: int = 2,
+    interleave: bool = True,
 ) -> tuple[ModelProfile, Path]:
     """The profile of ``layers`` from ``cache_dir``, measured first if it is not there; every rank gets it.
 
     Global rank 0 reads the cached file or profiles (the other ranks wait, so rank 0 times on a
     quiet machine) and sends the profile to every rank, which writes it to its own ``cache_dir`` if
     missing (nodes need not share a file system). Call it on every rank, like a collective.
-    Returns the profile and its path, ``<cache_dir>/profile-<key>.json``.
+    Returns the profile and its path, ``<cache_dir>/profile-<key>.json``. ``interleave``: as for
+    :func:`profile_layers` (False for a model whose copy does not fit the device twice).
     """
     import torch.distributed as dist
 
@@ -487,7 +489,9 @@ def cached_profile(
     if not distributed or dist.get_rank() == 0:
         profile = _read_cached(path, key)
         if profile is None:
-            profile = profile_layers(layers, inputs, labels, loss_fn, optimizer, device, dtype, repeats, warmup)
+            profile = profile_layers(
+                layers, inputs, labels, loss_fn, optimizer, device, dtype, repeats, warmup, interleave
+            )
             profile.save(path)
     if distributed:
         box: list[Any] = [profile.to_dict() if profile is not None else None]

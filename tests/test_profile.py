@@ -110,8 +110,11 @@ def test_file_round_trip_and_errors(measured: ModelProfile, tmp_path: Path) -> N
 
 def test_cache_measures_once_per_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     x, y = toy.micro_batches(1, 4)[0]
-    first, path = profiling.cached_profile(toy.layers(), x, tmp_path, y, toy.loss_fn, repeats=1, warmup=0)
+    first, path = profiling.cached_profile(
+        toy.layers(), x, tmp_path, y, toy.loss_fn, repeats=1, warmup=0, interleave=False
+    )
     assert path.exists() and path.name == f"profile-{first.key}.json"
+    assert first.meta["interleaved"] is False  # passed through to profile_layers
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("measured again although the profile is cached")
