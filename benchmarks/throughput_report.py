@@ -76,9 +76,10 @@ def summarize(plan: dict[str, Any], ranks: list[dict[str, Any]], memory: dict[st
         row["memory"] = [
             {**m, **{k: v for k, v in f.items() if k.startswith("rss")}} for m, f in zip(in_process, fresh)
         ]
-        row["split_key"] = split_key(specs[name]) if specs[name]["stages"] > 1 else None
-        row["split"] = plan["splits"].get(split_key(specs[name])) if specs[name]["stages"] > 1 else None
-        predicted = plan.get("predicted", {}).get(split_key(specs[name])) if specs[name]["stages"] > 1 else None
+        key = split_key(specs[name]) if specs[name]["stages"] > 1 else None
+        row["split_key"] = key
+        row["split"] = plan["splits"].get(key) if key is not None else None
+        predicted = plan.get("predicted", {}).get(key) if key is not None else None
         row["stage_predicted_s_per_micro_batch"] = predicted["predicted_s"] if predicted else None
     return rows
 

@@ -347,7 +347,7 @@ class _Passes:
         state_bytes = sum(_nbytes(v) for state_ in states for v in state_.values() if torch.is_tensor(v))
         out = self.output()
         forward, backward, step, recompute = (statistics.median(column) for column in zip(*rounds))
-        cost = LayerCost(
+        return LayerCost(
             name=name,
             forward_s=forward,
             backward_s=backward,
@@ -359,7 +359,6 @@ class _Passes:
             params=sum(p.numel() for p in self.params),  # trainable, as DeepSpeed's "parameters" method counts
             optimizer_state_bytes=state_bytes,
         )
-        return cost
 
 
 Rounds = list[tuple[float, float, float, float]]
