@@ -24,7 +24,8 @@ finish within ``deadline_s`` makes :func:`run` kill the others and raise :class:
 rank's traceback; a rank still running shortly before the deadline prints where it is stuck.
 
 Note [preloaded ranks]: each ``spawn``-ed rank imports torch and DeepSpeed afresh, seconds of a short
-run. With ``FDG_LAUNCH_PRELOAD=torch,deepspeed,...`` (the test suite sets it) the ranks are forked
+run. With ``FDG_LAUNCH_PRELOAD=torch,deepspeed,...`` (the test suite sets it, with ``torch._dynamo``, which
+every torch optimizer imports when first built: 4-7 s of a rank on two cores) the ranks are forked
 from a ``forkserver`` that imported those modules once, in a clean process of its own, with the
 environment of the first run: DeepSpeed picks its accelerator while imported, so set
 ``DS_ACCELERATOR`` before the first run. Each rank still gets the caller's environment of the

@@ -10,7 +10,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Note [preloaded ranks] in fdg_schedule/launch.py: ranks forked from a server that imported these once.
-os.environ.setdefault("FDG_LAUNCH_PRELOAD", "torch,deepspeed,deepspeed.runtime.pipe.engine")
+# torch._dynamo: every torch optimizer imports it when first constructed, 4-7 s of each launch's ranks.
+os.environ.setdefault("FDG_LAUNCH_PRELOAD", "torch,torch._dynamo,deepspeed,deepspeed.runtime.pipe.engine")
 
 
 import pytest  # noqa: E402
