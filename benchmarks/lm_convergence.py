@@ -173,9 +173,8 @@ def run_deepspeed(run: Run, micro_batches: int, eval_every: int) -> None:
 
 def run_reference(run: Run, micro_batches: int, eval_every: int) -> None:
     import torch
-    from torch.utils.data import DistributedSampler
-
     from deepspeed.runtime.lr_schedules import WarmupCosineLR
+    from torch.utils.data import DistributedSampler
 
     from fdg_schedule import FDGConfig, fdg_reference
     from fdg_schedule.zoo import hf_lm, text_data
