@@ -27,6 +27,14 @@ Run names say what runs (any combination; the table in docs/staleness.md):
                                                   delay_lr_ticks T, predict_decay gamma, delay_momentum
     ref_k<K>_b<beta>[_stashed][_dlr<T>][_p<gamma>][_m][_s<seed>]
                                                   the same with fdg_reference in one process
+    <any run above>_a<A>                          before _cos: A micro-batches per optimizer step (BP:
+                                                  gradient_accumulation_steps A, batch 8A; FDG: accumulate
+                                                  A, so stage k's delay is 2(K-1-k)/A steps); default 1
+    <any run above>_cos                           before _s<seed>: the learning rate warms up linearly from 0
+                                                  over the first 10 % of the micro-batches and decays on a
+                                                  cosine to 0.1 x at the last (DeepSpeed's WarmupCosineLR,
+                                                  stepped once per optimizer step, fill and drain ticks
+                                                  included); without it the rate is constant
     <any DeepSpeed run above>_tied / _untied      the model with its LM head tied to the input embedding
                                                   (docs/lm_convergence_model.json, tie_word_embeddings
                                                   true), or that same model untied by the recipe's
@@ -59,7 +67,7 @@ RUNS = "bp,fdg_k2_b0.5,fdg_k2_b1.0,ref_k2_b0.5,ref_k3_b0.5,ref_k3_b1.0"  # the d
 TIE_RUNS = "bp_tied,bp_untied,fdg_k2_b0.5_tied,fdg_k2_b0.5_untied"  # tied vs untied at K = 2
 NAME = re.compile(
     r"^(?:bp|(?P<kind>fdg|ref)_k(?P<K>\d+)_b(?P<beta>[\d.]+)(?:_(?P<weights>stashed))?"
-    r"(?:_dlr(?P<T>\d+))?(?:_p(?P<gamma>[\d.]+))?(?P<momentum>_m)?)(?:_s(?P<seed>\d+))?(?:_(?P<tie>tied|untied))?$"
+    r"(?:_dlr(?P<T>\d+))?(?:_p(?P<gamma>[\d.]+))?(?P<momentum>_m)?)(?:_a(?P<A>\d+))?(?P<cos>_cos)?(?:_s(?P<seed>\d+))?(?:_(?P<tie>tied|untied))?$"
 )
 
 
@@ -77,11 +85,14 @@ class Run:
     seed: int
     tie: str = ""  # "" (the model file as it is), "tied" or "untied" (the tied model, --untie)
     delay_momentum: bool = False
+    cosine: bool = False  # the learning rate: warm-up then cosine decay (schedule()), else constant
+    accumulate: int = 1  # micro-batches per optimizer step, BP and FDG alike
 
     @property
     def baseline(self) -> str:
         """The BP run with the same seed and embeddings (the paired comparison)."""
-        return ("bp" if self.seed == 1234 else f"bp_s{self.seed}") + (f"_{self.tie}" if self.tie else "")
+        cos = ("" if self.accumulate == 1 else f"_a{self.accumulate}") + ("_cos" if self.cosine else "")
+        return f"bp{cos}" + ("" if self.seed == 1234 else f"_s{self.seed}") + (f"_{self.tie}" if self.tie else "")
 
 
 def parse_run(name: str) -> Run:
@@ -99,7 +110,22 @@ def parse_run(name: str) -> Run:
             f"compare tied and untied embeddings with DeepSpeed runs (bp_{tie}, fdg_k2_b0.5_{tie})"
         )
     seed = int(match["seed"] or 1234)
-    return Run(name, kind, stages, float(match["beta"] or 1.0), weights, T, gamma, seed, tie, bool(match["momentum"]))
+    beta = float(match["beta"] or 1.0)
+    accumulate = int(match["A"] or 1)
+    if accumulate < 1:
+        raise SystemExit(
+            f"lm_convergence.py: error: run {name!r}: _a{accumulate} needs at least 1 micro-batch per step"
+        )
+    momentum, cos = bool(match["momentum"]), bool(match["cos"])
+    return Run(name, kind, stages, beta, weights, T, gamma, seed, tie, momentum, cos, accumulate)
+
+
+def schedule(steps: int) -> dict:
+    """The ``_cos`` runs' DeepSpeed scheduler config over ``steps`` optimizer steps: linear warm-up from 0
+    over the first 10 %, then a cosine to 0.1 x the optimizer's lr at the last (nanoGPT's shape)."""
+    params = {"total_num_steps": steps, "warmup_num_steps": max(2, steps // 10),
+              "warmup_min_ratio": 0.0, "cos_min_ratio": 0.1, "warmup_type": "linear"}  # fmt: skip
+    return {"type": "WarmupCosineLR", "params": params}
 
 
 def model_config(run: Run, out: Path) -> tuple[Path, list[str]]:
@@ -125,9 +151,16 @@ def run_deepspeed(run: Run, micro_batches: int, eval_every: int) -> None:
         config["pipeline"]["fdg"]["delay_lr_ticks"] = run.delay_lr_ticks
         config["pipeline"]["fdg"]["predict_decay"] = run.predict_decay
         config["pipeline"]["fdg"]["delay_momentum"] = run.delay_momentum
+        config["pipeline"]["fdg"]["accumulate"] = run.accumulate
         config["pipeline"]["fdg"]["timeout"] = 36000  # an experiment paused by quiet.sh must not time out
+        if GAS % run.accumulate:
+            raise SystemExit(f"lm_convergence.py: error: run {name!r}: _a{run.accumulate} must divide {GAS}")
+    else:
+        config["gradient_accumulation_steps"] = run.accumulate
+    if run.cosine:
+        config["scheduler"] = schedule(micro_batches // run.accumulate)
     (out / "ds_config.json").write_text(json.dumps(config, indent=2))
-    per_call = 1 if stages == 1 else GAS
+    per_call = run.accumulate if stages == 1 else GAS
     model, tie_flags = model_config(run, out)
     command = [
         str(Path(sys.executable).parent / "deepspeed"),
@@ -155,6 +188,7 @@ def run_deepspeed(run: Run, micro_batches: int, eval_every: int) -> None:
 
 def run_reference(run: Run, micro_batches: int, eval_every: int) -> None:
     import torch
+    from deepspeed.runtime.lr_schedules import WarmupCosineLR
     from torch.utils.data import DistributedSampler
 
     from fdg_schedule import FDGConfig, fdg_reference
@@ -180,6 +214,9 @@ def run_reference(run: Run, micro_batches: int, eval_every: int) -> None:
         )
         for m in stage_modules
     ]
+    # what deepspeed.initialize builds from the _cos runs' "scheduler" config, one per stage
+    steps = micro_batches // run.accumulate
+    schedulers = [WarmupCosineLR(o, **schedule(steps)["params"]) for o in optimizers] if run.cosine else []
     order: list[int] = list(
         DistributedSampler(train_set, num_replicas=1, rank=0, shuffle=True, seed=run.seed)
     )  # the recipe's
@@ -222,8 +259,10 @@ def run_reference(run: Run, micro_batches: int, eval_every: int) -> None:
             delay_lr_ticks=run.delay_lr_ticks,
             predict_decay=run.predict_decay,
             delay_momentum=run.delay_momentum,
+            accumulate=run.accumulate,
         ),
         drain=True,
+        schedulers=schedulers,
         clip_grad_norm=float(ds_config["gradient_clipping"]),  # stage-local, as the engine does
         after_tick=after_tick,
     )

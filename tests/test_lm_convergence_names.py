@@ -59,3 +59,16 @@ def test_the_m_suffix_turns_delay_aware_momentum_on() -> None:
     assert run.delay_momentum and run.predict_decay == 0.9 and run.weights == "stashed" and run.seed == 3
     assert run.kind == "reference" and run.baseline == "bp_s3"
     assert not lm.parse_run("ref_k4_b1.0").delay_momentum
+
+
+def test_the_cos_suffix_schedules_the_rate_and_pairs_with_the_cos_baseline() -> None:
+    lm = benchmark()
+    run = lm.parse_run("ref_k4_b1.0_m_cos_s3")
+    assert run.cosine and run.delay_momentum and run.seed == 3 and run.baseline == "bp_cos_s3"
+    assert lm.parse_run("bp_cos").baseline == "bp_cos" and not lm.parse_run("bp").cosine
+    assert lm.parse_run("fdg_k2_b1.0_cos_tied").baseline == "bp_cos_tied"
+    run = lm.parse_run("fdg_k2_b1.0_a4_cos_s2")
+    assert (run.accumulate, run.cosine, run.seed, run.baseline) == (4, True, 2, "bp_a4_cos_s2")
+    assert lm.parse_run("bp_a4").baseline == "bp_a4" and lm.parse_run("bp").accumulate == 1
+    params = lm.schedule(800)["params"]
+    assert (params["total_num_steps"], params["warmup_num_steps"], params["cos_min_ratio"]) == (800, 80, 0.1)
