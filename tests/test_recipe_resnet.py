@@ -138,14 +138,15 @@ def fashion_mnist_available() -> bool:
 @pytest.mark.timeout(420)
 @pytest.mark.skipif(not fashion_mnist_available(), reason="needs `apt-get install -y dataset-fashion-mnist`")
 def test_fdg_k2_trains_on_fashion_mnist(tmp_path: Path) -> None:
-    # The shipped K=2 config with 32-image micro-batches: 64 FDG ticks per epoch on 2,048 images.
+    # The shipped K=2 config with 32-image micro-batches: 32 FDG ticks per epoch on 1,024 images (ends near
+    # 50 % test accuracy; the thresholds below are far from it).
     config = json.loads((ROOT / "ds_configs" / "resnet_fdg_k2.json").read_text())
     config["train_micro_batch_size_per_gpu"] = 32
     (tmp_path / "fdg_k2.json").write_text(json.dumps(config))
     output = launch(
         2,
         "--deepspeed_config", str(tmp_path / "fdg_k2.json"),
-        "--epochs", "2", "--train-subset", "2048", "--test-subset", "1000",
+        "--epochs", "2", "--train-subset", "1024", "--test-subset", "500",
         "--profile-dir", str(tmp_path / "profiles"),  # measured afresh, not read from an earlier run's cache
         cwd=ROOT,  # the recipe caches the unpacked data set in ROOT/data (git-ignored)
         timeout=400,
