@@ -29,7 +29,15 @@ every torch optimizer imports when first built: 4-7 s of a rank on two cores) th
 from a ``forkserver`` that imported those modules once, in a clean process of its own, with the
 environment of the first run: DeepSpeed picks its accelerator while imported, so set
 ``DS_ACCELERATOR`` before the first run. Each rank still gets the caller's environment of the
-moment.
+moment. A forked rank freezes the garbage collector's view of what it inherited (``gc.freeze()``): those
+objects live as long as the rank, and a full collection (DeepSpeed's bf16 optimizer runs four per engine)
+no longer walks torch's and DeepSpeed's objects, nor copies their pages; a cycle among them is never freed.
+
+Note [a rank's own processes]: multiprocessing starts a child of a ``spawn``-ed or ``forkserver``-ed process
+with that start method as its default, so a rank's DataLoader workers would start the same way: a fresh
+interpreter (or a forkserver of the rank's own) that imports torch again, 14 s before the first batch on two
+cores (DeepSpeed's ``training_data`` loader has two workers per rank). A rank therefore resets its default to
+the platform's (``fork`` on Linux), as a rank under DeepSpeed's launcher or torchrun has it.
 
 Note [a rank does not import the package]: a rank runs this file as a plain script (``runpy``)
 rather than importing ``fdg_schedule.launch``, so a function that never imports ``fdg_schedule``
@@ -41,7 +49,9 @@ the engine is never loaded.) This file therefore imports nothing from ``fdg_sche
 from __future__ import annotations
 
 import faulthandler
+import gc
 import io
+import multiprocessing
 import os
 import queue
 import runpy
@@ -182,6 +192,8 @@ def _rank_main(
 ) -> None:
     # A rank still running just before the deadline prints where it is stuck.
     faulthandler.dump_traceback_later(dump_after_s, exit=False)
+    multiprocessing.set_start_method(None, force=True)  # Note [a rank's own processes]
+    gc.freeze()  # Note [preloaded ranks]: what the forkserver imported is never garbage; collections skip it
     os.environ.clear()  # the caller's environment at run(), also from a forkserver started earlier
     os.environ.update(environ)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")

@@ -10,8 +10,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Note [preloaded ranks] in fdg_schedule/launch.py: ranks forked from a server that imported these once.
-# torch._dynamo: every torch optimizer imports it when first constructed, 4-7 s of each launch's ranks.
-os.environ.setdefault("FDG_LAUNCH_PRELOAD", "torch,torch._dynamo,deepspeed,deepspeed.runtime.pipe.engine")
+# torch._dynamo: every torch optimizer imports it when first built (4-7 s of each launch's ranks); the Muon
+# module: DeepSpeed's bf16 and ZeRO optimizers import it (and torch._inductor) when built (2-5 s).
+PRELOAD = ["torch", "torch._dynamo", "deepspeed", "deepspeed.runtime.pipe.engine",
+           "deepspeed.runtime.zero.muon.muon_optimizer"]  # fmt: skip
+os.environ.setdefault("FDG_LAUNCH_PRELOAD", ",".join(PRELOAD))
 
 
 import pytest  # noqa: E402

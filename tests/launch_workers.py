@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import sys
 import time
 
@@ -12,7 +13,11 @@ def sum_of_ranks(rank: int, world_size: int, scale: float) -> dict:
 
     total = torch.tensor([float(rank)])
     dist.all_reduce(total)
+    # Note [a rank's own processes]: DataLoader workers start with the platform's default start method
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(8.0)), batch_size=4, num_workers=2)
     return {
+        "start_method": multiprocessing.get_start_method(),
+        "loaded": sum(float(x.sum()) for (x,) in loader),
         "rank": rank,
         "total": total * scale,
         "world": dist.get_world_size(),

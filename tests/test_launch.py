@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import socket
 import time
 
@@ -17,6 +18,9 @@ def test_results_come_back_in_rank_order_without_importing_the_package(tmp_path)
     results = run(sum_of_ranks, 3, 2.0, deadline_s=120, workdir=tmp_path)
     assert [r["rank"] for r in results] == [0, 1, 2]
     assert all(r["world"] == 3 and r["total"].item() == 6.0 for r in results)
+    # Note [a rank's own processes]: not the spawn / forkserver method the rank itself was started with
+    assert {r["start_method"] for r in results} == {multiprocessing.get_all_start_methods()[0]}
+    assert all(r["loaded"] == 28.0 for r in results)
     # Note [a rank does not import the package]: a worker that does not import it gets stock DeepSpeed.
     # Importing DeepSpeed loads only the start-up hook's guard (fdg_schedule.install), never the engine.
     assert not any("fdg_schedule.engine" in r["fdg_schedule_modules"] for r in results)
