@@ -91,8 +91,8 @@ class Run:
     @property
     def baseline(self) -> str:
         """The BP run with the same seed and embeddings (the paired comparison)."""
-        cos = ("" if self.accumulate == 1 else f"_a{self.accumulate}") + ("_cos" if self.cosine else "")
-        return f"bp{cos}" + ("" if self.seed == 1234 else f"_s{self.seed}") + (f"_{self.tie}" if self.tie else "")
+        protocol = ("" if self.accumulate == 1 else f"_a{self.accumulate}") + ("_cos" if self.cosine else "")
+        return f"bp{protocol}" + ("" if self.seed == 1234 else f"_s{self.seed}") + (f"_{self.tie}" if self.tie else "")
 
 
 def parse_run(name: str) -> Run:
@@ -116,6 +116,8 @@ def parse_run(name: str) -> Run:
         raise SystemExit(
             f"lm_convergence.py: error: run {name!r}: _a{accumulate} needs at least 1 micro-batch per step"
         )
+    if kind == "deepspeed" and stages > 1 and GAS % accumulate:  # the FDG config's ticks per train_batch call
+        raise SystemExit(f"lm_convergence.py: error: run {name!r}: _a{accumulate} must divide {GAS}")
     momentum, cos = bool(match["momentum"]), bool(match["cos"])
     return Run(name, kind, stages, beta, weights, T, gamma, seed, tie, momentum, cos, accumulate)
 
@@ -153,8 +155,6 @@ def run_deepspeed(run: Run, micro_batches: int, eval_every: int) -> None:
         config["pipeline"]["fdg"]["delay_momentum"] = run.delay_momentum
         config["pipeline"]["fdg"]["accumulate"] = run.accumulate
         config["pipeline"]["fdg"]["timeout"] = 36000  # an experiment paused by quiet.sh must not time out
-        if GAS % run.accumulate:
-            raise SystemExit(f"lm_convergence.py: error: run {name!r}: _a{run.accumulate} must divide {GAS}")
     else:
         config["gradient_accumulation_steps"] = run.accumulate
     if run.cosine:
