@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import sys
 import time
@@ -17,6 +18,7 @@ def sum_of_ranks(rank: int, world_size: int, scale: float) -> dict:
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(8.0)), batch_size=4, num_workers=2)
     return {
         "start_method": multiprocessing.get_start_method(),
+        "frozen": gc.get_freeze_count(),
         "loaded": sum(float(x.sum()) for (x,) in loader),
         "rank": rank,
         "total": total * scale,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 import socket
 import time
 
@@ -21,6 +22,9 @@ def test_results_come_back_in_rank_order_without_importing_the_package(tmp_path)
     # Note [a rank's own processes]: not the spawn / forkserver method the rank itself was started with
     assert {r["start_method"] for r in results} == {multiprocessing.get_all_start_methods()[0]}
     assert all(r["loaded"] == 28.0 for r in results)
+    # Note [preloaded ranks]: a forked rank freezes what it inherited, so full collections skip torch and DeepSpeed
+    if os.environ.get("FDG_LAUNCH_PRELOAD"):  # conftest.py sets it
+        assert all(r["frozen"] > 10_000 for r in results), [r["frozen"] for r in results]
     # Note [a rank does not import the package]: a worker that does not import it gets stock DeepSpeed.
     # Importing DeepSpeed loads only the start-up hook's guard (fdg_schedule.install), never the engine.
     assert not any("fdg_schedule.engine" in r["fdg_schedule_modules"] for r in results)
