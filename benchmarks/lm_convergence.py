@@ -27,6 +27,8 @@ Run names say what runs (any combination; the table in docs/staleness.md):
                                                   delay_lr_ticks T, predict_decay gamma, delay_momentum
     ref_k<K>_b<beta>[_stashed][_dlr<T>][_p<gamma>][_m][_s<seed>]
                                                   the same with fdg_reference in one process
+    <any run above>_lr<LR>                        before _a: the optimizer's learning rate LR (AdamW's peak
+                                                  with _cos) instead of the config's 0.001, e.g. _lr0.002
     <any run above>_a<A>                          before _cos: A micro-batches per optimizer step (BP:
                                                   gradient_accumulation_steps A, batch 8A; FDG: accumulate
                                                   A, so stage k's delay is 2(K-1-k)/A steps); default 1
@@ -67,7 +69,7 @@ RUNS = "bp,fdg_k2_b0.5,fdg_k2_b1.0,ref_k2_b0.5,ref_k3_b0.5,ref_k3_b1.0"  # the d
 TIE_RUNS = "bp_tied,bp_untied,fdg_k2_b0.5_tied,fdg_k2_b0.5_untied"  # tied vs untied at K = 2
 NAME = re.compile(
     r"^(?:bp|(?P<kind>fdg|ref)_k(?P<K>\d+)_b(?P<beta>[\d.]+)(?:_(?P<weights>stashed))?"
-    r"(?:_dlr(?P<T>\d+))?(?:_p(?P<gamma>[\d.]+))?(?P<momentum>_m)?)(?:_a(?P<A>\d+))?(?P<cos>_cos)?(?:_s(?P<seed>\d+))?(?:_(?P<tie>tied|untied))?$"
+    r"(?:_dlr(?P<T>\d+))?(?:_p(?P<gamma>[\d.]+))?(?P<momentum>_m)?)(?:_lr(?P<lr>\d*\.\d+))?(?:_a(?P<A>\d+))?(?P<cos>_cos)?(?:_s(?P<seed>\d+))?(?:_(?P<tie>tied|untied))?$"
 )
 
 
@@ -87,11 +89,16 @@ class Run:
     delay_momentum: bool = False
     cosine: bool = False  # the learning rate: warm-up then cosine decay (schedule()), else constant
     accumulate: int = 1  # micro-batches per optimizer step, BP and FDG alike
+    lr: float | None = None  # the optimizer's learning rate; None: the config's
 
     @property
     def baseline(self) -> str:
         """The BP run with the same seed and embeddings (the paired comparison)."""
-        protocol = ("" if self.accumulate == 1 else f"_a{self.accumulate}") + ("_cos" if self.cosine else "")
+        protocol = (
+            ("" if self.lr is None else f"_lr{self.lr:g}")
+            + ("" if self.accumulate == 1 else f"_a{self.accumulate}")
+            + ("_cos" if self.cosine else "")
+        )
         return f"bp{protocol}" + ("" if self.seed == 1234 else f"_s{self.seed}") + (f"_{self.tie}" if self.tie else "")
 
 
@@ -119,7 +126,10 @@ def parse_run(name: str) -> Run:
     if kind == "deepspeed" and stages > 1 and GAS % accumulate:  # the FDG config's ticks per train_batch call
         raise SystemExit(f"lm_convergence.py: error: run {name!r}: _a{accumulate} must divide {GAS}")
     momentum, cos = bool(match["momentum"]), bool(match["cos"])
-    return Run(name, kind, stages, beta, weights, T, gamma, seed, tie, momentum, cos, accumulate)
+    lr = float(match["lr"]) if match["lr"] else None
+    if lr is not None and not 0 < lr < 1:
+        raise SystemExit(f"lm_convergence.py: error: run {name!r}: _lr{match['lr']} must be a learning rate in (0, 1)")
+    return Run(name, kind, stages, beta, weights, T, gamma, seed, tie, momentum, cos, accumulate, lr)
 
 
 def schedule(steps: int) -> dict:
@@ -141,10 +151,9 @@ def model_config(run: Run, out: Path) -> tuple[Path, list[str]]:
     return path, ["--untie"] if run.tie == "untied" else []
 
 
-def run_deepspeed(run: Run, micro_batches: int, eval_every: int) -> None:
-    name, stages = run.name, run.stages
-    out = OUT / name
-    out.mkdir(parents=True, exist_ok=True)
+def deepspeed_config(run: Run, micro_batches: int) -> dict:
+    """The ds_config of a DeepSpeed run: lm_bp.json or lm_fdg_k2.json with what the name asks for."""
+    stages = run.stages
     base = "lm_bp.json" if stages == 1 else "lm_fdg_k2.json"
     config = json.loads((ROOT / "ds_configs" / base).read_text())
     if stages > 1:
@@ -157,8 +166,18 @@ def run_deepspeed(run: Run, micro_batches: int, eval_every: int) -> None:
         config["pipeline"]["fdg"]["timeout"] = 36000  # an experiment paused by quiet.sh must not time out
     else:
         config["gradient_accumulation_steps"] = run.accumulate
+    if run.lr is not None:
+        config["optimizer"]["params"]["lr"] = run.lr
     if run.cosine:
         config["scheduler"] = schedule(micro_batches // run.accumulate)
+    return config
+
+
+def run_deepspeed(run: Run, micro_batches: int, eval_every: int) -> None:
+    name, stages = run.name, run.stages
+    out = OUT / name
+    out.mkdir(parents=True, exist_ok=True)
+    config = deepspeed_config(run, micro_batches)
     (out / "ds_config.json").write_text(json.dumps(config, indent=2))
     per_call = run.accumulate if stages == 1 else GAS
     model, tie_flags = model_config(run, out)
@@ -210,7 +229,11 @@ def run_reference(run: Run, micro_batches: int, eval_every: int) -> None:
     ds = ds_config["optimizer"]["params"]
     optimizers = [
         torch.optim.AdamW(
-            m.parameters(), lr=ds["lr"], betas=ds["betas"], eps=ds["eps"], weight_decay=ds["weight_decay"]
+            m.parameters(),
+            lr=ds["lr"] if run.lr is None else run.lr,
+            betas=ds["betas"],
+            eps=ds["eps"],
+            weight_decay=ds["weight_decay"],
         )
         for m in stage_modules
     ]

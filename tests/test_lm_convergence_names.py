@@ -72,3 +72,16 @@ def test_the_cos_suffix_schedules_the_rate_and_pairs_with_the_cos_baseline() -> 
     assert lm.parse_run("bp_a4").baseline == "bp_a4" and lm.parse_run("bp").accumulate == 1
     params = lm.schedule(800)["params"]
     assert (params["total_num_steps"], params["warmup_num_steps"], params["cos_min_ratio"]) == (800, 80, 0.1)
+
+
+def test_the_lr_suffix_sets_the_rate_and_pairs_with_bp_at_the_same_rate(tmp_path: Path) -> None:
+    lm = benchmark()
+    run = lm.parse_run("fdg_k2_b1.0_lr0.002_a2_s1")
+    assert (run.lr, run.accumulate, run.seed, run.baseline) == (0.002, 2, 1, "bp_lr0.002_a2_s1")
+    assert lm.parse_run("bp_lr0.0005").baseline == "bp_lr0.0005" and lm.parse_run("bp").lr is None
+    assert lm.parse_run("ref_k4_b1.0_m_lr0.0005_cos").baseline == "bp_lr0.0005_cos"
+    with pytest.raises(SystemExit, match="must be a learning rate"):
+        lm.parse_run("bp_lr1.5")
+    assert lm.deepspeed_config(run, 800)["optimizer"]["params"]["lr"] == 0.002
+    assert lm.deepspeed_config(lm.parse_run("bp_lr0.0005"), 800)["optimizer"]["params"]["lr"] == 0.0005
+    assert lm.deepspeed_config(lm.parse_run("bp"), 800)["optimizer"]["params"]["lr"] == 0.001
