@@ -29,9 +29,7 @@ import threading
 import urllib.parse
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
-
-from deepspeed.runtime.pipe.module import PipelineModule
+from typing import TYPE_CHECKING, Any
 
 from fdg_schedule.partition import Objective, Partition, balanced_partition, evaluate_partition, parameter_split
 from fdg_schedule.profile import ModelProfile, cached_profile, layer_name, optimizer_from_ds_config
@@ -41,9 +39,19 @@ PARTS = "parts:"
 _KEYS = ("schedule", "activations", "weights", "accumulate", "micro_batches", "memory_mib")
 _lock = threading.Lock()
 
+if TYPE_CHECKING:
+    from deepspeed.runtime.pipe.module import PipelineModule
+
+# Note [imported before deepspeed]: this module imports DeepSpeed inside its functions only. Importing
+# DeepSpeed runs fdg_schedule's import hook (install.guard), which calls install() below; had this module
+# imported DeepSpeed at its top, a program whose first import is this module (or partition / profile,
+# which it imports) would reach install() while this module is still half-imported (AttributeError).
+
 
 def install() -> None:
     """Teach ``PipelineModule`` the ``"balanced:"`` and ``"parts:"`` methods (idempotent)."""
+    from deepspeed.runtime.pipe.module import PipelineModule
+
     with _lock:
         current = PipelineModule._partition_layers
         if getattr(current, "_fdg_original", None) is not None:
@@ -62,6 +70,8 @@ def install() -> None:
 
 def uninstall() -> None:
     """Give ``PipelineModule`` back DeepSpeed's own ``_partition_layers``."""
+    from deepspeed.runtime.pipe.module import PipelineModule
+
     with _lock:
         original = getattr(PipelineModule._partition_layers, "_fdg_original", None)
         if original is not None:

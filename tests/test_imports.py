@@ -1,11 +1,16 @@
 """The package's import graph: no circle, ``install`` on top, ``ticks`` at the bottom (read from the source with ast).
 
-Every import counts, also those inside functions and under ``TYPE_CHECKING``.
+Every import counts, also those inside functions and under ``TYPE_CHECKING``. The last test imports for
+real: a circle through DeepSpeed's import hook does not show in the source.
 """
 
 from __future__ import annotations
 
 import ast
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "fdg_schedule"
@@ -72,3 +77,59 @@ def test_the_check_finds_a_circle() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}
     assert find_cycle(graph) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+# A circle through DeepSpeed, which the graph above cannot see: importing DeepSpeed runs the package's
+# hook (install.guard), which imports modules of its own (Note [imported before deepspeed]). Were one of
+# them importing DeepSpeed at its top, a program whose first import is that module would fail.
+FIRST_IMPORT_PROBE = r"""
+import json, os, sys
+import torch  # shared by the forked children; DeepSpeed and the package are imported in each child
+
+def in_child(job):
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            message = json.dumps(job())
+        except BaseException as error:
+            message = json.dumps(f"{type(error).__name__}: {error}")
+        os.write(w, message.encode())
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        text = f.read()
+    os.waitpid(pid, 0)
+    return json.loads(text)
+
+def loaded_by_the_hook():
+    import deepspeed  # noqa: F401  (the hook runs here)
+    return sorted(m for m in sys.modules if m.startswith("fdg_schedule"))
+
+def first(name):
+    def job():
+        import importlib
+        importlib.import_module(name)
+        import deepspeed
+        from deepspeed.runtime.pipe.module import PipelineModule
+        guarded = getattr(deepspeed.initialize, "__fdg_schedule_guard__", False)
+        patched = getattr(PipelineModule._partition_layers, "_fdg_original", None) is not None
+        return "ok" if guarded and patched else f"imported, but guarded={guarded} partition methods={patched}"
+    return job
+
+import fdg_schedule  # noqa: F401  (registers the hook where the package is only on PYTHONPATH)
+modules = in_child(loaded_by_the_hook)
+print("REPORT" + json.dumps({name: in_child(first(name)) for name in modules}))
+"""
+
+
+def test_every_module_the_deepspeed_hook_loads_can_be_imported_first() -> None:
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE.parent), "DS_ACCELERATOR": "cpu"}
+    run = subprocess.run(
+        [sys.executable, "-c", FIRST_IMPORT_PROBE], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout.split("REPORT")[-1])
+    assert "fdg_schedule.pipe_partition" in report, f"the hook no longer loads pipe_partition: {sorted(report)}"
+    assert {name: result for name, result in report.items() if result != "ok"} == {}
