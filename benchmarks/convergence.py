@@ -77,7 +77,8 @@ parser.add_argument(
     action="append",
     metavar="SPEC",
     help="run only these (repeatable): BP, 1F1B or fdg:K:beta:weights, e.g. fdg:2:0.2:current, each "
-    "optionally followed by :warmup=EPOCHS,delay_lr=TICKS,predict=GAMMA,momentum=1 (BP takes warmup only); "
+    "optionally followed by :warmup=EPOCHS,delay_lr=TICKS,predict=GAMMA,momentum=1,split=SPLIT (BP takes warmup "
+    "only; SPLIT: paper, parameters, uniform or boundaries 0/b1/.../L); "
     "replaces the grid of --stages x --weights x --betas",
 )
 args = parser.parse_args()
@@ -91,7 +92,7 @@ CORRECTIONS = {
     "delay_lr": "delay_lr T={}",
     "predict": "predict γ={}",
     "momentum": "delay_momentum",  # momentum=1
-    "split": "{} split",  # not a correction: the recipe's --partition (paper, parameters, uniform)
+    "split": "{} split",  # not a correction: the recipe's --partition (paper, parameters, uniform, b0/b1/.../bK)
 }
 
 
@@ -116,7 +117,16 @@ def fdg_variant(stages, beta, weights, options=None):
 def warmup_args(options):
     """The recipe arguments of a variant's options: the warm-up, and the split (--partition)."""
     extra = ["--warmup-epochs", str(int(options["warmup"]))] if "warmup" in options else []
-    return extra + (["--partition", options["split"]] if "split" in options else [])
+    return extra + (["--partition", partition_arg(options["split"])] if "split" in options else [])
+
+
+SPLITS = ("paper", "parameters", "uniform")
+
+
+def partition_arg(split):
+    """The recipe's --partition for a variant's ``split=``: a method, or boundaries ``0/2/4/7/12`` as
+    ``parts:0,2,4,7,12`` (``:`` and ``,`` already separate a variant's fields and options)."""
+    return split if split in SPLITS else "parts:" + split.replace("/", ",")
 
 
 # (name, stages, config changes, recipe arguments) of the stock schedules
@@ -130,9 +140,15 @@ def parse_options(spec, text):
         if key not in CORRECTIONS or not value:
             parser.error(
                 f"--variant {spec!r}: unknown option {item!r}; "
-                "options: warmup=N, delay_lr=T, predict=GAMMA, momentum=1, split=paper|parameters|uniform"
+                "options: warmup=N, delay_lr=T, predict=GAMMA, momentum=1, split=paper|parameters|uniform|0/b1/.../L"
             )
         options[key] = value
+    split = options.get("split")
+    if split is not None and split not in SPLITS and not re.fullmatch(r"0(/\d+)+", split):
+        parser.error(
+            f"--variant {spec!r}: split={split}: use paper, parameters, uniform or the stage boundaries as "
+            "0/b1/.../L (e.g. split=0/2/4/7/12, the recipe's measured 'balanced' split of ResNet-20 at K = 4)"
+        )
     return options
 
 

@@ -87,6 +87,17 @@ def test_unknown_correction_options_are_refused(tmp_path: Path) -> None:
     command = [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), f"--out={tmp_path / 'x'}"]
     done = subprocess.run([*command, "--variant", "fdg:2:1:stashed:speed=9"], capture_output=True, text=True)
     assert done.returncode != 0 and "unknown option 'speed=9'" in done.stderr
+    done = subprocess.run([*command, "--variant", "fdg:4:1:stashed:split=2/4/7"], capture_output=True, text=True)
+    assert done.returncode != 0 and "split=2/4/7: use paper, parameters, uniform or the stage boundaries" in done.stderr
+
+
+def test_a_split_given_as_boundaries_names_the_variant(tmp_path: Path) -> None:
+    out = tmp_path / "conv"
+    command = [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--seeds", "0", f"--out={out}"]
+    command += ["--variant", "fdg:4:1:stashed:momentum=1,split=0/2/4/7/12", "--reuse", "--report-only"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "FDG K=4 β=1 stashed, delay_momentum, 0/2/4/7/12 split" in out.with_suffix(".md").read_text()
 
 
 def test_reuse_runs_again_what_a_signal_killed(tmp_path: Path) -> None:
