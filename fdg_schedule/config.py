@@ -12,6 +12,7 @@ The public keys::
         "delay_lr_ticks": 0,          # T: delayed stages start at a lower learning rate, full at tick T; 0 = off
         "predict_decay": null,        # gamma in [0, 1): forwards run on predicted weights; null = off
         "delay_momentum": false,      # momentum mu of stage k taken as mu ** (1 + h_k) in its steps
+        "delay_momentum_peak_lr": null, # rho > 0: ... as mu ** (1 + h_k * min(1, lr / rho)); null = h_k in full
         "staleness_every": 100,       # measure ||w_fwd - w_bwd|| / ||w|| every N ticks; 0 = off
         "nonfinite": "error",         # "error" | "skip": a non-finite loss or gradient on a stage
         "timeout": 60,                # seconds a stage waits for a neighbour before failing
@@ -80,6 +81,14 @@ class FDGConfig:
     ``momentum`` (SGD, RMSprop) or first beta (Adam, AdamW, Lion): a delayed gradient already carries
     the memory of h_k steps, so the stage keeps less of it. False turns it off."""
 
+    delay_momentum_peak_lr: float | None = None
+    """rho, with ``delay_momentum``: the step of stage k uses momentum ``mu ** (1 + h_k * min(1, lr / rho))``,
+    where lr is the param group's learning rate in that step as the optimizer and scheduler give it
+    (before ``delay_lr_ticks``' factor). At or above rho the stage steps as with ``delay_momentum``
+    alone; as a schedule decays the lr below rho the delayed stage's momentum returns towards mu,
+    since a step of a smaller lr moves the weights less while its gradient waits. Set rho to the
+    schedule's peak lr. None: ``mu ** (1 + h_k)`` at every lr."""
+
     staleness_every: int = 100
     """N: every N ticks each delayed stage measures its staleness, the relative distance
     ``||w_fwd - w_bwd|| / ||w_bwd||`` between the weights the forward of the micro-batch entering it
@@ -136,6 +145,18 @@ class FDGConfig:
                 f"delay_momentum must be true or false, got {type(self.delay_momentum).__name__} "
                 f"{self.delay_momentum!r} (pipeline.fdg.delay_momentum in ds_config); false turns it off"
             )
+        if self.delay_momentum_peak_lr is not None:
+            _check_number("delay_momentum_peak_lr", self.delay_momentum_peak_lr, float, "; e.g. 0.1, or null for off")
+            if not self.delay_momentum_peak_lr > 0 or math.isinf(self.delay_momentum_peak_lr):
+                raise FDGConfigError(
+                    f"delay_momentum_peak_lr must be a learning rate > 0 or null, got {self.delay_momentum_peak_lr!r} "
+                    "(pipeline.fdg.delay_momentum_peak_lr in ds_config); set it to the schedule's peak lr"
+                )
+            if not self.delay_momentum:
+                raise FDGConfigError(
+                    f"delay_momentum_peak_lr is {self.delay_momentum_peak_lr!r} but delay_momentum is false "
+                    "(pipeline.fdg in ds_config); set delay_momentum to true, or remove delay_momentum_peak_lr"
+                )
         _check_number("staleness_every", self.staleness_every, int, "; e.g. 100, or 0 for off")
         if self.staleness_every < 0:
             raise FDGConfigError(

@@ -27,6 +27,8 @@ Note [staleness corrections]
     delay_momentum: the step of stage k runs with every param group's momentum mu (``momentum``,
     or the first of ``betas``) taken as ``mu ** (1 + h_k)``, put back right after the step. A
     gradient h_k steps old already carries h_k steps of the trajectory; the stage keeps less memory.
+    With ``pipeline.fdg.delay_momentum_peak_lr`` = rho the power is ``1 + h_k * min(1, lr / rho)``,
+    lr the param group's lr for that step before delay_lr's factor (what optimizer and scheduler give).
 
     predict: stage k keeps delta (one tensor per trainable parameter, zero at first); after each of
     its steps ``delta <- gamma*delta + (1-gamma)*(w_after - w_before)``. Every forward on stage k
@@ -203,8 +205,10 @@ class _Corrections:
         if config.delay_lr_ticks > 0:
             tau = max(1.0, self.h)
             self.lr_factor = tau ** -max(0.0, 1.0 - t / config.delay_lr_ticks)
-        # delay_momentum: mu ** (1 + h_k) in the step (the last stage, h = 0, keeps mu)
-        self.momentum_power = 1.0 + self.h if config.delay_momentum else 1.0
+        # delay_momentum: mu ** (1 + h_k) in the step (the last stage, h = 0, keeps mu), or with a peak lr
+        # rho mu ** (1 + h_k * min(1, lr / rho)), lr that of the param group before the lr factor
+        self.delay_momentum = config.delay_momentum
+        self.peak_lr = config.delay_momentum_peak_lr
         self.gamma = config.predict_decay
         self.delta: dict[str, Tensor] | None = None
         if self.gamma is not None and self.h > 0:
@@ -238,13 +242,17 @@ class _Corrections:
         groups = optimizer.param_groups
         saved = [dict(group) for group in groups]  # lr, momentum, betas as they were: put back after
         for group in groups:
+            power = 1.0
+            if self.delay_momentum:
+                share = 1.0 if self.peak_lr is None else min(1.0, group["lr"] / self.peak_lr)
+                power = 1.0 + self.h * share
             group["lr"] = group["lr"] * self.lr_factor
-            if self.momentum_power != 1.0:
+            if power != 1.0:
                 if "momentum" in group:
-                    group["momentum"] = group["momentum"] ** self.momentum_power
+                    group["momentum"] = group["momentum"] ** power
                 elif "betas" in group:
                     beta1, *rest = group["betas"]
-                    group["betas"] = (beta1**self.momentum_power, *rest)
+                    group["betas"] = (beta1**power, *rest)
                 else:
                     raise ValueError(f"delay_momentum: param group without 'momentum' or 'betas': {sorted(group)}")
         try:

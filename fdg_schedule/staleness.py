@@ -74,6 +74,7 @@ class Corrections:
         self.delay_lr_ticks = config.delay_lr_ticks
         self.delay_momentum = config.delay_momentum
         self.momentum_power = 1.0 + self.h if config.delay_momentum and self.h > 0 else None
+        self.peak_lr = config.delay_momentum_peak_lr  # None: h in full at every lr
         self.gamma = config.predict_decay if self.h > 0 else None  # the last stage has nothing to predict
         # Note [delta in fp32]
         self.delta: list[Tensor] | None = None
@@ -87,6 +88,13 @@ class Corrections:
         if self.delay_lr_ticks == 0:
             return 1.0
         return self.tau ** -max(0.0, 1.0 - tick / self.delay_lr_ticks)
+
+    def momentum_power_at(self, lr: float) -> float:
+        """``1 + h``, or with a peak lr rho ``1 + h * min(1, lr / rho)``: the power delay_momentum raises mu to
+        in a step whose param group has learning rate ``lr`` (before :meth:`lr_factor`)."""
+        if self.peak_lr is None:
+            return 1.0 + self.h
+        return 1.0 + self.h * min(1.0, lr / self.peak_lr)
 
     @contextlib.contextmanager
     def predicted(self) -> Iterator[None]:
@@ -108,10 +116,11 @@ class Corrections:
         """Run ``take_step()`` (one optimizer step; returns whether it was taken) in tick ``tick``.
 
         The lr of every param group of ``optimizer`` is multiplied by :meth:`lr_factor` for the step
-        only, and with ``delay_momentum`` its momentum mu is taken as ``mu ** (1 + h)``: the values
-        they had are written back afterwards (not divided back), so a scheduler or the user sees its
-        own. DeepSpeed's bf16 and ZeRO wrappers share ``param_groups`` (the same dicts) with the
-        optimizer they wrap. After a step that was taken, delta moves towards the step:
+        only, and with ``delay_momentum`` its momentum mu is taken as ``mu ** p``, p from
+        :meth:`momentum_power_at` of the group's lr: the values they had are written back afterwards
+        (not divided back), so a scheduler or the user sees its own. DeepSpeed's bf16 and ZeRO wrappers
+        share ``param_groups`` (the same dicts) with the optimizer they wrap. After a step that was
+        taken, delta moves towards the step:
         ``delta <- gamma*delta + (1-gamma)*(w_after - w_before)``.
         """
         groups = optimizer.param_groups
@@ -126,8 +135,8 @@ class Corrections:
             for group, lr in zip(groups, lrs):
                 group["lr"] = lr * factor
         if self.momentum_power is not None:
-            for group, (key, value) in zip(groups, momenta):
-                set_momentum(group, key, value, self.momentum_power)
+            for group, lr, (key, value) in zip(groups, lrs, momenta):
+                set_momentum(group, key, value, self.momentum_power_at(lr))
         try:
             taken = take_step()
         finally:

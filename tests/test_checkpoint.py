@@ -18,7 +18,7 @@ pytestmark = pytest.mark.distributed
 
 MODES = [(w, a) for w in ("current", "stashed") for a in ("stored", "recomputed")]
 # The staleness corrections mid-ramp at the save (tick 6 of 20): delta and the tick count are saved.
-CORRECTIONS = {"delay_lr_ticks": 20, "predict_decay": 0.5, "delay_momentum": True}
+CORRECTIONS = {"delay_lr_ticks": 20, "predict_decay": 0.5, "delay_momentum": True, "delay_momentum_peak_lr": 0.2}
 
 
 def _straight_and_resumed(tmp_path, world: int, cases: list[dict[str, Any]]) -> tuple[list[Any], list[Any]]:

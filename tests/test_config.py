@@ -31,6 +31,9 @@ def test_staleness_corrections_are_off_by_default_and_read_from_the_block() -> N
     assert parse(_ds({"predict_decay": None})) == FDGConfig()
     assert default.delay_momentum is False
     assert parse(_ds({"delay_momentum": True})) == FDGConfig(delay_momentum=True)
+    assert default.delay_momentum_peak_lr is None
+    both = {"delay_momentum": True, "delay_momentum_peak_lr": 0.1}
+    assert parse(_ds(both)) == FDGConfig(delay_momentum=True, delay_momentum_peak_lr=0.1)
 
 
 @pytest.mark.parametrize("pipeline", [None, {}, {"schedule": "1f1b"}, {"schedule": "1F1B", "stages": 2}])
@@ -69,6 +72,18 @@ def test_no_fdg_means_stock_deepspeed(pipeline) -> None:
         (_ds(zero_optimization={"stage": 3}), "set zero_optimization.stage to 1"),
         (_ds({"delay_momentum": 1}), "delay_momentum must be true or false, got int 1 (pipeline.fdg.delay_momentum"),
         (_ds({"delay_momentum": "true"}), "got str 'true' (pipeline.fdg.delay_momentum in ds_config); false turns"),
+        (
+            _ds({"delay_momentum_peak_lr": 0.1}),
+            "delay_momentum_peak_lr is 0.1 but delay_momentum is false (pipeline.fdg in ds_config); set delay_momentum",
+        ),
+        (
+            _ds({"delay_momentum": True, "delay_momentum_peak_lr": 0}),
+            "delay_momentum_peak_lr must be a learning rate > 0 or null, got 0 (pipeline.fdg.delay_momentum_peak_lr",
+        ),
+        (
+            _ds({"delay_momentum": True, "delay_momentum_peak_lr": "0.1"}),
+            "delay_momentum_peak_lr must be a number, got str '0.1' (pipeline.fdg.delay_momentum_peak_lr in ds_config)",
+        ),
         (_ds({"delay_lr_ticks": -1}), "delay_lr_ticks must be an integer >= 0, got -1 (pipeline.fdg.delay_lr_ticks"),
         (_ds({"delay_lr_ticks": -1}), "0 turns the delay-aware learning rate off"),
         (_ds({"delay_lr_ticks": 10.5}), "delay_lr_ticks must be an integer, got float 10.5"),

@@ -29,9 +29,9 @@ CORRECTIONS = [
     {"delay_lr_ticks": 8},
     {"predict_decay": 0.5},
     {"delay_momentum": True},
-    {"delay_lr_ticks": 8, "predict_decay": 0.5, "delay_momentum": True},
+    {"delay_lr_ticks": 8, "predict_decay": 0.5, "delay_momentum": True, "delay_momentum_peak_lr": 0.2},
 ]
-BOTH = CORRECTIONS[-1]  # all of them
+BOTH = CORRECTIONS[-1]  # all of them; the peak lr above every toy lr (SGD 0.1, Adam 0.01, warm-ups from 0)
 
 
 def reference(case: dict[str, Any], parts: list[int]) -> tuple[list[dict[str, torch.Tensor]], list[float]]:

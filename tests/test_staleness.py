@@ -75,6 +75,20 @@ def test_the_step_runs_with_delay_aware_momentum_and_it_is_written_back(stage: i
     assert seen == [[0.9**p, 0.5**p], [(0.8**p, 0.95)]]
 
 
+def test_a_peak_lr_scales_the_delay_by_each_groups_lr() -> None:
+    """delay_momentum_peak_lr rho: mu ** (1 + h * min(1, lr / rho)) per param group, lr before delay_lr's factor."""
+    params = _params()
+    sgd = torch.optim.SGD([{"params": params[:1], "lr": 0.2}, {"params": params[1:], "lr": 0.05}], lr=0.1, momentum=0.9)
+    config = FDGConfig(delay_momentum=True, delay_momentum_peak_lr=0.1, delay_lr_ticks=100)  # K = 4, stage 0: h = 6
+    corrections = Corrections(params, 4, 0, config)
+    seen: list[list[float]] = []
+    corrections.step(sgd, 0, lambda: seen.append([g["momentum"] for g in sgd.param_groups]) or True)
+    assert seen == [[0.9 ** (1 + 6), 0.9 ** (1 + 6 * 0.5)]]  # lr 0.2 >= rho: h in full; lr 0.05: half of it
+    assert [g["momentum"] for g in sgd.param_groups] == [0.9, 0.9]
+    assert Corrections(params, 4, 3, config).momentum_power_at(0.05) == 1.0  # the last stage keeps mu
+    assert Corrections(params, 4, 0, FDGConfig(delay_momentum=True)).momentum_power_at(1e-9) == 7.0
+
+
 def test_delay_momentum_needs_an_optimizer_with_momentum() -> None:
     """Checked on every stage, the last one too (every rank raises alike), naming the key and the fix."""
     params = _params()
