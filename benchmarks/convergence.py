@@ -12,7 +12,8 @@ Writes <out>.md (final test error, mean ± half-range over seeds), <out>.png (te
 mean over seeds) and <out>.json (every epoch of every run, and every run an earlier call stored there).
 
 Staleness corrections are variant options (docs/staleness.md), e.g.
-``--variant fdg:4:1:stashed:warmup=2,delay_lr=1024,predict=0.9`` or ``--variant BP:warmup=2``.
+``--variant fdg:4:1:stashed:warmup=2,delay_lr=1024,predict=0.9``,
+``--variant fdg:4:1:stashed:momentum=1,peak_lr=0.1,split=0/2/4/7/12`` or ``--variant BP:warmup=2``.
 """
 
 import argparse
@@ -77,8 +78,8 @@ parser.add_argument(
     action="append",
     metavar="SPEC",
     help="run only these (repeatable): BP, 1F1B or fdg:K:beta:weights, e.g. fdg:2:0.2:current, each "
-    "optionally followed by :warmup=EPOCHS,delay_lr=TICKS,predict=GAMMA,momentum=1,split=SPLIT (BP takes warmup "
-    "only; SPLIT: paper, parameters, uniform or boundaries 0/b1/.../L); "
+    "optionally followed by :warmup=EPOCHS,delay_lr=TICKS,predict=GAMMA,momentum=1,peak_lr=RHO,split=SPLIT "
+    "(BP takes warmup only; SPLIT: paper, parameters, uniform or boundaries 0/b1/.../L); "
     "replaces the grid of --stages x --weights x --betas",
 )
 args = parser.parse_args()
@@ -92,6 +93,7 @@ CORRECTIONS = {
     "delay_lr": "delay_lr T={}",
     "predict": "predict γ={}",
     "momentum": "delay_momentum",  # momentum=1
+    "peak_lr": "peak lr {}",  # delay_momentum_peak_lr (with momentum=1)
     "split": "{} split",  # not a correction: the recipe's --partition (paper, parameters, uniform, b0/b1/.../bK)
 }
 
@@ -110,6 +112,8 @@ def fdg_variant(stages, beta, weights, options=None):
         fdg["predict_decay"] = float(options["predict"])
     if options.get("momentum") == "1":
         fdg["delay_momentum"] = True
+    if "peak_lr" in options:
+        fdg["delay_momentum_peak_lr"] = float(options["peak_lr"])
     name = f"FDG K={stages} β={beta:g} {weights}" + correction_name(options)
     return name, stages, {"pipeline": {"schedule": "fdg", "fdg": fdg}}, warmup_args(options)
 
@@ -140,7 +144,8 @@ def parse_options(spec, text):
         if key not in CORRECTIONS or not value:
             parser.error(
                 f"--variant {spec!r}: unknown option {item!r}; "
-                "options: warmup=N, delay_lr=T, predict=GAMMA, momentum=1, split=paper|parameters|uniform|0/b1/.../L"
+                "options: warmup=N, delay_lr=T, predict=GAMMA, momentum=1, peak_lr=RHO, "
+                "split=paper|parameters|uniform|0/b1/.../L"
             )
         options[key] = value
     split = options.get("split")

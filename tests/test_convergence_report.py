@@ -91,13 +91,14 @@ def test_unknown_correction_options_are_refused(tmp_path: Path) -> None:
     assert done.returncode != 0 and "split=2/4/7: use paper, parameters, uniform or the stage boundaries" in done.stderr
 
 
-def test_a_split_given_as_boundaries_names_the_variant(tmp_path: Path) -> None:
+def test_a_split_given_as_boundaries_and_a_peak_lr_name_the_variant(tmp_path: Path) -> None:
     out = tmp_path / "conv"
     command = [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--seeds", "0", f"--out={out}"]
-    command += ["--variant", "fdg:4:1:stashed:momentum=1,split=0/2/4/7/12", "--reuse", "--report-only"]
+    command += ["--variant", "fdg:4:1:stashed:momentum=1,peak_lr=0.1,split=0/2/4/7/12", "--reuse", "--report-only"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert "FDG K=4 β=1 stashed, delay_momentum, 0/2/4/7/12 split" in out.with_suffix(".md").read_text()
+    name = "FDG K=4 β=1 stashed, delay_momentum, peak lr 0.1, 0/2/4/7/12 split"
+    assert name in out.with_suffix(".md").read_text()
 
 
 def test_reuse_runs_again_what_a_signal_killed(tmp_path: Path) -> None:
