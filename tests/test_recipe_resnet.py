@@ -30,6 +30,7 @@ EXPECTED = {
     "resnet_1f1b_bf16",
     "resnet_fdg_k2_wandb",
     "resnet_fdg_k4_warmuplr",
+    "resnet_fdg_k4_peak_lr",
 }
 
 
