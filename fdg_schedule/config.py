@@ -12,7 +12,7 @@ The public keys::
         "delay_lr_ticks": 0,          # T: delayed stages start at a lower learning rate, full at tick T; 0 = off
         "predict_decay": null,        # gamma in [0, 1): forwards run on predicted weights; null = off
         "delay_momentum": false,      # momentum mu of stage k taken as mu ** (1 + h_k) in its steps
-        "delay_momentum_peak_lr": null, # rho > 0: ... as mu ** (1 + h_k * min(1, lr / rho)); null = h_k in full
+        "delay_momentum_peak_lr": null,  # rho > 0: mu ** (1 + h_k * min(1, lr / rho)) instead; null = off
         "staleness_every": 100,       # measure ||w_fwd - w_bwd|| / ||w|| every N ticks; 0 = off
         "nonfinite": "error",         # "error" | "skip": a non-finite loss or gradient on a stage
         "timeout": 60,                # seconds a stage waits for a neighbour before failing
