@@ -118,7 +118,8 @@ def first(name):
         return "ok" if guarded and patched else f"imported, but guarded={guarded} partition methods={patched}"
     return job
 
-import fdg_schedule  # noqa: F401  (registers the hook where the package is only on PYTHONPATH)
+import fdg_schedule  # noqa: F401  (registers the hook where the package is only on PYTHONPATH; it imports
+                     # neither torch nor DeepSpeed, so each child still imports the module before DeepSpeed)
 modules = in_child(loaded_by_the_hook)
 print("REPORT" + json.dumps({name: in_child(first(name)) for name in modules}))
 """
