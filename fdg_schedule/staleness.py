@@ -73,7 +73,7 @@ class Corrections:
         self.tau = max(1.0, self.h)
         self.delay_lr_ticks = config.delay_lr_ticks
         self.delay_momentum = config.delay_momentum
-        self.momentum_power = 1.0 + self.h if config.delay_momentum and self.h > 0 else None
+        self.lowers_momentum = config.delay_momentum and self.h > 0  # the last stage (h = 0) keeps mu
         self.peak_lr = config.delay_momentum_peak_lr  # None: h in full at every lr
         self.gamma = config.predict_decay if self.h > 0 else None  # the last stage has nothing to predict
         # Note [delta in fp32]
@@ -125,7 +125,7 @@ class Corrections:
         """
         groups = optimizer.param_groups
         lrs = [group["lr"] for group in groups]
-        momenta = [momentum_of(group) if self.momentum_power is not None else (None, None) for group in groups]
+        momenta = [momentum_of(group) if self.lowers_momentum else (None, None) for group in groups]
         factor = self.lr_factor(tick)
         before = None
         if self.delta is not None:
@@ -134,7 +134,7 @@ class Corrections:
         if factor != 1.0:
             for group, lr in zip(groups, lrs):
                 group["lr"] = lr * factor
-        if self.momentum_power is not None:
+        if self.lowers_momentum:
             for group, lr, (key, value) in zip(groups, lrs, momenta):
                 set_momentum(group, key, value, self.momentum_power_at(lr))
         try:
