@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "train_resnet.py"
 REFERENCE = ROOT / "benchmarks" / "resnet_reference.py"
 sys.path.insert(0, str(ROOT))  # run as a script: the package is in the repository root
-from fdg_schedule.launch import free_port  # noqa: E402
+from fdg_schedule.launch import free_port, remove_shared_memory  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("--model", default="resnet20")
@@ -220,7 +220,8 @@ def run(stages, changes, extra, seed, workdir):
         command = [sys.executable, str(REFERENCE), "--stages", str(stages), *common]
     else:
         launcher = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(stages)]
-        command = [*launcher, "--master_port", str(free_port()), str(RECIPE), *common]
+        port = free_port()
+        command = [*launcher, "--master_port", str(port), str(RECIPE), *common]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     # The run stays in this process group, so pausing the group (SIGSTOP to a paused experiment) reaches
     # its ranks too; at the timeout the whole tree (launcher and ranks) is killed by hand.
@@ -232,6 +233,8 @@ def run(stages, changes, extra, seed, workdir):
             child.kill()
         proc.kill()
         output, _ = proc.communicate()
+    if args.backend != "reference":
+        remove_shared_memory(port)
     errors = [1 - float(acc) / 100 for acc in re.findall(r"^epoch \d+/\d+: .* test_acc ([\d.]+)%", output, re.M)]
     speed = re.search(r"^final: .* \| ([\d.]+) samples/s", output, re.M)
     full = re.search(r"^full test set: test_acc ([\d.]+)%", output, re.M)

@@ -52,7 +52,6 @@ import argparse
 import json
 import math
 import os
-import random
 import re
 import subprocess
 import sys
@@ -174,6 +173,8 @@ def deepspeed_config(run: Run, micro_batches: int) -> dict:
 
 
 def run_deepspeed(run: Run, micro_batches: int, eval_every: int) -> None:
+    from fdg_schedule.launch import free_port, remove_shared_memory
+
     name, stages = run.name, run.stages
     out = OUT / name
     out.mkdir(parents=True, exist_ok=True)
@@ -181,10 +182,11 @@ def run_deepspeed(run: Run, micro_batches: int, eval_every: int) -> None:
     (out / "ds_config.json").write_text(json.dumps(config, indent=2))
     per_call = run.accumulate if stages == 1 else GAS
     model, tie_flags = model_config(run, out)
+    port = free_port()
     command = [
         str(Path(sys.executable).parent / "deepspeed"),
         f"--num_gpus={stages}",
-        f"--master_port={random.randint(30000, 39000)}",
+        f"--master_port={port}",
         "recipes/train_lm.py",
         f"--deepspeed_config={out / 'ds_config.json'}",
         f"--model_config={model}",
@@ -200,8 +202,11 @@ def run_deepspeed(run: Run, micro_batches: int, eval_every: int) -> None:
         f"--seed={run.seed}",
     ]
     start = time.time()
-    with open(out / "log.txt", "w") as log:
-        subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=36000)
+    try:
+        with open(out / "log.txt", "w") as log:
+            subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=36000)
+    finally:
+        remove_shared_memory(port)
     (out / "wall.json").write_text(json.dumps({"wall_s": time.time() - start, "command": " ".join(command)}))
 
 

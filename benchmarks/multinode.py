@@ -51,7 +51,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from fdg_schedule.launch import free_port  # noqa: E402
+from fdg_schedule.launch import free_port, remove_shared_memory  # noqa: E402
 
 IN, HIDDEN, CLASSES, BLOCKS = 16, 32, 4, 7  # the MLP: 7 (linear, tanh) blocks and a linear head: 8 layers
 MICRO, GAS, CALLS = 4, 4, 3  # per data-parallel rank; 12 micro-batches, then a drain
@@ -241,17 +241,6 @@ def run_case(
             remove_shared_memory(port)
         records[label] = load_records(out, world)
     return {**records, "commands": commands, "ports": ports, "hostfile": hostfile.read_text()}
-
-
-def remove_shared_memory(port: int) -> None:
-    """Delete the shared-memory buffers DeepSpeed's CPU backend made for a rendezvous on 127.0.0.1:``port``.
-
-    Every rank creates ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>`` (~70 MB) and
-    never removes it. :mod:`fdg_schedule.launch` avoids the pile-up with a fixed port, but a launcher's
-    rendezvous binds a real TCP port, so each launch here takes a free one and removes its own buffers.
-    """
-    for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_*"):
-        path.unlink(missing_ok=True)
 
 
 def load_records(directory: Path, world: int) -> list[dict[str, Any]]:

@@ -14,11 +14,13 @@ else is the recipe's, so a run here equals the recipe's run (checked in docs/sta
   (a new DataLoader iterator draws from torch's global RNG, which the augmentation also uses);
 - the optimizer block of the DeepSpeed config (SGD, one per stage), its ``pipeline.fdg`` block,
   stage-local ``gradient_clipping``; the paper's step decay and ``--warmup-epochs``, set per epoch;
+  ``--delay-lr-epochs`` as the recipe's (``delay_lr_ticks`` = that many epochs of ticks);
 - one tick per micro-batch; the pipeline never drains between epochs; evaluation with the weights of
   the moment, in eval mode; a drain before the final evaluation; the same log lines.
 """
 
 import argparse
+import dataclasses
 import json
 import math
 import time
@@ -47,6 +49,9 @@ parser.add_argument("--test-subset", type=int, default=None)
 parser.add_argument("--partition", default="paper")
 parser.add_argument("--lr-decay-epochs", type=int, nargs="*", default=None, help="default: the paper's, scaled")
 parser.add_argument("--warmup-epochs", type=int, default=0, help="epochs at 0.1 x lr first")
+parser.add_argument(
+    "--delay-lr-epochs", type=float, default=None, help="pipeline.fdg.delay_lr_ticks in epochs of ticks"
+)
 parser.add_argument("--final-full-test", action="store_true", help="after training, also test on the whole test set")
 parser.add_argument("--seed", type=int, default=0)
 args = parser.parse_args()
@@ -75,6 +80,8 @@ test_set = vision_data.subset(data.test, args.test_subset, args.seed)
 sampler = DistributedSampler(train_set, num_replicas=1, rank=0, shuffle=True, seed=args.seed, drop_last=True)
 train_iter = vision_data.forever(DataLoader(train_set, micro_batch, sampler=sampler, drop_last=True))
 steps_per_epoch = len(train_set) // micro_batch
+if args.delay_lr_epochs is not None:  # as the recipe: this many epochs of ticks (one tick per micro-batch)
+    fdg = dataclasses.replace(fdg, delay_lr_ticks=max(1, round(args.delay_lr_epochs * steps_per_epoch)))
 ticks = args.epochs * steps_per_epoch
 base_lr = optimizer["params"]["lr"]
 

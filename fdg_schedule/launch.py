@@ -144,6 +144,18 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def remove_shared_memory(port: int | str, addr: str = "127.0.0.1") -> None:
+    """Delete the shared-memory buffers DeepSpeed's CPU backend made for a rendezvous on ``addr:port``.
+
+    Every rank creates ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>`` (~70 MB) and
+    never removes it (DeepSpeed 0.19.8). :func:`run` avoids the pile-up with a fixed port, but a
+    launcher's rendezvous binds a real TCP port: a caller that launches jobs on free ports removes each
+    job's buffers after it ended (tests, benchmarks), or a machine's shared memory fills up run by run.
+    """
+    for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_*"):
+        path.unlink(missing_ok=True)
+
+
 def _collect(procs: list[Any], results: Any, deadline_s: float, expect_exit: dict[int, int]) -> list[Any]:
     import torch
 

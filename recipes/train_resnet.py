@@ -23,9 +23,10 @@ FDG's gradient shrinking factor beta ("grad_shrink") in ds_configs: 0.2 at K=2 (
 ResNet-20 at K=2). At K=3 and K=4 the configs carry the staleness corrections (docs/staleness.md):
 "stashed" weights, beta 1; at K=3 delay_lr_ticks 1024 and predict_decay 0.9, meant with
 --warmup-epochs 2; at K=4 delay_momentum, best without a warm-up on both ResNets measured
-(resnet_fdg_k4_peak_lr.json adds delay_momentum_peak_lr 0.1, best on ResNet-20 with the default
-balanced split; resnet_fdg_k4_warmuplr.json: DeepSpeed's WarmupLR instead); at lr 0.1 "current"
-weights diverge there.
+(resnet_fdg_k4_peak_lr.json adds delay_momentum_peak_lr 0.1; with the default balanced split and
+``--delay-lr-epochs`` = the epochs before the first decay it is the best ResNet-20 setting measured;
+resnet_fdg_k4_warmuplr.json: DeepSpeed's WarmupLR instead); at lr 0.1 "current" weights diverge there.
+``--delay-lr-epochs E`` sets pipeline.fdg.delay_lr_ticks to E epochs of ticks (one tick per micro-batch).
 """
 
 import argparse
@@ -61,6 +62,7 @@ partition = (
 )
 profile_dir = "runs/profiles"  # layer profiles for "balanced", measured once per model / micro-batch / machine
 warmup_epochs = 0  # epochs at a constant 0.1 x lr before the schedule starts (the paper's code: 3)
+delay_lr_epochs = None  # FDG's delay_lr_ticks in epochs (docs/staleness.md: at K=4 the epochs before the first decay)
 checkpoint_every = 0  # epochs; 0 = never
 seed = 0
 default_config = Path(__file__).resolve().parents[1] / "ds_configs" / "resnet_fdg_k2.json"
@@ -82,6 +84,12 @@ parser.add_argument("--partition", default=partition)
 parser.add_argument("--profile-dir", default=profile_dir, help="where --partition balanced caches layer timings")
 parser.add_argument("--lr-decay-epochs", type=int, nargs="*", default=None, help="default: the paper's, scaled")
 parser.add_argument("--warmup-epochs", type=int, default=warmup_epochs, help="epochs at 0.1 x lr first")
+parser.add_argument(
+    "--delay-lr-epochs",
+    type=float,
+    default=delay_lr_epochs,
+    help="FDG: set pipeline.fdg.delay_lr_ticks to this many epochs of ticks (K=4: the epochs before the first decay)",
+)
 parser.add_argument("--final-full-test", action="store_true", help="after training, also test on the whole test set")
 parser.add_argument("--num-workers", type=int, default=0, help="DataLoader workers (0 keeps the CPU for the model)")
 parser.add_argument("--checkpoint-dir", default=None, help="default: checkpoints/<model>_<config name>")
@@ -103,8 +111,25 @@ if world_size % stages:
     parser.error(f"world size {world_size} is not a multiple of --pipeline-parallel-size {stages}")
 if args.partition == "paper" and stages > 1 and stages not in resnet.PAPER_SPLITS.get(args.model, {}):
     args.partition = "parameters"  # no preset for this model and K: DeepSpeed balances parameters instead
-with open(args.deepspeed_config) as f:
+config_path = args.deepspeed_config
+with open(config_path) as f:
     ds_config = json.load(f)
+if args.delay_lr_epochs is not None:
+    fdg_block = ds_config.get("pipeline", {}).get("fdg")
+    if not args.delay_lr_epochs > 0:
+        parser.error(
+            f"--delay-lr-epochs {args.delay_lr_epochs:g}: must be > 0 (omit it to keep the config's delay_lr_ticks)"
+        )
+    if ds_config.get("pipeline", {}).get("schedule") != "fdg" or fdg_block is None:
+        parser.error(
+            f"--delay-lr-epochs sets pipeline.fdg.delay_lr_ticks, but {config_path} is not an FDG config "
+            '(pipeline.schedule "fdg" with a pipeline.fdg block); drop the option or use an FDG config'
+        )
+    if fdg_block.get("delay_lr_ticks"):
+        parser.error(
+            f"--delay-lr-epochs {args.delay_lr_epochs:g} and pipeline.fdg.delay_lr_ticks "
+            f"{fdg_block['delay_lr_ticks']} in {config_path} both set the delay_lr ramp; keep one"
+        )
 try:
     data = vision_data.load_vision_data(args.dataset, args.data_dir, download=args.download)
 except vision_data.DataMissingError as error:
@@ -139,6 +164,28 @@ if args.partition == "balanced" and stages > 1:
     )
 elif args.partition == "balanced":
     args.partition = "uniform"  # one stage: nothing to balance
+# Data: the first stage reads images; the last stage reads the labels of the same items in the same order.
+train_set = vision_data.subset(data.train, args.train_subset, args.seed)
+test_set = vision_data.subset(data.test, args.test_subset, args.seed)
+
+
+def ticks_per_epoch(micro_batch, per_step, dp_size):
+    """FDG runs one tick per micro-batch, and an epoch runs whole steps of `per_step` micro-batches."""
+    return len(train_set) // (micro_batch * per_step * dp_size) * per_step
+
+
+if args.delay_lr_epochs is not None:  # DeepSpeed's batch arithmetic, from the config (checked after initialize)
+    dp = world_size // stages
+    gas, micro, batch = (
+        ds_config.get(key)
+        for key in ("gradient_accumulation_steps", "train_micro_batch_size_per_gpu", "train_batch_size")
+    )
+    per_step = gas or (batch // (micro * dp) if batch and micro else 1)
+    micro = micro or batch // (per_step * dp)
+    ds_config["pipeline"]["fdg"]["delay_lr_ticks"] = max(
+        1, round(args.delay_lr_epochs * ticks_per_epoch(micro, per_step, dp))
+    )
+    args.deepspeed_config = None  # the edited config goes to deepspeed.initialize as a dict
 set_random_seed(args.seed)
 net = resnet.build_pipeline(
     args.model,
@@ -150,7 +197,10 @@ net = resnet.build_pipeline(
 )
 set_random_seed(args.seed)  # building reseeded per layer; augmentation starts from the same state for every K
 engine, _, _, _ = deepspeed.initialize(
-    args=args, model=net, model_parameters=[p for p in net.parameters() if p.requires_grad]
+    args=args,
+    model=net,
+    model_parameters=[p for p in net.parameters() if p.requires_grad],
+    config=None if args.deepspeed_config else ds_config,
 )
 rank = dist.get_rank()
 logging_rank = rank == 0  # DeepSpeed's monitors also write from global rank 0
@@ -160,13 +210,16 @@ micro_batch, accumulation = engine.train_micro_batch_size_per_gpu(), engine.grad
 clock = StageClock(engine)  # per-stage compute and wait, reported against the split's prediction at the end
 schedule = engine._config.pipeline.get("schedule", "1f1b")
 
-# Data: the first stage reads images; the last stage reads the labels of the same items in the same order.
-train_set = vision_data.subset(data.train, args.train_subset, args.seed)
-test_set = vision_data.subset(data.test, args.test_subset, args.seed)
 samples_per_step = micro_batch * accumulation * dp_size
 steps_per_epoch = len(train_set) // samples_per_step
 if steps_per_epoch == 0:
     raise SystemExit(f"train_resnet.py: error: {len(train_set)} training images < one batch of {samples_per_step}")
+delay_lr_ticks = ds_config.get("pipeline", {}).get("fdg", {}).get("delay_lr_ticks", 0)
+if args.delay_lr_epochs is not None:
+    expected = max(1, round(args.delay_lr_epochs * ticks_per_epoch(micro_batch, accumulation, dp_size)))
+    assert delay_lr_ticks == expected, (
+        f"--delay-lr-epochs: {delay_lr_ticks} ticks from the config, {expected} from the engine"
+    )
 
 
 def stage_view(dataset):
@@ -217,7 +270,7 @@ def drain():
         engine.drain()
 
 
-checkpoint_dir = args.checkpoint_dir or f"checkpoints/{args.model}_{Path(args.deepspeed_config).stem}"
+checkpoint_dir = args.checkpoint_dir or f"checkpoints/{args.model}_{Path(config_path).stem}"
 base_lr = engine.optimizer.param_groups[0]["lr"]
 start_epoch = 0
 if args.resume:
@@ -240,6 +293,7 @@ if logging_rank:
         f"{args.model} on {args.dataset}: {stages} stage(s) x {dp_size} data-parallel, schedule {schedule}, "
         f"partition {net.parts}, {len(train_set)} train / {len(test_set)} test images, "
         f"{steps_per_epoch} steps/epoch of {samples_per_step}"
+        + (f", delay_lr_ticks {delay_lr_ticks}" if delay_lr_ticks else "")
     )
 step = 0
 train_time = 0.0

@@ -29,6 +29,7 @@ from dist_harness import run_ranks
 
 from fdg_schedule.config import FDGConfigError
 from fdg_schedule.install import TESTED_DEEPSPEED, UNTESTED_DEEPSPEED_ENV, check_deepspeed_version
+from fdg_schedule.launch import remove_shared_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "tests" / "plain_deepspeed_job.py"
@@ -348,7 +349,8 @@ def launch(
         script = [str(wrapper), str(JOB)]
         env = {"PYTHONPATH": str(ROOT), **env}
     command = [str(python), "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks)]
-    command += ["--master_port", str(_free_port()), *script, "--deepspeed_config", str(out / "ds_config.json")]
+    port = _free_port()
+    command += ["--master_port", str(port), *script, "--deepspeed_config", str(out / "ds_config.json")]
     command += ["--out", str(out), "--stages", str(min(ranks, 2))]
     proc = subprocess.Popen(
         command,
@@ -365,6 +367,8 @@ def launch(
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
         pytest.fail(f"the job did not finish within 240 s; last output:\n{output[-3000:]}")
+    finally:
+        remove_shared_memory(port)
     results = [torch.load(p, weights_only=False) for p in sorted(out.glob("rank*.pt"))]
     return proc.returncode, output, results
 

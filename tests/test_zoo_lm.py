@@ -19,7 +19,7 @@ import torch
 from dist_harness import run_ranks_each
 from transformers import AutoModelForCausalLM, GPT2Config
 
-from fdg_schedule.launch import free_port
+from fdg_schedule.launch import free_port, remove_shared_memory
 from fdg_schedule.zoo import hf_lm, text_data, tied_layers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -271,6 +271,7 @@ def test_text_folder_source(tmp_path: Path) -> None:
 def run_two_ranks(command: list[str], tmp_path: Path, deadline: float, cache: Path | None = None) -> list[str]:
     """Run ``command`` as ranks 0 and 1 (env:// rendezvous; text_data's caches in ``cache``, default in
     ``tmp_path``); return their logs or fail the test."""
+    port = free_port()
     env = {
         **os.environ,
         "DS_ACCELERATOR": "cpu",
@@ -278,7 +279,7 @@ def run_two_ranks(command: list[str], tmp_path: Path, deadline: float, cache: Pa
         "FDG_CACHE": str(cache or tmp_path / "cache"),
         "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
+        "MASTER_PORT": str(port),
         "WORLD_SIZE": "2",
     }
     logs = [tmp_path / f"rank{rank}.log" for rank in (0, 1)]
@@ -307,6 +308,7 @@ def run_two_ranks(command: list[str], tmp_path: Path, deadline: float, cache: Pa
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+    remove_shared_memory(port)
     if failed:
         tails = {r: logs[r].read_text()[-3000:] for r, _ in failed}
         pytest.fail(f"ranks (rank, exit code; None = killed after {deadline} s) {failed}:\n{tails}")
