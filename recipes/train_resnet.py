@@ -217,9 +217,10 @@ if steps_per_epoch == 0:
 delay_lr_ticks = ds_config.get("pipeline", {}).get("fdg", {}).get("delay_lr_ticks", 0)
 if args.delay_lr_epochs is not None:
     expected = max(1, round(args.delay_lr_epochs * ticks_per_epoch(micro_batch, accumulation, dp_size)))
-    assert delay_lr_ticks == expected, (
-        f"--delay-lr-epochs: {delay_lr_ticks} ticks from the config, {expected} from the engine"
-    )
+    if delay_lr_ticks != expected:  # the config's batch arithmetic above disagrees with DeepSpeed's
+        raise SystemExit(
+            f"train_resnet.py: error: --delay-lr-epochs gave {delay_lr_ticks} ticks, the engine's batch {expected}"
+        )
 
 
 def stage_view(dataset):
