@@ -148,11 +148,22 @@ os.environ.setdefault("MASTER_PORT", "29511")
 deepspeed.init_distributed()
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
 input_dtype = torch.bfloat16 if ds_config.get("bf16", {}).get("enabled") else torch.float32  # inputs match weights
+
+
+def batch_shape(ds_config, dp_size):
+    """(micro-batch per rank, micro-batches per step) from the config, as DeepSpeed derives them (any two of
+    train_batch_size, train_micro_batch_size_per_gpu and gradient_accumulation_steps), before initialize."""
+    gas, micro, batch = (
+        ds_config.get(key)
+        for key in ("gradient_accumulation_steps", "train_micro_batch_size_per_gpu", "train_batch_size")
+    )
+    per_step = gas or (batch // (micro * dp_size) if batch and micro else 1)
+    return micro or batch // (per_step * dp_size), per_step
+
+
 if args.partition == "balanced" and stages > 1:
     # Time every layer on one real micro-batch (rank 0, once per model and machine: cached), then split.
-    micro = ds_config.get("train_micro_batch_size_per_gpu") or ds_config["train_batch_size"] // (
-        ds_config.get("gradient_accumulation_steps", 1) * (world_size // stages)
-    )
+    micro, _ = batch_shape(ds_config, world_size // stages)
     sample_x, sample_y = next(iter(DataLoader(data.train, micro)))
     args.partition = pipe_partition.profile_and_balance(
         resnet.resnet_layers(args.model, data.num_classes, data.in_channels),
@@ -174,17 +185,10 @@ def ticks_per_epoch(micro_batch, per_step, dp_size):
     return len(train_set) // (micro_batch * per_step * dp_size) * per_step
 
 
-if args.delay_lr_epochs is not None:  # DeepSpeed's batch arithmetic, from the config (checked after initialize)
-    dp = world_size // stages
-    gas, micro, batch = (
-        ds_config.get(key)
-        for key in ("gradient_accumulation_steps", "train_micro_batch_size_per_gpu", "train_batch_size")
-    )
-    per_step = gas or (batch // (micro * dp) if batch and micro else 1)
-    micro = micro or batch // (per_step * dp)
-    ds_config["pipeline"]["fdg"]["delay_lr_ticks"] = max(
-        1, round(args.delay_lr_epochs * ticks_per_epoch(micro, per_step, dp))
-    )
+if args.delay_lr_epochs is not None:
+    micro, per_step = batch_shape(ds_config, world_size // stages)
+    ticks = ticks_per_epoch(micro, per_step, world_size // stages)
+    ds_config["pipeline"]["fdg"]["delay_lr_ticks"] = max(1, round(args.delay_lr_epochs * ticks))
     args.deepspeed_config = None  # the edited config goes to deepspeed.initialize as a dict
 set_random_seed(args.seed)
 net = resnet.build_pipeline(
