@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import warnings
@@ -29,7 +28,7 @@ from dist_harness import run_ranks
 
 from fdg_schedule.config import FDGConfigError
 from fdg_schedule.install import TESTED_DEEPSPEED, UNTESTED_DEEPSPEED_ENV, check_deepspeed_version
-from fdg_schedule.launch import remove_shared_memory
+from fdg_schedule.launch import free_port, remove_shared_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "tests" / "plain_deepspeed_job.py"
@@ -325,12 +324,6 @@ def test_without_the_package_nothing_is_hooked(pythons: dict[str, Path], tmp_pat
     assert run.stdout.split()[-2:] == ["False", "False"], run.stderr[-3000:]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(
     python: Path, pipeline: dict[str, Any] | None, out: Path, ranks: int = 2, explicit: bool = False, **env: str
 ) -> tuple[int, str, list[dict[str, Any]]]:
@@ -349,7 +342,7 @@ def launch(
         script = [str(wrapper), str(JOB)]
         env = {"PYTHONPATH": str(ROOT), **env}
     command = [str(python), "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks)]
-    port = _free_port()
+    port = free_port()
     command += ["--master_port", str(port), *script, "--deepspeed_config", str(out / "ds_config.json")]
     command += ["--out", str(out), "--stages", str(min(ranks, 2))]
     proc = subprocess.Popen(
