@@ -216,6 +216,7 @@ def run(stages, changes, extra, seed, workdir):
         "--test-subset", str(args.test_subset), "--seed", str(seed), *extra,
     ]  # fmt: skip
     common += ["--final-full-test"] if args.final_full_test else []
+    port = None  # the launcher's rendezvous port, whose shared-memory buffers are removed after the run
     if args.backend == "reference":
         command = [sys.executable, str(REFERENCE), "--stages", str(stages), *common]
     else:
@@ -233,7 +234,7 @@ def run(stages, changes, extra, seed, workdir):
             child.kill()
         proc.kill()
         output, _ = proc.communicate()
-    if args.backend != "reference":
+    if port is not None:
         remove_shared_memory(port)
     errors = [1 - float(acc) / 100 for acc in re.findall(r"^epoch \d+/\d+: .* test_acc ([\d.]+)%", output, re.M)]
     speed = re.search(r"^final: .* \| ([\d.]+) samples/s", output, re.M)
