@@ -21,11 +21,12 @@ same stage-local clipping); a K=2 reference run checks that the reference tracks
 Run names say what runs (any combination; the table in docs/staleness.md):
 
     bp[_s<seed>]                                  BP, a DeepSpeed job of the recipe
-    fdg_k<K>_b<beta>[_stashed][_dlr<T>][_p<gamma>][_m][_s<seed>]
+    fdg_k<K>_b<beta>[_stashed][_dlr<T>][_p<gamma>[_first]][_m][_s<seed>]
                                                   FDG on the DeepSpeed engine (K ranks): weights "stashed"
                                                   (default "current"), the staleness corrections
-                                                  delay_lr_ticks T, predict_decay gamma, delay_momentum
-    ref_k<K>_b<beta>[_stashed][_dlr<T>][_p<gamma>][_m][_s<seed>]
+                                                  delay_lr_ticks T, predict_decay gamma (with _first:
+                                                  predict_horizon "first_stage"), delay_momentum
+    ref_k<K>_b<beta>[_stashed][_dlr<T>][_p<gamma>[_first]][_m][_s<seed>]
                                                   the same with fdg_reference in one process
     <any run above>_lr<LR>                        before _a: the optimizer's learning rate LR (AdamW's peak
                                                   with _cos) instead of the config's 0.001, e.g. _lr0.002
@@ -68,7 +69,7 @@ RUNS = "bp,fdg_k2_b0.5,fdg_k2_b1.0,ref_k2_b0.5,ref_k3_b0.5,ref_k3_b1.0"  # the d
 TIE_RUNS = "bp_tied,bp_untied,fdg_k2_b0.5_tied,fdg_k2_b0.5_untied"  # tied vs untied at K = 2
 NAME = re.compile(
     r"^(?:bp|(?P<kind>fdg|ref)_k(?P<K>\d+)_b(?P<beta>[\d.]+)(?:_(?P<weights>stashed))?"
-    r"(?:_dlr(?P<T>\d+))?(?:_p(?P<gamma>[\d.]+))?(?P<momentum>_m)?)(?:_lr(?P<lr>\d*\.\d+))?(?:_a(?P<A>\d+))?(?P<cos>_cos)?(?:_s(?P<seed>\d+))?(?:_(?P<tie>tied|untied))?$"
+    r"(?:_dlr(?P<T>\d+))?(?:_p(?P<gamma>[\d.]+)(?P<first>_first)?)?(?P<momentum>_m)?)(?:_lr(?P<lr>\d*\.\d+))?(?:_a(?P<A>\d+))?(?P<cos>_cos)?(?:_s(?P<seed>\d+))?(?:_(?P<tie>tied|untied))?$"
 )
 
 
@@ -89,6 +90,7 @@ class Run:
     cosine: bool = False  # the learning rate: warm-up then cosine decay (schedule()), else constant
     accumulate: int = 1  # micro-batches per optimizer step, BP and FDG alike
     lr: float | None = None  # the optimizer's learning rate; None: the config's
+    predict_horizon: str = "own"  # "first_stage" with _first: the prediction aims at stage 0's update
 
     @property
     def baseline(self) -> str:
@@ -128,7 +130,8 @@ def parse_run(name: str) -> Run:
     lr = float(match["lr"]) if match["lr"] else None
     if lr is not None and not 0 < lr < 1:
         raise SystemExit(f"lm_convergence.py: error: run {name!r}: _lr{match['lr']} must be a learning rate in (0, 1)")
-    return Run(name, kind, stages, beta, weights, T, gamma, seed, tie, momentum, cos, accumulate, lr)
+    horizon = "first_stage" if match["first"] else "own"
+    return Run(name, kind, stages, beta, weights, T, gamma, seed, tie, momentum, cos, accumulate, lr, horizon)
 
 
 def schedule(steps: int) -> dict:
@@ -160,6 +163,7 @@ def deepspeed_config(run: Run, micro_batches: int) -> dict:
         config["pipeline"]["fdg"]["weights"] = run.weights
         config["pipeline"]["fdg"]["delay_lr_ticks"] = run.delay_lr_ticks
         config["pipeline"]["fdg"]["predict_decay"] = run.predict_decay
+        config["pipeline"]["fdg"]["predict_horizon"] = run.predict_horizon
         config["pipeline"]["fdg"]["delay_momentum"] = run.delay_momentum
         config["pipeline"]["fdg"]["accumulate"] = run.accumulate
         config["pipeline"]["fdg"]["timeout"] = 36000  # an experiment paused by quiet.sh must not time out
@@ -210,43 +214,36 @@ def run_deepspeed(run: Run, micro_batches: int, eval_every: int) -> None:
     (out / "wall.json").write_text(json.dumps({"wall_s": time.time() - start, "command": " ".join(command)}))
 
 
-def run_reference(run: Run, micro_batches: int, eval_every: int) -> None:
+def gpt2_setup(seed: int, stages: int, micro_batches: int, lr: float | None = None) -> tuple:
+    """The reference runs' GPT-2 in ``stages`` stage modules, one AdamW each (lm_fdg_k2.json's, at ``lr``
+    if given), the first ``micro_batches`` training micro-batches (8 blocks each, the recipe's order) and
+    512 validation blocks; seeded as the recipe: seed, then tokenizer (no torch RNG), then the model."""
     import torch
-    from deepspeed.runtime.lr_schedules import WarmupCosineLR
     from torch.utils.data import DistributedSampler
 
-    from fdg_schedule import FDGConfig, fdg_reference
     from fdg_schedule.zoo import hf_lm, text_data
 
-    name, stages = run.name, run.stages
-    out = OUT / name
-    out.mkdir(parents=True, exist_ok=True)
-    start = time.time()
     torch.set_num_threads(1)
-    torch.manual_seed(run.seed)  # as the recipe: seed, then tokenizer (no torch RNG), then the model
+    torch.manual_seed(seed)
     texts = text_data.read_texts("shakespeare")
     tokenizer = text_data.train_tokenizer(texts, 4096)
     train_set, val_set = text_data.split_blocks(text_data.encode(texts, tokenizer), 128, 0.1)
     layers = hf_lm.pipeline_layers(hf_lm.build_model(hf_lm.load_config(MODEL)))
     bounds = hf_lm.stage_bounds(layers, stages)
     stage_modules = [torch.nn.Sequential(*layers[bounds[k] : bounds[k + 1]]) for k in range(stages)]
-    ds_config = json.loads((ROOT / "ds_configs" / "lm_fdg_k2.json").read_text())
-    ds = ds_config["optimizer"]["params"]
+    ds = json.loads((ROOT / "ds_configs" / "lm_fdg_k2.json").read_text())["optimizer"]["params"]
     optimizers = [
         torch.optim.AdamW(
             m.parameters(),
-            lr=ds["lr"] if run.lr is None else run.lr,
+            lr=ds["lr"] if lr is None else lr,
             betas=ds["betas"],
             eps=ds["eps"],
             weight_decay=ds["weight_decay"],
         )
         for m in stage_modules
     ]
-    # what deepspeed.initialize builds from the _cos runs' "scheduler" config, one per stage
-    steps = micro_batches // run.accumulate
-    schedulers = [WarmupCosineLR(o, **schedule(steps)["params"]) for o in optimizers] if run.cosine else []
     order: list[int] = list(
-        DistributedSampler(train_set, num_replicas=1, rank=0, shuffle=True, seed=run.seed)
+        DistributedSampler(train_set, num_replicas=1, rank=0, shuffle=True, seed=seed)
     )  # the recipe's
     if micro_batches * 8 > len(order):
         raise ValueError(f"{micro_batches} micro-batches of 8 exceed one epoch ({len(order)} blocks)")
@@ -256,6 +253,25 @@ def run_reference(run: Run, micro_batches: int, eval_every: int) -> None:
         block = torch.stack([train_set[j][0] for j in idx])
         batches.append((block, block))
     val = torch.stack([val_set[j][0] for j in range(min(512, len(val_set)))])
+    return stage_modules, optimizers, batches, val
+
+
+def run_reference(run: Run, micro_batches: int, eval_every: int) -> None:
+    import torch
+    from deepspeed.runtime.lr_schedules import WarmupCosineLR
+
+    from fdg_schedule import FDGConfig, fdg_reference
+    from fdg_schedule.zoo import hf_lm
+
+    name, stages = run.name, run.stages
+    out = OUT / name
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    stage_modules, optimizers, batches, val = gpt2_setup(run.seed, stages, micro_batches, run.lr)
+    ds_config = json.loads((ROOT / "ds_configs" / "lm_fdg_k2.json").read_text())
+    # what deepspeed.initialize builds from the _cos runs' "scheduler" config, one per stage
+    steps = micro_batches // run.accumulate
+    schedulers = [WarmupCosineLR(o, **schedule(steps)["params"]) for o in optimizers] if run.cosine else []
     rows: list[dict] = []
 
     def evaluate(tick: int) -> None:
@@ -286,6 +302,7 @@ def run_reference(run: Run, micro_batches: int, eval_every: int) -> None:
             weights=run.weights,
             delay_lr_ticks=run.delay_lr_ticks,
             predict_decay=run.predict_decay,
+            predict_horizon=run.predict_horizon,
             delay_momentum=run.delay_momentum,
             accumulate=run.accumulate,
         ),

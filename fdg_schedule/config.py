@@ -11,6 +11,7 @@ The public keys::
         "accumulate": 1,              # backward passes per optimizer step, >= 1
         "delay_lr_ticks": 0,          # T: delayed stages start at a lower learning rate, full at tick T; 0 = off
         "predict_decay": null,        # gamma in [0, 1): forwards run on predicted weights; null = off
+        "predict_horizon": "own",     # "own" | "first_stage": the tick the prediction aims at
         "delay_momentum": false,      # momentum mu of stage k taken as mu ** (1 + h_k) in its steps
         "delay_momentum_peak_lr": null,  # rho > 0: mu ** (1 + h_k * min(1, lr / rho)) instead; null = off
         "staleness_every": 100,       # measure ||w_fwd - w_bwd|| / ||w|| every N ticks; 0 = off
@@ -36,6 +37,7 @@ SCHEDULES = ("1f1b", "fdg")
 WEIGHTS = ("current", "stashed")
 ACTIVATIONS = ("stored", "recomputed")
 NONFINITE = ("error", "skip")
+PREDICT_HORIZONS = ("own", "first_stage")
 TRACE_KEYS = {"start_tick": 0, "ticks": 64, "dir": "fdg_trace"}
 
 
@@ -74,6 +76,15 @@ class FDGConfig:
     ``delta <- gamma * delta + (1 - gamma) * (w_after - w_before)`` over its optimizer steps and runs
     every forward on ``w + (delay_k / accumulate) * delta``. In [0, 1); None turns it off. Costs one
     parameter-sized tensor per stage."""
+
+    predict_horizon: str = "own"
+    """How far ahead the prediction of ``predict_decay`` aims (an extension of issue 11's formula, which is
+    ``"own"``). ``"own"``: stage k predicts ``h_k = delay_k / accumulate`` steps ahead, to its own update
+    with the micro-batch's gradient; the last stage predicts nothing. ``"first_stage"``: stage k predicts
+    ``(2(K-1) - k) / accumulate`` steps ahead, to the tick stage 0 applies the micro-batch's gradient, so
+    every stage of one micro-batch's forward runs on weights aimed at one time, the last stage too
+    (K-1 ticks ahead; under ``"stashed"`` its gradient is taken there, under ``"current"`` its backward
+    reads the live weights). Needs ``predict_decay``."""
 
     delay_momentum: bool = False
     """Delay-aware momentum (Note [staleness corrections] in reference.py): the step of stage k uses
@@ -140,6 +151,13 @@ class FDGConfig:
                     f"predict_decay must be in [0, 1) or null, got {self.predict_decay!r} "
                     "(pipeline.fdg.predict_decay in ds_config); null turns weight prediction off"
                 )
+        _check_choice("predict_horizon", self.predict_horizon, PREDICT_HORIZONS)
+        if self.predict_horizon != "own" and self.predict_decay is None:
+            raise FDGConfigError(
+                f"predict_horizon is {self.predict_horizon!r} but predict_decay is null (pipeline.fdg in "
+                "ds_config): the horizon is that of the weight prediction; set predict_decay (e.g. 0.0), "
+                'or remove predict_horizon (default "own")'
+            )
         if not isinstance(self.delay_momentum, bool):
             raise FDGConfigError(
                 f"delay_momentum must be true or false, got {type(self.delay_momentum).__name__} "

@@ -15,6 +15,7 @@ loss has reached the stage yet.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from typing import Any, cast
@@ -252,11 +253,18 @@ class FDGPipelineEngine(FDGCheckpoints):
         self.fdg_state.received[buffer_id] = self._exchange.wait_grad()
 
     def _exec_fdg_forward(self, buffer_id: int, micro_batch: int) -> None:
+        state = self.fdg_state
+        with contextlib.ExitStack() as prediction:
+            prediction.enter_context(state.corrections.predicted())  # Note [predicted weights in place]
+            self._fdg_forward(buffer_id, micro_batch)
+            if self.is_last_stage() and self.fdg_config.weights == "stashed":
+                state.last_prediction = prediction.pop_all()  # Note [the last stage's prediction]
+
+    def _fdg_forward(self, buffer_id: int, micro_batch: int) -> None:
         inputs, state = self.pipe_buffers["inputs"][buffer_id], self.fdg_state
-        with state.corrections.predicted():  # Note [predicted weights in place]
-            outputs, held = self._delayed.forward(lambda: self._stage_forward(inputs))
-            if held is not None:
-                state.meter.after_forward(state.tick, buffer_id, held.weights)
+        outputs, held = self._delayed.forward(lambda: self._stage_forward(inputs))
+        if held is not None:
+            state.meter.after_forward(state.tick, buffer_id, held.weights)
         self.pipe_buffers["outputs"][buffer_id] = outputs
         if held is not None:
             self.fdg_state.held[buffer_id] = held
@@ -293,7 +301,9 @@ class FDGPipelineEngine(FDGCheckpoints):
             if self.fdg_config.nonfinite == "error":  # under "skip" the gradient's check skips the step
                 self._watch.record("loss", loss, self.global_steps, micro_batch)
             # One micro-batch per tick: no division by gradient_accumulation_steps.
-            DeepSpeedEngine.backward(self, loss / self.fdg_config.accumulate, scale_wrt_gas=False)
+            with self.fdg_state.last_prediction:  # the forward's predicted weights, back to w after
+                DeepSpeedEngine.backward(self, loss / self.fdg_config.accumulate, scale_wrt_gas=False)
+            self.fdg_state.last_prediction = contextlib.ExitStack()
             carried = loss.detach().float()
             self._tied.after_backward()
         else:

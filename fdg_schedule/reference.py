@@ -39,6 +39,13 @@ Note [staleness corrections]
     Note [current weights]) or the forward is recomputed on w ("recomputed"). Buffers (batch-norm
     statistics) are not predicted.
 
+    predict_horizon (an extension, ``pipeline.fdg.predict_horizon``; the issue's formula is "own"):
+    with "first_stage" every forward on stage k runs on ``w_hat = w + ((2(K-1) - k) / accumulate)*delta``
+    instead, aimed at the tick stage 0 applies that micro-batch's gradient, and the last stage predicts
+    too ((K-1)/accumulate steps ahead; it keeps a delta like the others). The last stage never
+    recomputes: under "stashed" its gradient is taken at w_hat, under "current" its backward reads the
+    live w. K = 1 predicts nothing (2(K-1) - k = 0).
+
 Note [tied layers across stages, the reference]
     ``ties`` lists, per tied parameter, ``(stage, parameter name)`` of each copy. The copies are taken
     out of ``optimizers[stage]``; each copy gets a tied optimizer of that optimizer's class and
@@ -170,8 +177,7 @@ def fdg_reference(
                 assert received_fwd == fwd
             if last:
                 x = _leaves(inputs, requires_grad=k > 0)
-                loss = loss_fn(_run(stage, x, None), micro_batches[fwd][1])
-                (loss / config.accumulate).backward()
+                loss = _last_stage_backward(stage, x, micro_batches[fwd][1], loss_fn, config, corrections.predicted())
                 _take_tied_grads(state.tied, k, contributions)
                 losses.append(loss.item())
                 if k > 0:
@@ -211,7 +217,11 @@ class _Corrections:
         self.peak_lr = config.delay_momentum_peak_lr
         self.gamma = config.predict_decay
         self.delta: dict[str, Tensor] | None = None
-        if self.gamma is not None and self.h > 0:
+        # how far ahead the forwards' weights aim, in optimizer steps: h_k, or with predict_horizon
+        # "first_stage" (2(K-1) - k) / A, the tick stage 0 applies the micro-batch's gradient
+        ahead = 2 * (K - 1 - k) if config.predict_horizon == "own" else 2 * (K - 1) - k
+        self.h_predict = ahead / config.accumulate
+        if self.gamma is not None and self.h_predict > 0:
             if k not in state.delta:
                 state.delta[k] = {
                     name: torch.zeros_like(p)
@@ -226,7 +236,7 @@ class _Corrections:
             return None
         with torch.no_grad():
             return {
-                name: (p + self.h * self.delta[name] if name in self.delta else p.clone()).requires_grad_(
+                name: (p + self.h_predict * self.delta[name] if name in self.delta else p.clone()).requires_grad_(
                     p.requires_grad
                 )
                 for name, p in self.stage.named_parameters()
@@ -398,6 +408,39 @@ def _delayed_backward(
             if g is not None:
                 p.grad = g if p.grad is None else p.grad + g
     return _grads_of(record.inputs)
+
+
+def _last_stage_backward(
+    stage: nn.Module,
+    x: tuple[Tensor, ...],
+    labels: Any,
+    loss_fn: Callable[..., Tensor],
+    config: FDGConfig,
+    predicted: dict[str, Tensor] | None,
+) -> Tensor:
+    """Forward, loss and backward of the last stage in one tick; returns the loss.
+
+    Without prediction (always under ``predict_horizon`` "own") the live weights. With it
+    (``"first_stage"``) the forward runs on w_hat; ``"stashed"`` takes the gradient there,
+    ``"current"`` reads the live w in the backward (the leaves are refreshed with w first, Note
+    [current weights]); the last stage never recomputes. The gradient is added to the parameters.
+    """
+    if predicted is None:
+        loss = loss_fn(_run(stage, x, None), labels)
+        (loss / config.accumulate).backward()
+        return loss
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):  # Note [current weights]
+        loss = loss_fn(_run(stage, x, predicted), labels)
+    if config.weights == "current":
+        with torch.no_grad():
+            for name, p in stage.named_parameters():
+                predicted[name].copy_(p)
+    (loss / config.accumulate).backward()
+    for name, p in stage.named_parameters():
+        g = predicted[name].grad
+        if g is not None:
+            p.grad = g if p.grad is None else p.grad + g
+    return loss
 
 
 def _maybe_step(

@@ -17,6 +17,8 @@ keeps work in flight between ticks. What it holds, and how long each piece lives
     labels_in_flight    FDGLoad (last stage)        FDGForward (last stage)      K-1 ticks
     received[b]         WaitGrad                    FDGBackward                  within a tick
     losses[b]           FDGForward (last stage)     FDGBackward                  within a tick
+    last_prediction     FDGForward (last stage,     FDGBackward (closes it:      within a tick
+                        "stashed", predicting)      w back in the parameters)
     to_send[b]          FDGBackward (non-first)     Exchange                     within a tick
     call_losses         FDGBackward                 train_batch()'s return       one call
     micro_batches_read  FDGLoad                     checkpoints (data position)  the run
@@ -33,6 +35,7 @@ of per-stage state (an optimizer-side tensor, a counter) gets a field here and a
 from __future__ import annotations
 
 import collections
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -85,6 +88,9 @@ class StageState:
         self.labels_in_flight: collections.deque[Any] = collections.deque()  # last stage, K > 1
         self.received: dict[int, Message] = {}  # buffer -> gradients and loss from the next stage
         self.losses: dict[int, Tensor] = {}  # buffer -> loss (last stage)
+        # Note [the last stage's prediction]: under "stashed" the last stage's predicted weights stay in its
+        # parameters from its forward through its backward (same tick), so its gradient is taken at w_hat
+        self.last_prediction = contextlib.ExitStack()
         self.to_send: dict[int, Message] = {}  # buffer -> input gradients and loss for the previous stage
         self.call_losses: list[Tensor] = []  # losses back-propagated in this call
         self.micro_batches_read = 0  # from the data iterator on this rank (first and last stage)

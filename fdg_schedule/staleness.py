@@ -14,7 +14,17 @@ asks: ``"stashed"`` snapshots the parameters during the forward, so its snapshot
 backward (stored or recomputed) differentiates at ``w_hat`` (Note [stashed weights]); ``"current"``
 with stored activations reads the live ``w`` in the backward because saved weights are read live
 (Note [saved weights read live]); ``"current"`` recomputed reruns the forward on the live ``w``.
-Buffers (batch-norm statistics) are not predicted. The step applies the gradient to ``w``.
+Buffers (batch-norm statistics) are not predicted. The step applies the gradient to ``w``. ``h`` is the
+prediction's horizon in optimizer steps: h_k, or with ``predict_horizon: "first_stage"``
+``(2(K-1) - k) / accumulate`` (:func:`fdg_schedule.ticks.prediction_ticks`).
+
+Note [the last stage's prediction]: with ``predict_horizon: "first_stage"`` the last stage predicts too
+((K-1) ticks ahead). Its forward, loss and backward run back to back in one tick with plain autograd
+(it never recomputes). Under ``"current"`` the forward alone runs inside :meth:`Corrections.predicted`,
+so the backward reads the live ``w`` through the graph's saved weights (Note [saved weights read live]
+holds for the last stage because ``w`` is written back through ``.data``). Under ``"stashed"`` the
+predicted weights stay in the parameters until the backward is done (``StageState.last_prediction``),
+so the gradient is taken at ``w_hat``.
 
 Note [delta in fp32]: delta is kept in fp32, one tensor per trainable parameter of the stage (the
 module's full parameters, also under ZeRO-1, whose step ends with an all-gather of them; each
@@ -75,7 +85,9 @@ class Corrections:
         self.delay_momentum = config.delay_momentum
         self.lowers_momentum = config.delay_momentum and self.h > 0  # the last stage (h = 0) keeps mu
         self.peak_lr = config.delay_momentum_peak_lr  # None: h in full at every lr
-        self.gamma = config.predict_decay if self.h > 0 else None  # the last stage has nothing to predict
+        # how far ahead the forwards' weights aim, in optimizer steps (config.predict_horizon)
+        self.h_predict = ticks.prediction_ticks(stages, stage_id, config.predict_horizon) / config.accumulate
+        self.gamma = config.predict_decay if self.h_predict > 0 else None  # "own": the last stage predicts nothing
         # Note [delta in fp32]
         self.delta: list[Tensor] | None = None
         if self.gamma is not None:
@@ -105,7 +117,7 @@ class Corrections:
         weights = _data(self.params)
         with torch.no_grad():
             saved = [w.clone() for w in weights]
-            torch._foreach_add_(weights, torch._foreach_mul(self.delta, self.h))
+            torch._foreach_add_(weights, torch._foreach_mul(self.delta, self.h_predict))
         try:
             yield
         finally:

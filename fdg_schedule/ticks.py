@@ -29,6 +29,14 @@ def delay(stages: int, stage_id: int) -> int:
     return 2 * (stages - 1 - stage_id)
 
 
+def prediction_ticks(stages: int, stage_id: int, horizon: str = "own") -> int:
+    """Ticks ahead a stage's weight prediction aims, from its forward of a micro-batch: to its own update
+    with that micro-batch's gradient (``"own"``, its delay, 0 on the last stage), or to the tick stage 0
+    applies that gradient (``"first_stage"``, ``2(K-1) - k``), so every stage of the micro-batch's
+    forward sits at one time."""
+    return delay(stages, stage_id) if horizon == "own" else 2 * (stages - 1) - stage_id
+
+
 def num_buffers(stages: int, stage_id: int) -> int:
     """Pipeline buffers a stage needs: the micro-batches in flight plus the one entering."""
     return delay(stages, stage_id) + 1

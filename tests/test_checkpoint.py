@@ -58,6 +58,8 @@ def _k2_every_mode() -> list[dict[str, Any]]:
         {**base, "training_data": True},
         # a drained checkpoint resumes too (the pipeline refills; t and delta go on)
         {**base, "drain_save": True, "zero": 1, **CORRECTIONS},
+        # the last stage's delta too (predict_horizon "first_stage"), mid-flight
+        {**base, "weights": "stashed", "optimizer": "adam", **CORRECTIONS, "predict_horizon": "first_stage"},
     ]
     return cases
 

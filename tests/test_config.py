@@ -29,6 +29,9 @@ def test_staleness_corrections_are_off_by_default_and_read_from_the_block() -> N
     assert config == FDGConfig(delay_lr_ticks=2000, predict_decay=0.9)
     assert parse(_ds({"predict_decay": 0})) == FDGConfig(predict_decay=0)  # gamma 0: delta is the last step
     assert parse(_ds({"predict_decay": None})) == FDGConfig()
+    assert default.predict_horizon == "own"
+    first = {"predict_decay": 0.0, "predict_horizon": "first_stage"}
+    assert parse(_ds(first)) == FDGConfig(predict_decay=0.0, predict_horizon="first_stage")
     assert default.delay_momentum is False
     assert parse(_ds({"delay_momentum": True})) == FDGConfig(delay_momentum=True)
     assert default.delay_momentum_peak_lr is None
@@ -94,6 +97,14 @@ def test_no_fdg_means_stock_deepspeed(pipeline) -> None:
         (_ds({"predict_decay": float("nan")}), "predict_decay must be in [0, 1) or null, got nan"),
         (_ds({"predict_decay": "0.9"}), "predict_decay must be a number, got str '0.9' (pipeline.fdg.predict_decay"),
         (_ds({"predict_decay": False}), "predict_decay must be a number, got bool False"),
+        (
+            _ds({"predict_decay": 0.0, "predict_horizon": "stage0"}),
+            "predict_horizon must be one of ['own', 'first_stage'], got 'stage0' (pipeline.fdg.predict_horizon",
+        ),
+        (
+            _ds({"predict_horizon": "first_stage"}),
+            "predict_horizon is 'first_stage' but predict_decay is null (pipeline.fdg in ds_config): the horizon",
+        ),
         (_ds({"staleness_every": -5}), "staleness_every must be an integer >= 0, got -5 (pipeline.fdg.staleness_every"),
         (_ds({"staleness_every": 1.5}), "staleness_every must be an integer, got float 1.5 (pipeline.fdg"),
         (_ds({"nonfinite": "ignore"}), "nonfinite must be one of ['error', 'skip'], got 'ignore'"),

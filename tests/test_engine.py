@@ -32,6 +32,8 @@ CORRECTIONS = [
     {"delay_lr_ticks": 8, "predict_decay": 0.5, "delay_momentum": True, "delay_momentum_peak_lr": 0.2},
 ]
 BOTH = CORRECTIONS[-1]  # all of them; the peak lr above every toy lr (SGD 0.1, Adam 0.01, warm-ups from 0)
+# the prediction aimed at stage 0's update: the last stage predicts too (Note [the last stage's prediction])
+FIRST_STAGE = {"predict_decay": 0.5, "predict_horizon": "first_stage"}
 
 
 def reference(case: dict[str, Any], parts: list[int]) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
@@ -163,6 +165,10 @@ def _corrected(stages: int, gas: int, calls: int, **extra: Any) -> list[dict[str
     modes = (("current", "recomputed"), ("stashed", "stored"), ("current", "stored"))
     alone = zip(CORRECTIONS[:-1], modes, ("adam", "sgd", "adam"))
     cases += [{**base, "weights": w, "activations": a, "optimizer": opt, **c} for c, (w, a), opt in alone]
+    cases += [
+        {**base, "weights": w, "activations": a, "optimizer": ("adam", "sgd")[i % 2], **FIRST_STAGE}
+        for i, (w, a) in enumerate(MODES)
+    ]
     return cases
 
 
@@ -214,6 +220,7 @@ def _two_stages_all_modes(flops_file: str) -> list[dict[str, Any]]:
             **BOTH,
         ),  # fmt: skip
         {"stages": 2, "n": 64, "gas": 2, "calls": 3, "ds_optimizer": True, "weights": "current", **BOTH},
+        {"stages": 2, "n": 64, "gas": 3, "calls": 3, "accumulate": 2, "weights": "stashed", **BOTH, **FIRST_STAGE},
         {"stages": 2, "n": 64, "gas": 3, "calls": 3, "zero": 1, "grad_shrink": 0.5, "weights": "stashed", **BOTH},
         {
             "stages": 2,
@@ -253,6 +260,7 @@ def _bf16_cases() -> list[dict[str, Any]]:
         for (w, a), extra in ((("current", "stored"), {}), (("stashed", "recomputed"), {"zero": 1}))
     ]
     cases += [{**case, **BOTH} for case in cases]  # delta in fp32 beside bf16 weights
+    cases.append({**cases[-1], **FIRST_STAGE})  # the last stage's delta too
     return cases
 
 
@@ -319,6 +327,7 @@ def _data_parallel_cases() -> list[dict[str, Any]]:
         for w, a, opt in (("current", "stored", "sgd"), ("stashed", "recomputed", "adam"))
     ]
     cases += [{**base, "weights": "stashed", "activations": "stored", "accumulate": 2, **BOTH}]
+    cases += [{**base, "weights": "stashed", "activations": "recomputed", "optimizer": "adam", **FIRST_STAGE}]
     return cases
 
 
@@ -458,7 +467,8 @@ def test_bf16_and_zero1_follow_the_fp32_reference_closely(two_stages) -> None:
             for key, value in r[i]["states"][-1].items():
                 torch.testing.assert_close(value, ref_states[-1][key], rtol=0.05, atol=0.02, msg=f"{case} {key}")
         if "predict_decay" in case:  # the corrections did act: the pipeline is far nearer their reference
-            plain, _ = reference({k: v for k, v in case.items() if k not in BOTH}, results[0][i]["parts"])
+            plain_case = {k: v for k, v in case.items() if k not in BOTH and k not in FIRST_STAGE}
+            plain, _ = reference(plain_case, results[0][i]["parts"])
             got = {k: v for r in results for k, v in r[i]["states"][-1].items()}
             near = max((got[k] - ref_states[-1][k]).abs().max().item() for k in got)
             far = max((got[k] - plain[-1][k]).abs().max().item() for k in got)

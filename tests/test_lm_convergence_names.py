@@ -61,6 +61,16 @@ def test_the_m_suffix_turns_delay_aware_momentum_on() -> None:
     assert not lm.parse_run("ref_k4_b1.0").delay_momentum
 
 
+def test_the_first_suffix_aims_the_prediction_at_stage_0s_update() -> None:
+    lm = benchmark()
+    run = lm.parse_run("fdg_k2_b1.0_stashed_p0.0_first_s2")
+    assert run.predict_horizon == "first_stage" and run.predict_decay == 0.0 and run.baseline == "bp_s2"
+    assert lm.deepspeed_config(run, 800)["pipeline"]["fdg"]["predict_horizon"] == "first_stage"
+    assert lm.parse_run("ref_k4_b1.0_stashed_p0.0").predict_horizon == "own"
+    with pytest.raises(SystemExit, match="does not read as"):
+        lm.parse_run("ref_k4_b1.0_stashed_first")  # a horizon without a prediction
+
+
 def test_the_cos_suffix_schedules_the_rate_and_pairs_with_the_cos_baseline() -> None:
     lm = benchmark()
     run = lm.parse_run("ref_k4_b1.0_m_cos_s3")

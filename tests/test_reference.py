@@ -335,6 +335,41 @@ def test_prediction_uses_the_delay_in_optimizer_steps() -> None:
     torch.testing.assert_close(inputs.seen[4], data[4][0] @ w_hat.T)  # no step at tick 4 (accumulating)
 
 
+@pytest.mark.parametrize("weights,activations", MODES)
+def test_first_stage_horizon_predicts_the_last_stage_too(weights: str, activations: str) -> None:
+    """K = 2, ``predict_horizon: "first_stage"``: stage 0 still predicts 2 ticks ahead, the last stage
+    (Wb tanh(Wa x)) 1 tick ahead: micro-batch b's forward on it (tick b + 1, after b steps) runs on
+    w_hat = w + 1 * delta. Its gradient: "stashed" at w_hat; "current" with w_hat's activations and the
+    live w read in the backward (the last stage never recomputes, so both activation modes agree)."""
+    torch.manual_seed(0)
+    inputs = _Inputs()
+    stage0 = nn.Linear(4, 5, bias=False)
+    stage1 = nn.Sequential(inputs, nn.Linear(5, 6, bias=False), nn.Tanh(), nn.Linear(6, 3, bias=False))
+    gamma = 0.5
+    opt0, opt1 = _StepLog(stage0.parameters(), 0.5), _StepLog(stage1.parameters(), 0.5)
+    data = _data(5)
+    config = FDGConfig(weights=weights, activations=activations, predict_decay=gamma, predict_horizon="first_stage")
+    state = ReferenceState()
+    fdg_reference([stage0, stage1], [opt0, opt1], data, F.cross_entropy, config, state=state)
+    # stage 0: h = 2, as under "own": micro-batch 2 (tick 2) runs on w + 2 * delta, delta from its one step
+    w0, w1 = opt0.steps[0]["before"][0], opt0.steps[0]["after"][0]
+    torch.testing.assert_close(inputs.seen[2], data[2][0] @ (w1 + 2 * (1 - gamma) * (w1 - w0)).T)
+    delta = [torch.zeros_like(w) for w in opt1.steps[0]["before"]]
+    for b, entry in enumerate(opt1.steps):  # the last stage's step b back-propagates micro-batch b
+        Wa, Wb = entry["before"]
+        Wa_hat, Wb_hat = (w + 1 * d for w, d in zip(entry["before"], delta))
+        x, y = inputs.seen[b], data[b][1]
+        h = torch.tanh(x @ Wa_hat.T)
+        g = (torch.softmax(h @ Wb_hat.T, dim=1) - F.one_hot(y, 3)) / len(y)
+        d_pre = (g @ (Wb_hat if weights == "stashed" else Wb)) * (1 - h * h)
+        for got, want in zip(entry["grads"], [d_pre.T @ x, g.T @ h]):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m, b=b: f"step {b}: {m}")
+        delta = [gamma * d + (1 - gamma) * (a - w) for d, a, w in zip(delta, entry["after"], entry["before"])]
+    assert any(d.abs().sum() > 0 for d in state.delta[1].values())  # the last stage keeps a delta
+    for got, want in zip(state.delta[1].values(), delta):
+        torch.testing.assert_close(got, want)
+
+
 def _simulate(weights0: list[Tensor], data, K: int, beta: float, A: int, T: int, gamma: float, lr: float,
               stashed: bool) -> tuple[list[Tensor], list[float]]:  # fmt: skip
     """FDG with both corrections for linear stages y = x W_k^T and loss sum((y - t)^2) / (2 batch),

@@ -134,11 +134,16 @@ def test_forward_weights_are_predicted_and_w_comes_back_bit_for_bit() -> None:
     w = [p.detach().clone() for p in params]
     with corrections.predicted():
         for p, wp, d in zip(params, w, corrections.delta):
-            assert torch.equal(p, wp + corrections.h * d)  # the reference's w + h*delta
+            assert torch.equal(p, wp + corrections.h_predict * d)  # the reference's w + h*delta
     for p, wp in zip(params, w):
         assert torch.equal(p, wp)
     last = Corrections(params, 3, 2, FDGConfig(predict_decay=0.9))
     assert last.delta is None  # the last stage predicts nothing and keeps no delta
+    first = FDGConfig(predict_decay=0.9, accumulate=2, predict_horizon="first_stage")
+    ahead = [Corrections(params, 3, k, first).h_predict for k in range(3)]
+    assert ahead == [4 / 2, 3 / 2, 2 / 2]  # (2(K-1) - k) / A: to the tick stage 0 applies the gradient
+    assert Corrections(params, 3, 2, first).delta is not None  # the last stage predicts too
+    assert Corrections(params, 1, 0, first).delta is None  # K = 1 stays plain backprop
 
 
 def test_bf16_weights_keep_an_fp32_delta() -> None:
