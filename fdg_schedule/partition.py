@@ -134,6 +134,8 @@ class Partition:
     objective: Objective
     profile: ModelProfile | None = dataclasses.field(default=None, compare=False, repr=False)
     """The profile the predictions come from (for :func:`rescaled`)."""
+    own: tuple[bool, ...] | None = None
+    """The per-layer constraint :func:`balanced_partition` was given (a rebalanced split keeps it)."""
 
     @property
     def bottleneck_s(self) -> float:
@@ -157,17 +159,27 @@ class Partition:
             )
 
 
-def balanced_partition(profile: ModelProfile, stages: int, objective: Objective | None = None) -> Partition:
+def balanced_partition(
+    profile: ModelProfile, stages: int, objective: Objective | None = None, own: Sequence[bool] | None = None
+) -> Partition:
     """The contiguous split of ``profile``'s layers into ``stages`` stages with the smallest bottleneck.
 
-    Exact (Note [exact bisection]) and deterministic. Raises ValueError when there are fewer
-    layers than stages or when no split fits ``objective.memory_limit``.
+    Exact (Note [exact bisection]) and deterministic. ``own``, per layer: whether it gives a stage
+    trainable parameters of its own; when given, every stage holds at least one such layer (FDG
+    steps tied layers apart, so a stage of tied layers only would have an empty optimizer). Raises
+    ValueError when there are fewer layers than stages or when no split fits ``objective.memory_limit``
+    (and ``own``).
     """
     objective = objective or Objective()
-    costs = _Costs(profile, stages, objective)
+    costs = _Costs(profile, stages, objective, own)
     n = costs.layers
     if stages < 1 or n < stages:
         raise ValueError(f"cannot cut {n} layers into {stages} stages; use between 1 and {n} stages")
+    if own is not None and sum(map(bool, own)) < stages:
+        raise ValueError(
+            f"cannot cut {n} layers into {stages} stages each holding a layer with parameters of its own: "
+            f"{sum(map(bool, own))} such layers (the others are tied or hold no parameters); use fewer stages"
+        )
     high = int(max(prefix[-1] for prefix in costs.time_prefixes))
     reach = costs.reach(high)
     if reach is None:
@@ -196,7 +208,8 @@ def balanced_partition(profile: ModelProfile, stages: int, objective: Objective 
             above = mid
         else:
             floor, reach = mid, candidate
-    return evaluate_partition(profile, costs.cuts(reach), objective)
+    plan = evaluate_partition(profile, costs.cuts(reach), objective)
+    return plan if own is None else dataclasses.replace(plan, own=tuple(bool(o) for o in own))
 
 
 def evaluate_partition(profile: ModelProfile, parts: Sequence[int], objective: Objective | None = None) -> Partition:
@@ -233,8 +246,19 @@ def evaluate_partition(profile: ModelProfile, parts: Sequence[int], objective: O
 class _Costs:
     """Integer prefix sums of a profile's per-layer time (picoseconds) and bytes, for one objective."""
 
-    def __init__(self, profile: ModelProfile, stages: int, objective: Objective) -> None:
+    def __init__(
+        self, profile: ModelProfile, stages: int, objective: Objective, own: Sequence[bool] | None = None
+    ) -> None:
         self.objective = objective
+        # per start, the least stop leaving the stage a layer of its own (balanced_partition's ``own``)
+        n = len(profile.layers)
+        marks = np.ones(n, dtype=bool) if own is None else np.array([bool(o) for o in own], dtype=bool)
+        if len(marks) != n:
+            raise ValueError(f"own has {len(marks)} entries for {n} layers")
+        next_own = np.full(n + 1, n + 1, dtype=np.int64)  # n + 1: no layer of its own from there on
+        for i in range(n - 1, -1, -1):
+            next_own[i] = i + 1 if marks[i] else next_own[i + 1]
+        self.least_stop = next_own
         self.stages = stages
         self.layers = len(profile.layers)
         column = lambda name: np.array([getattr(c, name) for c in profile.layers], dtype=np.float64)  # noqa: E731
@@ -301,7 +325,7 @@ class _Costs:
             self._memory_lasts = [self._memory_last(k) for k in range(self.stages)]
         bounds = {}  # per time prefix (plain, recomputing): first and last stop within the time window
         for prefix in {id(p): p for p in self.time_prefixes}.values():
-            first = np.maximum(np.searchsorted(prefix, prefix + floor, side="left"), np.arange(1, n + 2))
+            first = np.maximum(np.searchsorted(prefix, prefix + floor, side="left"), self.least_stop)
             bounds[id(prefix)] = first, np.searchsorted(prefix, prefix + bottleneck, side="right") - 1
         starts = np.arange(n + 1) == 0
         history = []

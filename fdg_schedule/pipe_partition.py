@@ -31,6 +31,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from torch import nn
+
 from fdg_schedule.partition import Objective, Partition, balanced_partition, evaluate_partition, parameter_split
 from fdg_schedule.profile import ModelProfile, cached_profile, layer_name, optimizer_from_ds_config
 
@@ -198,7 +200,7 @@ def plan_for(method: str, layers: Sequence[Any], stages: int) -> tuple[list[int]
     path, objective = parse_balanced(method)
     profile = ModelProfile.load(path)
     check_layers(profile, layers, str(path))
-    plan = balanced_partition(profile, stages, objective)
+    plan = balanced_partition(profile, stages, objective, own_parameters(layers, objective))
     lines = [
         f"balanced partition of {len(layers)} layers into {stages} stages for {objective.describe()}, from {path} "
         f"(micro-batch {profile.micro_batch}, {profile.device}, {profile.dtype}): parts {plan.parts}",
@@ -212,6 +214,24 @@ def plan_for(method: str, layers: Sequence[Any], stages: int) -> tuple[list[int]
             f"against {plan.bottleneck_s * 1e3:.2f} ms here ({other.bottleneck_s / plan.bottleneck_s:.2f}x)"
         )
     return plan.parts, plan, "\n".join(lines)
+
+
+def own_parameters(layers: Sequence[Any], objective: Objective) -> list[bool] | None:
+    """Per layer, whether it gives an FDG stage parameters of its own (a ``LayerSpec`` that is not tied, or a
+    module with parameters), when the model has tied layers and the split is for FDG; else None (no constraint).
+
+    FDG steps tied layers with an optimizer of their own, so a stage holding only tied layers is refused
+    at ``deepspeed.initialize`` (fdg_schedule.tied.stages_of_only_tied_layers): the split avoids it.
+    """
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+    if objective.schedule != "fdg" or not any(isinstance(layer, TiedLayerSpec) for layer in layers):
+        return None
+    return [
+        not isinstance(layer, TiedLayerSpec)
+        and (isinstance(layer, LayerSpec) or (isinstance(layer, nn.Module) and any(True for _ in layer.parameters())))
+        for layer in layers
+    ]
 
 
 def check_layers(profile: ModelProfile, layers: Sequence[Any], source: str) -> None:

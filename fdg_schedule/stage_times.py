@@ -162,7 +162,7 @@ def rebalanced_advice(plan: Partition, measured_s: list[float]) -> str:
     """One line: the split :func:`~fdg_schedule.partition.balanced_partition` gives once ``plan``'s profile
     is rescaled to these measured stage times (Note [rebalancing on measured stage times])."""
     assert plan.profile is not None
-    again = balanced_partition(rescaled(plan.profile, plan, measured_s), len(plan.stages), plan.objective)
+    again = balanced_partition(rescaled(plan.profile, plan, measured_s), len(plan.stages), plan.objective, plan.own)
     if again.parts == plan.parts:
         return f"rebalanced on these measurements: the same parts {plan.parts}"
     return (

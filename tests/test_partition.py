@@ -16,6 +16,7 @@ from fdg_schedule.partition import (
     rescaled,
 )
 from fdg_schedule.profile import LayerCost, ModelProfile
+from fdg_schedule.stage_times import rebalanced_advice
 
 OBJECTIVES = [
     Objective(),
@@ -49,12 +50,18 @@ def random_profile(rng: random.Random, layers: int, zero_time_share: float = 0.2
     return ModelProfile(layers=tuple(costs), micro_batch=8, device="cpu", dtype="float32", input_bytes=4096)
 
 
-def brute_force(profile: ModelProfile, stages: int, objective: Objective) -> tuple[float, float] | None:
-    """Over every split that fits the memory limit: the least bottleneck, and the largest fastest-stage
-    time among the splits with that bottleneck (None: no split fits)."""
+def brute_force(
+    profile: ModelProfile, stages: int, objective: Objective, own: list[bool] | None = None
+) -> tuple[float, float] | None:
+    """Over every split that fits the memory limit (and gives every stage a layer of its own, with ``own``):
+    the least bottleneck, and the largest fastest-stage time among the splits with that bottleneck (None:
+    no split fits)."""
     n, best = len(profile.layers), None
     for cuts in itertools.combinations(range(1, n), stages - 1):
-        plan = evaluate_partition(profile, [0, *cuts, n], objective)
+        parts = [0, *cuts, n]
+        if own is not None and not all(any(own[a:b]) for a, b in zip(parts, parts[1:])):
+            continue
+        plan = evaluate_partition(profile, parts, objective)
         if objective.memory_limit is not None and any(s.peak_bytes > objective.memory_limit for s in plan.stages):
             continue
         key = (plan.bottleneck_s, -min(s.time_s for s in plan.stages))
@@ -76,6 +83,36 @@ def test_bottleneck_equals_brute_force(seed: int) -> None:
             plan = balanced_partition(profile, stages, objective)
             assert achieved(plan) == expected, (seed, objective, stages, plan.parts)
             assert plan.parts[0] == 0 and plan.parts[-1] == len(profile.layers) and len(plan.parts) == stages + 1
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_bottleneck_equals_brute_force_with_a_layer_of_its_own_on_every_stage(seed: int) -> None:
+    """FDG with tied layers: no stage may hold only tied (or parameterless) layers."""
+    rng = random.Random(seed)
+    profile = random_profile(rng, rng.randint(2, 9))
+    n = len(profile.layers)
+    own = [rng.random() < 0.6 for _ in range(n)]
+    for stages in range(1, min(5, n) + 1):
+        expected = brute_force(profile, stages, Objective(), own)
+        if expected is None:
+            with pytest.raises(ValueError, match="each holding a layer with parameters of its own"):
+                balanced_partition(profile, stages, Objective(), own)
+            continue
+        plan = balanced_partition(profile, stages, Objective(), own)
+        assert achieved(plan) == expected, (seed, stages, own, plan.parts)
+        assert all(any(own[a:b]) for a, b in zip(plan.parts, plan.parts[1:])), (own, plan.parts)
+        assert plan.own == tuple(own)
+
+
+def test_a_tied_head_is_not_left_alone_on_the_last_stage() -> None:
+    # The tied LM head is the slowest layer: alone on the last stage it would balance best, but FDG steps it
+    # with a tied optimizer of its own, so that stage's optimizer would be empty.
+    profile = profile_of(*[layer(1e-3, 2e-3) for _ in range(6)], layer(8e-3, 12e-3))
+    assert balanced_partition(profile, 2).parts == [0, 6, 7]
+    own = [True] * 6 + [False]
+    plan = balanced_partition(profile, 2, Objective(), own)
+    assert plan.parts == [0, 5, 7]
+    assert rebalanced_advice(plan, [s.time_s for s in plan.stages]).endswith("the same parts [0, 5, 7]")
 
 
 @pytest.mark.parametrize("seed", range(25))

@@ -211,3 +211,20 @@ def test_in_real_pipelines(tmp_path: Path, toy_profile: Path, stages: int) -> No
         for result in results:
             assert result["reports"][schedule][1]["micro_batches"] == 6  # calls 3 and 4: 2 x GAS 3, after warm-up
             assert result["reports"][schedule][1]["forward_s"] > 0
+
+
+def test_fdg_splits_of_tied_models_keep_a_layer_of_its_own_on_every_stage() -> None:
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+    own_parameters = pipe_partition.own_parameters
+    layers = [
+        TiedLayerSpec("embed", torch.nn.Linear, 2, 2),
+        torch.nn.Linear(2, 2),
+        lambda x: x,  # no parameters
+        torch.nn.ReLU(),  # a module without parameters
+        LayerSpec(torch.nn.Linear, 2, 2),
+        TiedLayerSpec("embed", torch.nn.Linear, 2, 2),
+    ]
+    assert own_parameters(layers, Objective()) == [False, True, False, False, True, False]
+    assert own_parameters(layers, Objective(schedule="1f1b")) is None  # 1F1B steps tied layers with the stage's
+    assert own_parameters(layers[1:5], Objective()) is None  # no tied layers: no constraint
