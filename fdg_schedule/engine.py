@@ -254,10 +254,11 @@ class FDGPipelineEngine(FDGCheckpoints):
 
     def _exec_fdg_forward(self, buffer_id: int, micro_batch: int) -> None:
         state = self.fdg_state
+        state.last_prediction.close()  # w is back in the parameters, whatever happened in the last tick
         with contextlib.ExitStack() as prediction:
             prediction.enter_context(state.corrections.predicted())  # Note [predicted weights in place]
             self._fdg_forward(buffer_id, micro_batch)
-            if self.is_last_stage() and self.fdg_config.weights == "stashed":
+            if self.is_last_stage() and self.fdg_config.weights == "stashed" and buffer_id in state.losses:
                 state.last_prediction = prediction.pop_all()  # Note [the last stage's prediction]
 
     def _fdg_forward(self, buffer_id: int, micro_batch: int) -> None:
