@@ -83,8 +83,8 @@ class FDGConfig:
     with the micro-batch's gradient; the last stage predicts nothing. ``"first_stage"``: stage k predicts
     ``(2(K-1) - k) / accumulate`` steps ahead, to the tick stage 0 applies the micro-batch's gradient, so
     every stage of one micro-batch's forward runs on weights aimed at one time, the last stage too
-    (K-1 ticks ahead; under ``"stashed"`` its gradient is taken there, under ``"current"`` its backward
-    reads the live weights). Needs ``predict_decay``."""
+    (``(K-1) / accumulate`` steps ahead; under ``"stashed"`` its gradient is taken there, under
+    ``"current"`` its backward reads the live weights). Needs ``predict_decay``."""
 
     delay_momentum: bool = False
     """Delay-aware momentum (Note [staleness corrections] in reference.py): the step of stage k uses
