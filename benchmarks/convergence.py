@@ -78,7 +78,7 @@ parser.add_argument(
     action="append",
     metavar="SPEC",
     help="run only these (repeatable): BP, 1F1B or fdg:K:beta:weights, e.g. fdg:2:0.2:current, each "
-    "optionally followed by :warmup=EPOCHS,delay_lr=TICKS,predict=GAMMA,momentum=1,peak_lr=RHO,split=SPLIT "
+    "optionally followed by :warmup=EPOCHS,delay_lr=TICKS,predict=GAMMA,horizon=H,momentum=1,peak_lr=RHO,split=SPLIT "
     "(BP takes warmup only; SPLIT: paper, parameters, uniform or boundaries 0/b1/.../L); "
     "replaces the grid of --stages x --weights x --betas",
 )
@@ -92,6 +92,7 @@ CORRECTIONS = {
     "warmup": "warm-up {} ep",
     "delay_lr": "delay_lr T={}",
     "predict": "predict γ={}",
+    "horizon": "{} horizon",  # predict_horizon (with predict=GAMMA): own or first_stage
     "momentum": "delay_momentum",  # momentum=1
     "peak_lr": "peak lr {}",  # delay_momentum_peak_lr (with momentum=1)
     "split": "{} split",  # not a correction: the recipe's --partition (paper, parameters, uniform, b0/b1/.../bK)
@@ -110,6 +111,8 @@ def fdg_variant(stages, beta, weights, options=None):
         fdg["delay_lr_ticks"] = int(options["delay_lr"])
     if "predict" in options:
         fdg["predict_decay"] = float(options["predict"])
+    if "horizon" in options:
+        fdg["predict_horizon"] = options["horizon"]
     if options.get("momentum") == "1":
         fdg["delay_momentum"] = True
     if "peak_lr" in options:
@@ -144,10 +147,13 @@ def parse_options(spec, text):
         if key not in CORRECTIONS or not value:
             parser.error(
                 f"--variant {spec!r}: unknown option {item!r}; "
-                "options: warmup=N, delay_lr=T, predict=GAMMA, momentum=1, peak_lr=RHO, "
+                "options: warmup=N, delay_lr=T, predict=GAMMA, horizon=own|first_stage, momentum=1, peak_lr=RHO, "
                 "split=paper|parameters|uniform|0/b1/.../L"
             )
         options[key] = value
+    horizon = options.get("horizon")
+    if horizon is not None and (horizon not in ("own", "first_stage") or "predict" not in options):
+        parser.error(f"--variant {spec!r}: horizon={horizon}: use own or first_stage, with predict=GAMMA")
     split = options.get("split")
     if split is not None and split not in SPLITS and not re.fullmatch(r"0(/\d+)+", split):
         parser.error(

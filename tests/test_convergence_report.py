@@ -101,6 +101,19 @@ def test_a_split_given_as_boundaries_and_a_peak_lr_name_the_variant(tmp_path: Pa
     assert name in out.with_suffix(".md").read_text()
 
 
+def test_a_prediction_horizon_names_the_variant_and_needs_a_prediction(tmp_path: Path) -> None:
+    out = tmp_path / "conv"
+    command = [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--seeds", "0", f"--out={out}"]
+    spec = "fdg:4:1:stashed:predict=0.0,horizon=first_stage"
+    done = subprocess.run([*command, "--variant", spec, "--reuse", "--report-only"], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "FDG K=4 β=1 stashed, predict γ=0.0, first_stage horizon" in out.with_suffix(".md").read_text()
+    bad = subprocess.run([*command, "--variant", "fdg:2:1:stashed:horizon=first_stage", "--reuse", "--report-only"],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert bad.returncode == 2 and "horizon=first_stage: use own or first_stage, with predict=GAMMA" in bad.stderr
+
+
 def test_reuse_runs_again_what_a_signal_killed(tmp_path: Path) -> None:
     """A diverged run is a result and is kept; one the OOM killer stopped (exit code -9) is planned again."""
     results = [
