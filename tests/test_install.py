@@ -324,10 +324,28 @@ def test_without_the_package_nothing_is_hooked(pythons: dict[str, Path], tmp_pat
     assert run.stdout.split()[-2:] == ["False", "False"], run.stderr[-3000:]
 
 
+# About one launch in ten of the plain 2-rank CPU job with a stock config (2 of 18 tries, at 7622f8a as now) dies
+# while DeepSpeed sets up, before the first step: the ranks print this (a C++ std::thread destroyed while
+# joinable) and exit on SIGABRT. It is not the behaviour these tests check, so such a launch is run once more.
+STARTUP_ABORT = "terminate called without an active exception"
+
+
 def launch(
     python: Path, pipeline: dict[str, Any] | None, out: Path, ranks: int = 2, explicit: bool = False, **env: str
 ) -> tuple[int, str, list[dict[str, Any]]]:
-    """``deepspeed --num_gpus ranks plain_deepspeed_job.py`` with ``python``; (exit code, output, per-rank results)."""
+    """``deepspeed --num_gpus ranks plain_deepspeed_job.py`` with ``python``; (exit code, output, per-rank results).
+
+    A launch whose ranks all abort at start-up (``STARTUP_ABORT``, no result written) runs once more."""
+    code, output, results = _launch(python, pipeline, out, ranks, explicit, **env)
+    if code != 0 and not results and STARTUP_ABORT in output:
+        shutil.rmtree(out)
+        code, output, results = _launch(python, pipeline, out, ranks, explicit, **env)
+    return code, output, results
+
+
+def _launch(
+    python: Path, pipeline: dict[str, Any] | None, out: Path, ranks: int, explicit: bool, **env: str
+) -> tuple[int, str, list[dict[str, Any]]]:
     out.mkdir(parents=True)
     config = {**BASE_CONFIG, **({"pipeline": pipeline} if pipeline else {})}
     (out / "ds_config.json").write_text(json.dumps(config))
