@@ -44,8 +44,10 @@ LAGS: dict[str, Callable[[int, int, int], int]] = {
 def simulate(mode: str, stages: int, seed: int, micro_batches: int, eval_every: int) -> list[tuple[int, float]]:
     """Validation loss every ``eval_every`` steps of ``mode``'s lock-step training."""
     import torch
-    from lm_convergence import gpt2_setup
+    from lm_convergence import gpt2_setup, gpt2_val_loss
     from torch.func import functional_call
+
+    from fdg_schedule.zoo import hf_lm
 
     lag = LAGS[mode]
     modules, optimizers, batches, val = gpt2_setup(seed, stages, micro_batches)
@@ -66,7 +68,7 @@ def simulate(mode: str, stages: int, seed: int, micro_batches: int, eval_every: 
                 x = block
                 for m, params in zip(modules, leaves, strict=True):
                     x = functional_call(m, params, (x,))
-                loss = _lm_loss(x, target)
+                loss = hf_lm.lm_loss(x, target)
                 flat = [t for params in leaves for t in params.values()]
                 values = iter(torch.autograd.grad(loss, flat, allow_unused=True))
                 grads[row] = [{n: next(values) for n in params} for params in leaves]
@@ -79,35 +81,12 @@ def simulate(mode: str, stages: int, seed: int, micro_batches: int, eval_every: 
             optimizer.zero_grad()
             past.append(_snapshot(module))
         if (s + 1) % eval_every == 0 or s + 1 == len(batches):
-            curve.append(((s + 1) * 1024, _evaluate(modules, val)))
+            curve.append(((s + 1) * 1024, gpt2_val_loss(modules, val)))
     return curve
 
 
 def _snapshot(module) -> dict:
     return {n: p.detach().clone() for n, p in module.named_parameters()}
-
-
-def _lm_loss(logits, target):
-    from fdg_schedule.zoo import hf_lm
-
-    return hf_lm.lm_loss(logits, target)
-
-
-def _evaluate(modules, val) -> float:
-    import torch
-
-    with torch.no_grad():
-        for m in modules:
-            m.eval()
-        losses = []
-        for chunk in val.split(32):
-            x = chunk
-            for m in modules:
-                x = m(x)
-            losses.append(float(_lm_loss(x, chunk)))
-        for m in modules:
-            m.train()
-    return sum(losses) / len(losses)
 
 
 def main() -> None:

@@ -59,6 +59,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "docs" / "lm_convergence_model.json"
@@ -256,8 +257,27 @@ def gpt2_setup(seed: int, stages: int, micro_batches: int, lr: float | None = No
     return stage_modules, optimizers, batches, val
 
 
-def run_reference(run: Run, micro_batches: int, eval_every: int) -> None:
+def gpt2_val_loss(stage_modules: list, val: Any) -> float:
+    """The mean loss of :func:`gpt2_setup`'s validation blocks through the stage modules, in chunks of 32."""
     import torch
+
+    from fdg_schedule.zoo import hf_lm
+
+    with torch.no_grad():
+        for m in stage_modules:
+            m.eval()
+        losses = []
+        for chunk in val.split(32):
+            x = chunk
+            for m in stage_modules:
+                x = m(x)
+            losses.append(float(hf_lm.lm_loss(x, chunk)))
+        for m in stage_modules:
+            m.train()
+    return sum(losses) / len(losses)
+
+
+def run_reference(run: Run, micro_batches: int, eval_every: int) -> None:
     from deepspeed.runtime.lr_schedules import WarmupCosineLR
 
     from fdg_schedule import FDGConfig, fdg_reference
@@ -275,18 +295,7 @@ def run_reference(run: Run, micro_batches: int, eval_every: int) -> None:
     rows: list[dict] = []
 
     def evaluate(tick: int) -> None:
-        with torch.no_grad():
-            for m in stage_modules:
-                m.eval()
-            losses = []
-            for chunk in val.split(32):
-                x = chunk
-                for m in stage_modules:
-                    x = m(x)
-                losses.append(float(hf_lm.lm_loss(x, chunk)))
-            for m in stage_modules:
-                m.train()
-        rows.append({"step": tick, "tokens": tick * 1024, "val_loss": sum(losses) / len(losses)})
+        rows.append({"step": tick, "tokens": tick * 1024, "val_loss": gpt2_val_loss(stage_modules, val)})
 
     def after_tick(tick: int) -> None:
         if (tick + 1) % eval_every == 0 and tick + 1 < micro_batches:

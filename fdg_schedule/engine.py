@@ -15,7 +15,6 @@ loss has reached the stage yet.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from typing import Any, cast
@@ -253,38 +252,29 @@ class FDGPipelineEngine(FDGCheckpoints):
         self.fdg_state.received[buffer_id] = self._exchange.wait_grad()
 
     def _exec_fdg_forward(self, buffer_id: int, micro_batch: int) -> None:
-        state = self.fdg_state
-        state.last_prediction.close()  # w is back in the parameters, whatever happened in the last tick
-        with contextlib.ExitStack() as prediction:
-            prediction.enter_context(state.corrections.predicted())  # Note [predicted weights in place]
-            self._fdg_forward(buffer_id, micro_batch)
-            if self.is_last_stage() and self.fdg_config.weights == "stashed" and buffer_id in state.losses:
-                state.last_prediction = prediction.pop_all()  # Note [the last stage's prediction]
-
-    def _fdg_forward(self, buffer_id: int, micro_batch: int) -> None:
         inputs, state = self.pipe_buffers["inputs"][buffer_id], self.fdg_state
-        outputs, held = self._delayed.forward(lambda: self._stage_forward(inputs))
-        if held is not None:
-            state.meter.after_forward(state.tick, buffer_id, held.weights)
-        self.pipe_buffers["outputs"][buffer_id] = outputs
-        if held is not None:
-            self.fdg_state.held[buffer_id] = held
-        if not self.is_last_stage():
-            self.fdg_state.sent_meta[buffer_id] = meta_of(floating(outputs))
-            return
-        labels = self._labels(buffer_id, micro_batch)
-        if not self.is_first_stage() and not self.fdg_state.labels_in_flight and self._running is not None:
-            self._running.end_labels(micro_batch + 1)  # Note [end of data]: none read for the next one
-        if self.module.loss_fn is None:  # the model returns its loss
-            self.fdg_state.losses[buffer_id] = outputs
-            return
-        try:
-            self.fdg_state.losses[buffer_id] = self.module.loss_fn(outputs, labels)
-        except (RuntimeError, TypeError, ValueError) as err:
-            raise FDGRuntimeError(
-                f"{self._where()}: loss_fn failed on micro-batch {micro_batch} "
-                f"with outputs {describe(outputs)} and labels {describe(labels)}: {err}"
-            ) from err
+        with state.predicted_forward(keep=lambda: self.fdg_config.weights == "stashed" and buffer_id in state.losses):
+            outputs, held = self._delayed.forward(lambda: self._stage_forward(inputs))
+            self.pipe_buffers["outputs"][buffer_id] = outputs
+            if held is not None:
+                state.meter.after_forward(state.tick, buffer_id, held.weights)
+                state.held[buffer_id] = held
+            if not self.is_last_stage():
+                self.fdg_state.sent_meta[buffer_id] = meta_of(floating(outputs))
+                return
+            labels = self._labels(buffer_id, micro_batch)
+            if not self.is_first_stage() and not self.fdg_state.labels_in_flight and self._running is not None:
+                self._running.end_labels(micro_batch + 1)  # Note [end of data]: none read for the next one
+            if self.module.loss_fn is None:  # the model returns its loss
+                self.fdg_state.losses[buffer_id] = outputs
+                return
+            try:
+                self.fdg_state.losses[buffer_id] = self.module.loss_fn(outputs, labels)
+            except (RuntimeError, TypeError, ValueError) as err:
+                raise FDGRuntimeError(
+                    f"{self._where()}: loss_fn failed on micro-batch {micro_batch} "
+                    f"with outputs {describe(outputs)} and labels {describe(labels)}: {err}"
+                ) from err
 
     def _labels(self, buffer_id: int, micro_batch: int) -> Any:
         if self.is_first_stage():
@@ -304,7 +294,6 @@ class FDGPipelineEngine(FDGCheckpoints):
             # One micro-batch per tick: no division by gradient_accumulation_steps.
             with self.fdg_state.last_prediction:  # the forward's predicted weights, back to w after
                 DeepSpeedEngine.backward(self, loss / self.fdg_config.accumulate, scale_wrt_gas=False)
-            self.fdg_state.last_prediction = contextlib.ExitStack()
             carried = loss.detach().float()
             self._tied.after_backward()
         else:

@@ -31,8 +31,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from torch import nn
-
 from fdg_schedule.partition import Objective, Partition, balanced_partition, evaluate_partition, parameter_split
 from fdg_schedule.profile import ModelProfile, cached_profile, layer_name, optimizer_from_ds_config
 
@@ -223,15 +221,13 @@ def own_parameters(layers: Sequence[Any], objective: Objective) -> list[bool] | 
     FDG steps tied layers with an optimizer of their own, so a stage holding only tied layers is refused
     at ``deepspeed.initialize`` (fdg_schedule.tied.stages_of_only_tied_layers): the split avoids it.
     """
-    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+    from deepspeed.pipe import TiedLayerSpec
+
+    from fdg_schedule.tied import has_own_parameters
 
     if objective.schedule != "fdg" or not any(isinstance(layer, TiedLayerSpec) for layer in layers):
         return None
-    return [
-        not isinstance(layer, TiedLayerSpec)
-        and (isinstance(layer, LayerSpec) or (isinstance(layer, nn.Module) and any(True for _ in layer.parameters())))
-        for layer in layers
-    ]
+    return [has_own_parameters(layer) for layer in layers]
 
 
 def check_layers(profile: ModelProfile, layers: Sequence[Any], source: str) -> None:

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch import Tensor
@@ -94,6 +94,18 @@ class StageState:
         self.to_send: dict[int, Message] = {}  # buffer -> input gradients and loss for the previous stage
         self.call_losses: list[Tensor] = []  # losses back-propagated in this call
         self.micro_batches_read = 0  # from the data iterator on this rank (first and last stage)
+
+    @contextlib.contextmanager
+    def predicted_forward(self, keep: Callable[[], bool]) -> Iterator[None]:
+        """Around a forward: the parameters hold the predicted weights (Note [predicted weights in place]). When
+        ``keep()`` is true at its end (the last stage under "stashed", a forward that produced a loss) they stay
+        until the backward closes ``last_prediction`` (Note [the last stage's prediction])."""
+        self.last_prediction.close()  # w is back in the parameters, whatever happened in the last tick
+        with contextlib.ExitStack() as prediction:
+            prediction.enter_context(self.corrections.predicted())
+            yield
+            if keep():
+                self.last_prediction = prediction.pop_all()
 
     def in_flight(self) -> int:
         """Micro-batches forwarded but not yet back-propagated."""

@@ -120,10 +120,20 @@ def find_ties(module: Any) -> list[Tie]:
     return ties
 
 
+def has_own_parameters(layer: Any) -> bool:
+    """Whether a layer gives its stage trainable parameters of its own: a ``LayerSpec`` that is not tied, or a
+    module with parameters (a ``TiedLayerSpec`` is a ``LayerSpec``: it does not)."""
+    from deepspeed.runtime.pipe.module import LayerSpec, TiedLayerSpec
+
+    if isinstance(layer, TiedLayerSpec):
+        return False
+    return isinstance(layer, LayerSpec) or (isinstance(layer, nn.Module) and any(True for _ in layer.parameters()))
+
+
 def stages_of_only_tied_layers(module: Any) -> list[int]:
     """Stages whose layers (read from the specs, the same on every rank) hold parameters only through tied
     copies of a key spanning stages: a ``LayerSpec`` or a module with parameters gives a stage its own."""
-    from deepspeed.runtime.pipe.module import LayerSpec, TiedLayerSpec
+    from deepspeed.runtime.pipe.module import TiedLayerSpec
 
     across = owners(module)
     specs = getattr(module, "_layer_specs", [])
@@ -132,7 +142,7 @@ def stages_of_only_tied_layers(module: Any) -> list[int]:
         stage = module.stage_owner(i)
         if isinstance(spec, TiedLayerSpec):
             tied_only.setdefault(stage, spec.key in across)
-        elif isinstance(spec, LayerSpec) or (isinstance(spec, nn.Module) and any(True for _ in spec.parameters())):
+        elif has_own_parameters(spec):
             tied_only[stage] = False
     return sorted(stage for stage, only in tied_only.items() if only)
 
