@@ -57,6 +57,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -160,6 +161,7 @@ def deepspeed_config(run: Run, micro_batches: int) -> dict:
     base = "lm_bp.json" if stages == 1 else "lm_fdg_k2.json"
     config = json.loads((ROOT / "ds_configs" / base).read_text())
     if stages > 1:
+        config["pipeline"]["stages"] = stages  # the file says 2; one rank per stage
         config["pipeline"]["fdg"]["grad_shrink"] = run.grad_shrink
         config["pipeline"]["fdg"]["weights"] = run.weights
         config["pipeline"]["fdg"]["delay_lr_ticks"] = run.delay_lr_ticks
@@ -177,13 +179,18 @@ def deepspeed_config(run: Run, micro_batches: int) -> dict:
     return config
 
 
-def run_deepspeed(run: Run, micro_batches: int, eval_every: int) -> None:
+def run_deepspeed(
+    run: Run, micro_batches: int, eval_every: int, root: Path = OUT, adjust: Callable[[dict], None] | None = None
+) -> None:
+    """The run as a DeepSpeed job of recipes/train_lm.py, into ``root/<name>``; ``adjust`` edits its ds_config."""
     from fdg_schedule.launch import free_port, remove_shared_memory
 
     name, stages = run.name, run.stages
-    out = OUT / name
+    out = root / name
     out.mkdir(parents=True, exist_ok=True)
     config = deepspeed_config(run, micro_batches)
+    if adjust is not None:
+        adjust(config)
     (out / "ds_config.json").write_text(json.dumps(config, indent=2))
     per_call = run.accumulate if stages == 1 else GAS
     model, tie_flags = model_config(run, out)

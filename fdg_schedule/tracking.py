@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import json
 import math
 import netrc
 import os
 import secrets
+import struct
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -243,3 +245,60 @@ def _grad_norm(params: Any) -> torch.Tensor | None:
     if not grads:
         return None
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+
+
+def read_offline_run(run_dir: Path) -> dict[str, Any]:
+    """Name, group, config and history rows of an offline W&B run (its ``offline-run-*`` folder).
+
+    Reads the run's ``run-*.wandb`` file without W&B's service or a network: what a stage logged is
+    readable on the machine that trained (``benchmarks/staleness_metric.py``, the tests), before any
+    ``wandb sync``.
+
+    The file is W&B's LevelDB-style log: a 7-byte header, then 32 KiB blocks of records, each with
+    a 7-byte header (crc32, length, type: 1 full, 2 first, 3 middle, 4 last) and a ``Record`` proto.
+    """
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    files = sorted(run_dir.glob("run-*.wandb"))
+    if not files:
+        raise FileNotFoundError(f"no run-*.wandb file in {run_dir}: pass a W&B offline-run-* folder")
+    data = files[0].read_bytes()
+    if data[:4] != b":W&B":
+        raise ValueError(f"{files[0]} does not start with W&B's ':W&B' header; is it a W&B run log?")
+    payloads: list[bytes] = []
+    pending, pos, block = b"", 7, 32768
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if kind == 0:  # zero padding up to the block end
+            pos += left
+            continue
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        if kind in (1, 2):
+            pending = chunk
+        else:
+            pending += chunk
+        if kind in (1, 4):
+            payloads.append(pending)
+    out: dict[str, Any] = {"config": {}, "history": []}
+    for payload in payloads:
+        record = pb.Record()  # type: ignore[attr-defined]  # generated protobuf module, no stubs
+        record.ParseFromString(payload)
+        which = record.WhichOneof("record_type")
+        if which == "run":
+            out.update(name=record.run.display_name, group=record.run.run_group)
+            items = record.run.config.update
+        elif which == "config":
+            items = record.config.update
+        elif which == "history":
+            row = {"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in record.history.item}
+            out["history"].append(row)
+            continue
+        else:
+            continue
+        for item in items:
+            out["config"][item.key] = json.loads(item.value_json)
+    return out

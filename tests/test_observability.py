@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -144,56 +143,8 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, 
 # -- reading W&B's offline transaction log ----------------------------------------------------------
 
 
-def read_wandb_run(run_dir: Path) -> dict[str, Any]:
-    """Run name, group, config and history rows from an offline ``run-*.wandb`` file.
-
-    The file is W&B's LevelDB-style log: a 7-byte header, then 32 KiB blocks of records, each with
-    a 7-byte header (crc32, length, type: 1 full, 2 first, 3 middle, 4 last) and a ``Record`` proto.
-    """
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    data = next(run_dir.glob("run-*.wandb")).read_bytes()
-    assert data[:4] == b":W&B", run_dir
-    payloads, pending, pos, block = [], b"", 7, 32768
-    while pos + 7 <= len(data):
-        left = block - pos % block
-        if left < 7:
-            pos += left
-            continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        if kind == 0:  # zero padding up to the block end
-            pos += left
-            continue
-        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
-        if kind in (1, 2):
-            pending = chunk
-        else:
-            pending += chunk
-        if kind in (1, 4):
-            payloads.append(pending)
-    out: dict[str, Any] = {"config": {}, "history": []}
-    for payload in payloads:
-        record = pb.Record()
-        record.ParseFromString(payload)
-        which = record.WhichOneof("record_type")
-        if which == "run":
-            out.update(name=record.run.display_name, group=record.run.run_group)
-            items = record.run.config.update
-        elif which == "config":
-            items = record.config.update
-        elif which == "history":
-            row = {"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in record.history.item}
-            out["history"].append(row)
-            continue
-        else:
-            continue
-        for item in items:
-            out["config"][item.key] = json.loads(item.value_json)
-    return out
-
-
 def _wandb_runs(tmp: Path) -> dict[str, dict[str, Any]]:
-    runs = [read_wandb_run(d) for d in sorted((tmp / "wandb").glob("offline-run-*"))]
+    runs = [tracking.read_offline_run(d) for d in sorted((tmp / "wandb").glob("offline-run-*"))]
     return {run["name"] or f"deepspeed-{i}": run for i, run in enumerate(runs)}
 
 
