@@ -101,8 +101,9 @@ def draw(curves: dict[str, dict[int, list[tuple[int, float]]]], picture: Path) -
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for (name, series), color in zip(curves.items(), plt.rcParams["axes.prop_cycle"].by_key()["color"]):
         for stage, points in sorted(series.items()):
-            if not any(v > 0 for _, v in points):
-                continue  # the last stage: 0 by definition
+            points = [(tick, v) for tick, v in points if v > 0]  # 0: the last stage, or no step taken yet
+            if not points:
+                continue
             ticks, values = zip(*points)
             style = ["-", "--", ":", "-."][stage % 4]
             ax.plot(ticks, values, style, color=color, label=f"{name}, stage {stage}", linewidth=1)
@@ -110,7 +111,7 @@ def draw(curves: dict[str, dict[int, list[tuple[int, float]]]], picture: Path) -
     ax.set_xlabel("tick (micro-batch)")
     ax.set_ylabel("‖w_fwd − w_bwd‖ / ‖w_bwd‖")
     ax.set_title("FDG's staleness metric per stage (engine, W&B fdg/staleness)")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, ncol=2, loc="lower right")
     fig.tight_layout()
     fig.savefig(picture, dpi=120)
     print(f"wrote {picture}")
