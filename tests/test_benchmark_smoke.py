@@ -127,3 +127,36 @@ def test_core_contention_reports_both_modes_and_the_ceiling() -> None:
     alone, pair, slowdown, ceiling = (cell.strip() for cell in row.strip("|").split("|")[1:])
     medians = [float(cell.split()[0]) for cell in (alone, pair, ceiling)]
     assert all(0 < value < math.inf for value in medians) and float(slowdown) > 0, row
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_staleness_metric_reads_every_stage_back_from_its_wandb_run(tmp_path: Path) -> None:
+    """benchmarks/staleness_metric.py: a 2-stage GPT-2 engine run, the metric read from each stage's offline W&B run."""
+    script = str(ROOT / "benchmarks" / "staleness_metric.py")
+    name = "fdg_k2_b1.0_stashed_p0.0_first"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "STALENESS_METRIC_OUT": str(tmp_path)}
+    env.update(PYTHONPATH=str(ROOT), WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"))
+    run = [sys.executable, script, "run", "--runs", name, "--micro_batches", "24", "--eval_every", "12"]
+    done = subprocess.run(run, cwd=ROOT, env=env, capture_output=True, text=True, timeout=220)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert json.loads((tmp_path / name / "ds_config.json").read_text())["pipeline"]["fdg"]["staleness_every"] == 4
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import staleness_metric
+
+        staleness_metric.OUT = tmp_path
+        series = staleness_metric.stage_series(name)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert sorted(series) == [0, 1]
+    first = [v for _, v in series[0]]
+    assert len(first) in (24 // 4, 24 // 4 + 1), series[0]  # one per train_batch() call of 4 ticks (+ the drain's)
+    assert all(math.isfinite(v) and 0 < v < 1 for v in first[1:]), first  # stage 0 steps from the second call on
+    assert all(v == 0.0 for _, v in series[1]), series[1]  # the last stage: 0 by definition
+
+    report = [sys.executable, script, "report", "--runs", name]
+    done = subprocess.run(report, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"| {name} | 0 | " in done.stdout and f"| {name} | 1 | 0.00e+00 |" in done.stdout
