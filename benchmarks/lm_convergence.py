@@ -335,8 +335,8 @@ def run_reference(run: Run, micro_batches: int, eval_every: int) -> None:
     (out / "wall.json").write_text(json.dumps({"wall_s": time.time() - start, "command": "fdg_reference"}))
 
 
-def finished(name: str) -> bool:
-    return (OUT / name / "wall.json").exists() and (OUT / name / "metrics.jsonl").exists()
+def finished(name: str, root: Path = OUT) -> bool:
+    return (root / name / "wall.json").exists() and (root / name / "metrics.jsonl").exists()
 
 
 def report(names: list[str], picture: Path, table_path: Path | None) -> None:

@@ -29,7 +29,7 @@ import statistics
 import time
 from pathlib import Path
 
-from lm_convergence import ROOT, Run, parse_run, run_deepspeed
+from lm_convergence import ROOT, Run, finished, parse_run, run_deepspeed
 
 OUT = Path(os.environ.get("STALENESS_METRIC_OUT", ROOT / "runs" / "staleness_metric"))
 EVERY = 4  # pipeline.fdg.staleness_every: one measured micro-batch per train_batch() call (GAS 4)
@@ -132,7 +132,7 @@ def main() -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     for run in runs:
-        if (OUT / run.name / "wall.json").exists():
+        if finished(run.name, root=OUT):
             print(f"{time.strftime('%H:%M:%S')} {run.name}: done already ({OUT / run.name})", flush=True)
             continue
         print(f"{time.strftime('%H:%M:%S')} {run.name}", flush=True)

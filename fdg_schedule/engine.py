@@ -260,16 +260,16 @@ class FDGPipelineEngine(FDGCheckpoints):
                 state.meter.after_forward(state.tick, buffer_id, held.weights)
                 state.held[buffer_id] = held
             if not self.is_last_stage():
-                self.fdg_state.sent_meta[buffer_id] = meta_of(floating(outputs))
+                state.sent_meta[buffer_id] = meta_of(floating(outputs))
                 return
             labels = self._labels(buffer_id, micro_batch)
-            if not self.is_first_stage() and not self.fdg_state.labels_in_flight and self._running is not None:
+            if not self.is_first_stage() and not state.labels_in_flight and self._running is not None:
                 self._running.end_labels(micro_batch + 1)  # Note [end of data]: none read for the next one
             if self.module.loss_fn is None:  # the model returns its loss
-                self.fdg_state.losses[buffer_id] = outputs
+                state.losses[buffer_id] = outputs
                 return
             try:
-                self.fdg_state.losses[buffer_id] = self.module.loss_fn(outputs, labels)
+                state.losses[buffer_id] = self.module.loss_fn(outputs, labels)
             except (RuntimeError, TypeError, ValueError) as err:
                 raise FDGRuntimeError(
                     f"{self._where()}: loss_fn failed on micro-batch {micro_batch} "
