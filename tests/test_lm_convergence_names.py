@@ -71,6 +71,12 @@ def test_the_first_suffix_aims_the_prediction_at_stage_0s_update() -> None:
         lm.parse_run("ref_k4_b1.0_stashed_first")  # a horizon without a prediction
 
 
+def test_a_deepspeed_run_has_one_rank_per_stage() -> None:
+    lm = benchmark()
+    for stages in (2, 3, 4):  # the FDG config file says 2; K > 2 must not become data parallelism
+        assert lm.deepspeed_config(lm.parse_run(f"fdg_k{stages}_b1.0"), 800)["pipeline"]["stages"] == stages
+
+
 def test_the_cos_suffix_schedules_the_rate_and_pairs_with_the_cos_baseline() -> None:
     lm = benchmark()
     run = lm.parse_run("ref_k4_b1.0_m_cos_s3")
