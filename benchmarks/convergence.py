@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -34,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "train_resnet.py"
 REFERENCE = ROOT / "benchmarks" / "resnet_reference.py"
 sys.path.insert(0, str(ROOT))  # run as a script: the package is in the repository root
+from fdg_schedule import staleness_log  # noqa: E402
 from fdg_schedule.launch import free_port, remove_shared_memory  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -60,6 +62,13 @@ parser.add_argument(
     "--final-full-test",
     action="store_true",
     help="the final test error on the whole test set (the curve stays on --test-subset)",
+)
+parser.add_argument(
+    "--staleness-every",
+    type=int,
+    default=None,
+    help="pipeline.fdg.staleness_every of every FDG run (default: the config's, 100); the recipe and "
+    "resnet_reference.py print each stage's median per epoch, kept in the JSON and tabled in the report",
 )
 parser.add_argument("--out", default=str(ROOT / "docs" / "convergence"))
 parser.add_argument("--fdg-only", action="store_true", help="skip the BP and 1F1B baselines (e.g. a K=3 add-on)")
@@ -214,6 +223,8 @@ def run(stages, changes, extra, seed, workdir):
     config.update(changes, train_micro_batch_size_per_gpu=args.micro_batch)
     if "pipeline" in config:  # a paused experiment must not time out waiting for a neighbour
         config["pipeline"]["fdg"]["timeout"] = max(args.timeout, 60)
+        if args.staleness_every is not None:
+            config["pipeline"]["fdg"]["staleness_every"] = args.staleness_every
     path = workdir / f"config_{time.monotonic_ns()}.json"
     path.write_text(json.dumps(config))
     common = [
@@ -252,6 +263,9 @@ def run(stages, changes, extra, seed, workdir):
     record = {"test_error": errors, "samples_per_s": float(speed.group(1)), "backend": args.backend}
     if full:
         record["full_test_error"] = 1 - float(full.group(1)) / 100
+    staleness = staleness_log.per_epoch(output)  # stage numbers as JSON keys (strings), as --reuse reads them
+    if staleness:
+        record["staleness"] = [{str(k): v for k, v in epoch.items()} if epoch else None for epoch in staleness]
     return record
 
 
@@ -416,6 +430,38 @@ for result in results:
         f"| {label} | {stages_cell} | {mean(finals):.2%} | ± {spread:.2%} | "
         f"{paired_delta(result['runs'])} | {earlier:.2%} | {speed:.0f} |"
     )
+
+
+def staleness_table(results):
+    """Rows of the runs that measured staleness: per stage, the median over seeds and epochs of each
+    epoch's median, in three windows of the run (its first eighth, to half, the second half)."""
+    measured = [(res, [r["staleness"] for r in finished(res["runs"]) if r.get("staleness")]) for res in results]
+    measured = [(res, runs) for res, runs in measured if runs]
+    if not measured:
+        return []
+    eighth, half = max(1, args.epochs // 8), max(2, args.epochs // 2)
+    windows = [(0, eighth), (eighth, half), (half, args.epochs)]
+    names = [f"epochs {a + 1}–{b}" for a, b in windows]
+    rows = [
+        "",
+        "Staleness per stage, ‖w_fwd − w_bwd‖ / ‖w_bwd‖ (`pipeline.fdg.staleness_every`, docs/staleness.md): "
+        "the median over the run's seeds and the epochs of each window of every epoch's median.",
+        "",
+        "| method | stage | " + " | ".join(names) + " |",
+        "| --- | --- |" + " --- |" * len(windows),
+    ]
+    for res, runs in measured:
+        stages = sorted({stage for run in runs for epoch in run if epoch for stage in epoch}, key=int)
+        for i, stage in enumerate(stages):
+            cells = []
+            for a, b in windows:
+                epochs = [run[e] for run in runs for e in range(a, min(b, len(run)))]
+                values = [epoch[stage] for epoch in epochs if epoch and stage in epoch]
+                cells.append(f"{statistics.median(values):.2e}" if values else "")
+            rows.append(f"| {res['name'] if i == 0 else ''} | {stage} | " + " | ".join(cells) + " |")
+    return rows
+
+
 ANALYSIS = "<!-- analysis: written by hand, kept when the table is regenerated -->"
 md = out.with_suffix(".md")
 kept = md.read_text().partition(ANALYSIS)[1:] if md.exists() else ("", "")
@@ -423,6 +469,7 @@ if reference_rows:
     lines += ["", "† run with `fdg_reference` in one process (`--backend reference`, benchmarks/resnet_reference.py)."]
 if failures:
     lines += ["", "Runs that did not finish (the error that stopped them):", "", *failures]
+lines += staleness_table(results)
 lines += ["", f"![test error per epoch]({out.with_suffix('.png').name})", ""]
 md.write_text("\n".join(lines) + "\n" + "".join(kept))
 

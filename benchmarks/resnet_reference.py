@@ -16,13 +16,16 @@ else is the recipe's, so a run here equals the recipe's run (checked in docs/sta
   stage-local ``gradient_clipping``; the paper's step decay and ``--warmup-epochs``, set per epoch;
   ``--delay-lr-epochs`` as the recipe's (``delay_lr_ticks`` = that many epochs of ticks);
 - one tick per micro-batch; the pipeline never drains between epochs; evaluation with the weights of
-  the moment, in eval mode; a drain before the final evaluation; the same log lines.
+  the moment, in eval mode; a drain before the final evaluation; the same log lines, the per-stage
+  staleness line of ``pipeline.fdg.staleness_every`` included (``StalenessProbe``: computed here from
+  the reference's weights between ticks, not by the engine's code).
 """
 
 import argparse
 import dataclasses
 import json
 import math
+import statistics
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,8 +36,10 @@ from deepspeed.runtime.utils import set_random_seed
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
+from fdg_schedule import ticks as tick_math
 from fdg_schedule.config import FDGConfig
-from fdg_schedule.reference import fdg_reference
+from fdg_schedule.reference import ReferenceState, fdg_reference
+from fdg_schedule.staleness_log import format_line
 from fdg_schedule.zoo import resnet, vision_data
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -144,6 +149,52 @@ def loss_fn(outputs: Tensor, labels: Tensor) -> Tensor:
     return loss
 
 
+class StalenessProbe:
+    """The engine's staleness metric (``pipeline.fdg.staleness_every`` N) from fdg_reference's weights.
+
+    Within a tick, stage k steps before its forward and nothing changes its weights after it, so at the
+    end of tick t its parameters W_k(t) (plus h·δ when predicting) are the weights the forward of tick t
+    used, and the backward of that micro-batch, in tick t + d_k before that tick's step, applies its
+    gradient to W_k(t + d_k − 1). For the micro-batch entering a delayed stage in a tick with t mod N = 0:
+    ‖w_fwd − w_bwd‖ / ‖w_bwd‖ over the stage's trainable parameters.
+    """
+
+    def __init__(self, every: int, state: ReferenceState) -> None:
+        self.every, self.state = (every if len(stages) > 1 else 0), state
+        self.kept: list[dict[int, list[Tensor]]] = [{} for _ in stages]  # stage -> backward tick -> w_fwd
+        self.values: list[list[tuple[int, float]]] = [[] for _ in stages]  # (the backward's tick, value)
+
+    def after_tick(self, tick: int) -> None:
+        if not self.every:
+            return
+        K = len(stages)
+        for k in range(K - 1):
+            params = [(name, p) for name, p in stages[k].named_parameters() if p.requires_grad]
+            w_fwd = self.kept[k].pop(tick + 1, None)  # its backward comes in the next tick
+            if w_fwd is not None:
+                with torch.no_grad():
+                    moved = [a - p for a, (_, p) in zip(w_fwd, params)]
+                    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(m) for m in moved]))
+                    live = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p) for _, p in params]))
+                self.values[k].append((tick + 1, float(norm / live)))
+            if tick % self.every == 0 and 0 <= tick - k < ticks:  # a micro-batch entered stage k this tick
+                delta = self.state.delta.get(k)
+                h = tick_math.prediction_ticks(K, k, fdg.predict_horizon) / fdg.accumulate
+                with torch.no_grad():
+                    self.kept[k][tick + tick_math.delay(K, k)] = [
+                        p + h * delta[name] if delta is not None and name in delta else p.clone() for name, p in params
+                    ]
+
+    def line(self, until: float) -> str | None:
+        """The recipe's per-epoch line (fdg_schedule.staleness_log) of the measurements whose backward ran
+        before tick ``until`` (the engine reports one in the call of its backward) and not in an earlier line."""
+        now = [[value for at, value in v if at < until] for v in self.values]
+        self.values = [[(at, value) for at, value in v if at >= until] for v in self.values]
+        return format_line({k: (statistics.median(v), len(v)) for k, v in enumerate(now) if v})
+
+
+reference_state = ReferenceState()
+staleness = StalenessProbe(fdg.staleness_every, reference_state)
 epoch_start = wall_start = time.time()
 train_time = 0.0
 last_test: tuple[float, float] = (float("nan"), float("nan"))  # accuracy, loss
@@ -165,12 +216,16 @@ def end_of_epoch(epoch: int) -> None:
         f"test_acc {test_acc:.2%} lr {lr:.4g} ({time.time() - epoch_start:.1f} s)",
         flush=True,
     )
+    line = staleness.line(until=(epoch + 1) * steps_per_epoch if epoch + 1 < args.epochs else math.inf)
+    if line:
+        print(line, flush=True)
     if epoch + 1 < args.epochs:
         set_lr(epoch + 1)
     epoch_start = time.time()
 
 
 def after_tick(tick: int) -> None:
+    staleness.after_tick(tick)
     if (tick + 1) % steps_per_epoch == 0 and tick + 1 < ticks:  # the last epoch ends after the drain
         end_of_epoch(tick // steps_per_epoch)
 
@@ -190,6 +245,7 @@ fdg_reference(
     drain=True,
     clip_grad_norm=float(ds_config.get("gradient_clipping", 0.0)),
     after_tick=after_tick,
+    state=reference_state,
 )
 end_of_epoch(args.epochs - 1)
 test_acc, test_loss = last_test

@@ -47,6 +47,7 @@ from transformers import AutoModelForCausalLM
 import fdg_schedule  # noqa: F401  (must come before deepspeed.initialize: hooks the FDG engine in)
 from fdg_schedule import pipe_partition
 from fdg_schedule.stage_times import StageClock, stage_report
+from fdg_schedule.staleness_log import StalenessLog
 from fdg_schedule.zoo import hf_lm, text_data
 
 # ---------------------------------------------------------------------------------------------------
@@ -203,6 +204,8 @@ def evaluate() -> float:
     return sum(losses) / len(losses)
 
 
+# FDG: every stage's pipeline.fdg.staleness_every metric, a line after each evaluation (docs/staleness.md)
+staleness_log = StalenessLog(engine) if hasattr(engine, "fdg_stats") else None
 say(f"training {total_steps} steps × {tokens_per_step} tokens ({steps_per_epoch} steps per epoch)")
 train_start = time.time()
 # A bar on the logging rank when it writes to a terminal (tokens/s, ETA); plain log lines otherwise.
@@ -210,6 +213,8 @@ bar = tqdm(total=total_steps * tokens_per_step, unit="tok", unit_scale=True, dis
            mininterval=1.0, dynamic_ncols=True)  # fmt: skip
 for step in range(1, total_steps + 1):
     loss = float(engine.train_batch())
+    if staleness_log:
+        staleness_log.collect()
     bar.update(tokens_per_step)
     if not math.isnan(loss):  # FDG: NaN until the first loss travels back to this stage
         bar.set_postfix(step=step, epoch=f"{step / steps_per_epoch:.2f}", loss=f"{loss:.3f}", refresh=False)
@@ -220,11 +225,16 @@ for step in range(1, total_steps + 1):
     epoch_end = step % steps_per_epoch == 0 or step == total_steps
     if epoch_end and step == total_steps and hasattr(engine, "drain"):
         engine.drain()  # FDG: finish in-flight backwards before the final evaluation and export
+        if staleness_log:
+            staleness_log.collect()
     if epoch_end or (args.eval_interval and step % args.eval_interval == 0):
         val = evaluate()
         record(step=step, tokens=step * tokens_per_step, val_loss=val, time=time.time() - train_start)
         epoch = step / steps_per_epoch
         say(f"step {step:5d} | epoch {epoch:.2f} | val loss {val:.4f} | ppl {math.exp(val):.2f}")
+        staleness = staleness_log.line() if staleness_log else None  # every rank: a gather
+        if staleness:
+            say(staleness)
 bar.close()
 train_time = time.time() - train_start
 say(f"trained {total_steps * tokens_per_step} tokens in {train_time:.1f} s")

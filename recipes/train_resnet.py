@@ -47,6 +47,7 @@ from tqdm import tqdm
 import fdg_schedule  # noqa: F401  (installs the FDG pipeline engine before deepspeed.initialize)
 from fdg_schedule import pipe_partition
 from fdg_schedule.stage_times import StageClock, stage_report
+from fdg_schedule.staleness_log import StalenessLog
 from fdg_schedule.zoo import resnet, vision_data
 
 # -----------------------------------------------------------------------------
@@ -270,9 +271,15 @@ def evaluate(dataset=test_set, loader=test_loader):
     return totals[0].item() / totals[1].item(), totals[2].item() / totals[1].item()
 
 
+# FDG: every stage's pipeline.fdg.staleness_every metric, one line per epoch (docs/staleness.md)
+staleness_log = StalenessLog(engine) if hasattr(engine, "fdg_stats") else None
+
+
 def drain():
     if hasattr(engine, "drain"):  # FDG: finish the backwards still in flight
         engine.drain()
+        if staleness_log:
+            staleness_log.collect()
 
 
 checkpoint_dir = args.checkpoint_dir or f"checkpoints/{args.model}_{Path(config_path).stem}"
@@ -319,6 +326,8 @@ for epoch in range(start_epoch, args.epochs):
     )
     for _ in range(steps_per_epoch):
         loss = engine.train_batch(data_iter=train_iter)
+        if staleness_log:
+            staleness_log.collect()
         if loss is not None and not math.isnan(loss):  # FDG: NaN until the first loss travels back
             losses.append(float(loss))
             bar.set_postfix(step=step, loss=f"{losses[-1]:.3f}", refresh=False)
@@ -333,6 +342,7 @@ for epoch in range(start_epoch, args.epochs):
         drain()
     test_acc, test_loss = evaluate()
     train_loss = sum(losses) / len(losses) if losses else float("nan")
+    staleness = staleness_log.line() if staleness_log else None  # every rank: a gather
     if logging_rank:
         print(
             f"epoch {epoch + 1}/{args.epochs}: train_loss {train_loss:.6f} test_loss {test_loss:.6f} "
@@ -340,6 +350,8 @@ for epoch in range(start_epoch, args.epochs):
             f"({time.time() - epoch_start:.1f} s)",
             flush=True,
         )
+        if staleness:
+            print(staleness, flush=True)
         if engine.monitor.enabled:
             samples = engine.global_samples
             engine.monitor.write_events([("Test/accuracy", test_acc, samples), ("Test/loss", test_loss, samples)])

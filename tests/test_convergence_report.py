@@ -136,3 +136,45 @@ def test_reuse_runs_again_what_a_signal_killed(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     runs = json.loads(out.with_suffix(".json").read_text())["results"][0]["runs"]
     assert runs == [{"seed": 0, "failed": "FloatingPointError: non-finite loss"}]
+
+
+def test_staleness_lines_are_read_back_and_tabled_per_stage(tmp_path: Path) -> None:
+    """The recipe's per-epoch staleness line round-trips through fdg_schedule.staleness_log, and the report
+    tables each stage's median over seeds and epochs in three windows of the run."""
+    from fdg_schedule import staleness_log
+
+    line = staleness_log.format_line({1: (2.5e-3, 7), 0: (1.25e-2, 8)})
+    assert line == "staleness: stage 0 1.250e-02 (8), stage 1 2.500e-03 (7)"
+    log = f"epoch 1/3: train_loss 1\n[rank0]:{line}\nepoch 2/3: train_loss 1\n"
+    log += "epoch 3/3: x\nstaleness: stage 0 3e-02 (1)\n"
+    assert staleness_log.per_epoch(log) == [{0: 1.25e-2, 1: 2.5e-3}, None, {0: 3e-2}]
+    assert staleness_log.per_epoch("epoch 1/1: train_loss 1\n") == []
+
+    def run(seed: int, stage0: list[float]) -> dict:
+        epochs = [{"0": value, "1": value / 10} for value in stage0]
+        return {"seed": seed, "test_error": [0.5, 0.4, 0.3, 0.2], "samples_per_s": 1.0, "staleness": epochs}
+
+    results = [
+        {
+            "name": "BP",
+            "stages": 1,
+            "runs": [{"seed": s, "test_error": [0.5, 0.4, 0.3, 0.2], "samples_per_s": 1.0} for s in (0, 1)],
+        },
+        {
+            "name": "FDG K=2 β=0.2 current",
+            "stages": 2,
+            "runs": [run(0, [1.0, 2.0, 3.0, 5.0]), run(1, [3.0, 4.0, 4.0, 8.0])],
+        },
+    ]
+    out = tmp_path / "conv"
+    out.with_suffix(".json").write_text(
+        json.dumps({"args": {**SETTINGS, "micro_batch": 32}, "wall_s": 60, "results": results})
+    )
+    done = report(out)
+    assert done.returncode == 0, done.stderr[-2000:]
+    md = out.with_suffix(".md").read_text()
+    assert "| method | stage | epochs 1–1 | epochs 2–2 | epochs 3–4 |" in md
+    # stage 0: epoch 1 of both seeds (1, 3) -> 2; epoch 2 (2, 4) -> 3; epochs 3-4 (3, 5, 4, 8) -> 4.5
+    assert "| FDG K=2 β=0.2 current | 0 | 2.00e+00 | 3.00e+00 | 4.50e+00 |" in md
+    assert "|  | 1 | 2.00e-01 | 3.00e-01 | 4.50e-01 |" in md
+    assert "| BP |" in md and "| BP | 0 |" not in md  # runs without the metric have no rows

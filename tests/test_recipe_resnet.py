@@ -182,10 +182,13 @@ def test_fdg_k2_trains_on_fashion_mnist(tmp_path: Path) -> None:
 @pytest.mark.skipif(not fashion_mnist_available(), reason="needs `apt-get install -y dataset-fashion-mnist`")
 def test_reference_trainer_prints_what_the_recipe_prints_on_the_engine(tmp_path: Path) -> None:
     """benchmarks/resnet_reference.py (fdg_reference in one process) and the recipe on 2 ranks: the same
-    epoch lines to the printed digits (losses to 1e-6), warm-up and --delay-lr-epochs included, so grids at
-    K >= 3 can run there."""
+    epoch lines to the printed digits (losses to 1e-6), warm-up, --delay-lr-epochs and prediction included,
+    so grids at K >= 3 can run there; and the same staleness line per epoch, the engine's metric against
+    the reference trainer's own computation of it from the reference's weights."""
     config = json.loads((ROOT / "ds_configs" / "resnet_fdg_k2.json").read_text())
     config["train_micro_batch_size_per_gpu"] = 32
+    # 16 ticks per epoch: stage 0's forwards of ticks 0, 3, ..., 30 measured in backwards 2 ticks later
+    config["pipeline"]["fdg"].update(predict_decay=0.5, staleness_every=3)
     (tmp_path / "fdg_k2.json").write_text(json.dumps(config))
     args = ["--deepspeed_config", str(tmp_path / "fdg_k2.json"), "--epochs", "2", "--train-subset", "512"]
     # --delay-lr-epochs: the recipe derives delay_lr_ticks (16) from DeepSpeed's batch arithmetic, the reference
@@ -200,4 +203,13 @@ def test_reference_trainer_prints_what_the_recipe_prints_on_the_engine(tmp_path:
     lines = re.findall(pattern, reference.stdout, re.M)
     assert len(lines) == 2 and "lr 0.01" in lines[0], reference.stdout[-3000:]
     assert "delay_lr_ticks 16" in engine, engine[-3000:]
-    assert lines == re.findall(pattern, re.sub(r"^\[rank\d+\]:", "", engine, flags=re.M), re.M)
+    engine = re.sub(r"^\[rank\d+\]:", "", engine, flags=re.M)
+    assert lines == re.findall(pattern, engine, re.M)
+    staleness = r"^staleness: stage 0 (\S+) \((\d+)\)$"
+    measured = re.findall(staleness, reference.stdout, re.M)
+    assert [count for _, count in measured] == ["5", "6"], reference.stdout[-3000:]
+    assert all(float(value) > 1e-5 for value, _ in measured)  # the weights moved between forward and backward
+    on_engine = re.findall(staleness, engine, re.M)
+    assert [count for _, count in on_engine] == ["5", "6"], engine[-3000:]
+    for (value, _), (engine_value, _) in zip(measured, on_engine, strict=True):
+        assert abs(float(value) - float(engine_value)) <= 2e-3 * float(value)  # printed to 4 digits

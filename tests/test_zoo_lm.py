@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -348,7 +349,9 @@ def test_recipe_reduces_loss_on_shakespeare(
         "--sample_tokens=8",
         f"--out_dir={tmp_path / 'out'}",
     ]
-    run_two_ranks(command, tmp_path, deadline=240, cache=text_cache)
+    logs = run_two_ranks(command, tmp_path, deadline=240, cache=text_cache)
+    if "fdg" in config:  # stage 0's forward of tick 0 (staleness_every 100), measured in its backward
+        assert re.search(r"^staleness: stage 0 \d\.\d{3}e-\d\d \(1\)$", logs[0], re.M), logs[0][-2000:]
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     train = [r["train_loss"] for r in rows if "train_loss" in r and math.isfinite(r["train_loss"])]
     val = [r["val_loss"] for r in rows if "val_loss" in r]
