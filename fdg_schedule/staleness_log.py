@@ -5,7 +5,7 @@ The engine keeps each stage's latest measurement of ``pipeline.fdg.staleness_eve
 at). A recipe makes one :class:`StalenessLog` per FDG engine, calls :meth:`collect` after every
 ``train_batch()`` and ``drain()``, and :meth:`line` at the end of an epoch on every rank (a gather)::
 
-    staleness: stage 0 2.262e-02 (8), stage 1 1.956e-02 (8)
+    staleness: stage 0 4.520e-03 (8), stage 1 2.113e-03 (8)
 
 the median, per delayed stage, of the measurements collected since the previous line (how many in
 brackets). The last stage has no delay and is left out. ``benchmarks/resnet_reference.py`` prints the
