@@ -21,8 +21,8 @@ ticks) replaces the step decay.
 
 FDG's gradient shrinking factor beta ("grad_shrink") in ds_configs: 0.2 at K=2 (the paper's best for
 ResNet-20 at K=2). At K=3 and K=4 the configs carry the staleness corrections (docs/staleness.md):
-"stashed" weights, beta 1; at K=3 delay_lr_ticks 1024 and predict_decay 0.9, meant with
---warmup-epochs 2; at K=4 delay_momentum, best without a warm-up on both ResNets measured
+"stashed" weights, beta 1; at K=3 delay_lr_ticks 1024 and predict_decay 0.9, best without a
+warm-up (ResNet-56); at K=4 delay_momentum, best without a warm-up on both ResNets measured
 (resnet_fdg_k4_peak_lr.json adds delay_momentum_peak_lr 0.1; with the default balanced split and
 ``--delay-lr-epochs`` = the epochs before the first decay it is the best ResNet-20 setting measured;
 resnet_fdg_k4_warmuplr.json: DeepSpeed's WarmupLR instead); at lr 0.1 "current" weights diverge there.
