@@ -162,14 +162,15 @@ class StalenessProbe:
     def __init__(self, every: int, state: ReferenceState) -> None:
         self.every, self.state = (every if len(stages) > 1 else 0), state
         self.kept: list[dict[int, list[Tensor]]] = [{} for _ in stages]  # stage -> backward tick -> w_fwd
+        # the delayed stages' trainable parameters (the optimizers update them in place)
+        self.params = [[(name, p) for name, p in stage.named_parameters() if p.requires_grad] for stage in stages[:-1]]
         self.values: list[list[tuple[int, float]]] = [[] for _ in stages]  # (the backward's tick, value)
 
     def after_tick(self, tick: int) -> None:
         if not self.every:
             return
         K = len(stages)
-        for k in range(K - 1):
-            params = [(name, p) for name, p in stages[k].named_parameters() if p.requires_grad]
+        for k, params in enumerate(self.params):
             w_fwd = self.kept[k].pop(tick + 1, None)  # its backward comes in the next tick
             if w_fwd is not None:
                 with torch.no_grad():
