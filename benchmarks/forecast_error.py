@@ -15,7 +15,10 @@ script sums ⟨D, u⟩, ‖u‖² and ‖D‖² over the ticks and reports
   (ŵ = w + h·δ), 1.0 being no better than no prediction (ŵ = w);
 - ``best_scale``: c* / h with c* = Σ⟨D, u⟩ / Σ‖u‖², the scale of u that forecasts best;
 - ``error_at_best``: ‖D − c*·u‖ / ‖D‖, the least error any multiple of u leaves, so sqrt(1 − cos²)
-  of the window's aggregate angle between D and u.
+  of the window's aggregate angle between D and u;
+- ``rms_displacement`` and ``rms_direction``: the root mean square of ‖D_h‖ and of ‖u‖ over the window.
+  With γ = 0, rms_displacement / (h · rms_direction) is how far h steps go against h steps in one
+  direction: 1 when consecutive steps agree, 1/sqrt(h) when they are independent.
 
 Steps taken with delay_lr's factor are the stage's real steps, so the factor is part of D and u alike.
 """
@@ -120,6 +123,8 @@ def main() -> None:
                 "error_at_h": ((dd - 2 * h * du + h * h * uu) / dd) ** 0.5,
                 "best_scale": c / h,
                 "error_at_best": (max(0.0, dd - du * du / uu) / dd) ** 0.5 if uu else 1.0,
+                "rms_displacement": (dd / n) ** 0.5,  # sqrt of the mean |D_h|^2
+                "rms_direction": (uu / n) ** 0.5,  # sqrt of the mean |u|^2 (with gamma 0: the step)
             }
         )
     result = {
