@@ -50,7 +50,7 @@ def main() -> None:
     run = parse_run(args.run)
     if not run.name.startswith("ref_") or run.cosine:
         raise SystemExit(f"forecast_error.py: error: --run {args.run!r}: a ref_ run without _cos")
-    stage_modules, optimizers, batches, val = gpt2_setup(run.seed, run.stages, args.micro_batches, run.lr)
+    stage_modules, optimizers, batches, val = gpt2_setup(run.seed, run.stages, args.micro_batches, run.lr, run.parts)
     delayed = range(run.stages - 1)
     params = [[p for p in stage_modules[k].parameters() if p.requires_grad] for k in delayed]
 

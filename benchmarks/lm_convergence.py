@@ -28,6 +28,10 @@ Run names say what runs (any combination; the table in docs/staleness.md):
                                                   predict_horizon "first_stage"), delay_momentum
     ref_k<K>_b<beta>[_stashed][_dlr<T>][_p<gamma>[_first]][_m][_s<seed>]
                                                   the same with fdg_reference in one process
+    <any FDG run above>_parts<b0-b1-...-bK>         after _m: the stages' layer boundaries (the recipe's
+                                                  --partition parts:b0,...,bK; the model has 8 pipeline
+                                                  layers: embedding, 6 blocks, head) instead of the blocks
+                                                  spread evenly (type:BlockPipe), e.g. _parts0-2-4-6-8
     <any run above>_lr<LR>                        before _a: the optimizer's learning rate LR (AdamW's peak
                                                   with _cos) instead of the config's 0.001, e.g. _lr0.002
     <any run above>_a<A>                          before _cos: A micro-batches per optimizer step (BP:
@@ -57,7 +61,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,7 +75,7 @@ RUNS = "bp,fdg_k2_b0.5,fdg_k2_b1.0,ref_k2_b0.5,ref_k3_b0.5,ref_k3_b1.0"  # the d
 TIE_RUNS = "bp_tied,bp_untied,fdg_k2_b0.5_tied,fdg_k2_b0.5_untied"  # tied vs untied at K = 2
 NAME = re.compile(
     r"^(?:bp|(?P<kind>fdg|ref)_k(?P<K>\d+)_b(?P<beta>[\d.]+)(?:_(?P<weights>stashed))?"
-    r"(?:_dlr(?P<T>\d+))?(?:_p(?P<gamma>[\d.]+)(?P<first>_first)?)?(?P<momentum>_m)?)(?:_lr(?P<lr>\d*\.\d+))?(?:_a(?P<A>\d+))?(?P<cos>_cos)?(?:_s(?P<seed>\d+))?(?:_(?P<tie>tied|untied))?$"
+    r"(?:_dlr(?P<T>\d+))?(?:_p(?P<gamma>[\d.]+)(?P<first>_first)?)?(?P<momentum>_m)?(?:_parts(?P<parts>\d+(?:-\d+)+))?)(?:_lr(?P<lr>\d*\.\d+))?(?:_a(?P<A>\d+))?(?P<cos>_cos)?(?:_s(?P<seed>\d+))?(?:_(?P<tie>tied|untied))?$"
 )
 
 
@@ -93,6 +97,7 @@ class Run:
     accumulate: int = 1  # micro-batches per optimizer step, BP and FDG alike
     lr: float | None = None  # the optimizer's learning rate; None: the config's
     predict_horizon: str = "own"  # "first_stage" with _first: the prediction aims at stage 0's update
+    parts: tuple[int, ...] | None = None  # the stage boundaries over the pipeline layers; None: blocks evenly
 
     @property
     def baseline(self) -> str:
@@ -133,7 +138,13 @@ def parse_run(name: str) -> Run:
     if lr is not None and not 0 < lr < 1:
         raise SystemExit(f"lm_convergence.py: error: run {name!r}: _lr{match['lr']} must be a learning rate in (0, 1)")
     horizon = "first_stage" if match["first"] else "own"
-    return Run(name, kind, stages, beta, weights, T, gamma, seed, tie, momentum, cos, accumulate, lr, horizon)
+    parts = tuple(int(b) for b in match["parts"].split("-")) if match["parts"] else None
+    if parts is not None and (len(parts) != stages + 1 or parts[0] != 0 or list(parts) != sorted(set(parts))):
+        raise SystemExit(
+            f"lm_convergence.py: error: run {name!r}: _parts{match['parts']} must be {stages + 1} increasing "
+            "layer boundaries from 0, one more than the stages (e.g. _parts0-2-4-6-8 at K = 4)"
+        )
+    return Run(name, kind, stages, beta, weights, T, gamma, seed, tie, momentum, cos, accumulate, lr, horizon, parts)
 
 
 def schedule(steps: int) -> dict:
@@ -179,6 +190,12 @@ def deepspeed_config(run: Run, micro_batches: int) -> dict:
     return config
 
 
+def partition_method(run: Run) -> str:
+    """The recipe's ``--partition`` for a DeepSpeed run: the reference runs' fixed split (the decoder blocks
+    spread evenly, or the name's ``_parts``), not the recipe's measured default."""
+    return "type:BlockPipe" if run.parts is None else "parts:" + ",".join(map(str, run.parts))
+
+
 def run_deepspeed(
     run: Run, micro_batches: int, eval_every: int, root: Path = OUT, adjust: Callable[[dict], None] | None = None
 ) -> None:
@@ -209,7 +226,7 @@ def run_deepspeed(
         f"--eval_interval={eval_every // per_call}",
         "--eval_sequences=512",
         "--log_interval=50",
-        "--partition=type:BlockPipe",  # the reference runs' fixed split, not the recipe's measured default
+        f"--partition={partition_method(run)}",
         f"--out_dir={out}",
         f"--seed={run.seed}",
     ]
@@ -222,8 +239,11 @@ def run_deepspeed(
     (out / "wall.json").write_text(json.dumps({"wall_s": time.time() - start, "command": " ".join(command)}))
 
 
-def gpt2_setup(seed: int, stages: int, micro_batches: int, lr: float | None = None) -> tuple:
-    """The reference runs' GPT-2 in ``stages`` stage modules, one AdamW each (lm_fdg_k2.json's, at ``lr``
+def gpt2_setup(
+    seed: int, stages: int, micro_batches: int, lr: float | None = None, parts: Sequence[int] | None = None
+) -> tuple:
+    """The reference runs' GPT-2 in ``stages`` stage modules (the decoder blocks spread evenly, as
+    ``type:BlockPipe``, or split at the layer boundaries ``parts``), one AdamW each (lm_fdg_k2.json's, at ``lr``
     if given), the first ``micro_batches`` training micro-batches (8 blocks each, the recipe's order) and
     512 validation blocks; seeded as the recipe: seed, then tokenizer (no torch RNG), then the model."""
     import torch
@@ -237,7 +257,9 @@ def gpt2_setup(seed: int, stages: int, micro_batches: int, lr: float | None = No
     tokenizer = text_data.train_tokenizer(texts, 4096)
     train_set, val_set = text_data.split_blocks(text_data.encode(texts, tokenizer), 128, 0.1)
     layers = hf_lm.pipeline_layers(hf_lm.build_model(hf_lm.load_config(MODEL)))
-    bounds = hf_lm.stage_bounds(layers, stages)
+    bounds = hf_lm.stage_bounds(layers, stages) if parts is None else list(parts)
+    if len(bounds) != stages + 1 or bounds[-1] != len(layers):
+        raise ValueError(f"parts {bounds} must split the model's {len(layers)} layers into {stages} stages")
     stage_modules = [torch.nn.Sequential(*layers[bounds[k] : bounds[k + 1]]) for k in range(stages)]
     ds = json.loads((ROOT / "ds_configs" / "lm_fdg_k2.json").read_text())["optimizer"]["params"]
     optimizers = [
@@ -294,7 +316,7 @@ def run_reference(run: Run, micro_batches: int, eval_every: int) -> None:
     out = OUT / name
     out.mkdir(parents=True, exist_ok=True)
     start = time.time()
-    stage_modules, optimizers, batches, val = gpt2_setup(run.seed, stages, micro_batches, run.lr)
+    stage_modules, optimizers, batches, val = gpt2_setup(run.seed, stages, micro_batches, run.lr, run.parts)
     ds_config = json.loads((ROOT / "ds_configs" / "lm_fdg_k2.json").read_text())
     # what deepspeed.initialize builds from the _cos runs' "scheduler" config, one per stage
     steps = micro_batches // run.accumulate

@@ -101,3 +101,19 @@ def test_the_lr_suffix_sets_the_rate_and_pairs_with_bp_at_the_same_rate(tmp_path
     assert lm.deepspeed_config(run, 800)["optimizer"]["params"]["lr"] == 0.002
     assert lm.deepspeed_config(lm.parse_run("bp_lr0.0005"), 800)["optimizer"]["params"]["lr"] == 0.0005
     assert lm.deepspeed_config(lm.parse_run("bp"), 800)["optimizer"]["params"]["lr"] == 0.001
+
+
+def test_the_parts_suffix_splits_both_backends_at_the_same_layers() -> None:
+    """_parts sets the stage boundaries: the reference's stage modules and the recipe's --partition."""
+    lm = benchmark()
+    run = lm.parse_run("ref_k4_b1.0_stashed_dlr1600_p0.0_first_parts0-2-3-5-8_s1")
+    assert run.parts == (0, 2, 3, 5, 8) and run.seed == 1 and run.baseline == "bp_s1"
+    assert lm.parse_run("ref_k4_b1.0").parts is None
+    assert lm.partition_method(lm.parse_run("fdg_k2_b1.0_parts0-3-8")) == "parts:0,3,8"
+    assert lm.partition_method(lm.parse_run("fdg_k2_b1.0")) == "type:BlockPipe"
+    stage_modules, _, _, _ = lm.gpt2_setup(1234, 4, 1, parts=run.parts)
+    assert [len(m) for m in stage_modules] == [2, 1, 2, 3]
+    assert [len(m) for m in lm.gpt2_setup(1234, 4, 1)[0]] == [3, 2, 1, 2]  # blocks evenly: type:BlockPipe
+    for bad in ("ref_k4_b1.0_parts0-2-8", "ref_k2_b1.0_parts0-5-3", "ref_k2_b1.0_parts1-3-8"):
+        with pytest.raises(SystemExit, match="_parts"):
+            lm.parse_run(bad)
