@@ -31,10 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lm_convergence import gpt2_setup, parse_run  # noqa: E402
-
-from fdg_schedule import FDGConfig, fdg_reference  # noqa: E402
-from fdg_schedule.zoo import hf_lm  # noqa: E402
+from lm_convergence import gpt2_setup, gpt2_val_loss, parse_run, train_reference  # noqa: E402
 
 GAMMAS = (0.0, 0.5, 0.8, 0.9, 0.95)
 WINDOWS = ((0, 100), (100, 400), (400, 10**9))
@@ -90,25 +87,7 @@ def main() -> None:
                     row[2] += float(d @ d)
                     row[3] += 1
 
-    losses = fdg_reference(
-        stage_modules,
-        optimizers,
-        batches,
-        hf_lm.lm_loss,
-        config=FDGConfig(
-            grad_shrink=run.grad_shrink,
-            weights=run.weights,
-            delay_lr_ticks=run.delay_lr_ticks,
-            predict_decay=run.predict_decay,
-            predict_horizon=run.predict_horizon,
-            delay_momentum=run.delay_momentum,
-            accumulate=run.accumulate,
-        ),
-        drain=True,
-        clip_grad_norm=1.0,  # lm_fdg_k2.json's gradient_clipping, stage-local as the engine's
-        after_tick=after_tick,
-    )
-    from lm_convergence import gpt2_val_loss
+    losses = train_reference(run, stage_modules, optimizers, batches, after_tick, schedulers=[])
 
     rows = []
     for (k, h, g, window), (du, uu, dd, n) in sorted(sums.items()):

@@ -306,18 +306,37 @@ def gpt2_val_loss(stage_modules: list, val: Any) -> float:
     return sum(losses) / len(losses)
 
 
-def run_reference(run: Run, micro_batches: int, eval_every: int) -> None:
-    from deepspeed.runtime.lr_schedules import WarmupCosineLR
-
+def train_reference(
+    run: Run, stage_modules: list, optimizers: list, batches: list, after_tick: Callable[[int], None], schedulers: list
+) -> list[float]:
+    """``fdg_reference`` over :func:`gpt2_setup`'s stages with the run's FDG config and lm_fdg_k2.json's
+    gradient clipping (stage-local, as the engine does); returns stage 0's losses."""
     from fdg_schedule import FDGConfig, fdg_reference
     from fdg_schedule.zoo import hf_lm
+
+    ds_config = json.loads((ROOT / "ds_configs" / "lm_fdg_k2.json").read_text())
+    config = FDGConfig(
+        grad_shrink=run.grad_shrink,
+        weights=run.weights,
+        delay_lr_ticks=run.delay_lr_ticks,
+        predict_decay=run.predict_decay,
+        predict_horizon=run.predict_horizon,
+        delay_momentum=run.delay_momentum,
+        accumulate=run.accumulate,
+    )
+    clip = float(ds_config["gradient_clipping"])
+    return fdg_reference(stage_modules, optimizers, batches, hf_lm.lm_loss, config=config, drain=True,
+                         schedulers=schedulers, clip_grad_norm=clip, after_tick=after_tick)  # fmt: skip
+
+
+def run_reference(run: Run, micro_batches: int, eval_every: int) -> None:
+    from deepspeed.runtime.lr_schedules import WarmupCosineLR
 
     name, stages = run.name, run.stages
     out = OUT / name
     out.mkdir(parents=True, exist_ok=True)
     start = time.time()
     stage_modules, optimizers, batches, val = gpt2_setup(run.seed, stages, micro_batches, run.lr, run.parts)
-    ds_config = json.loads((ROOT / "ds_configs" / "lm_fdg_k2.json").read_text())
     # what deepspeed.initialize builds from the _cos runs' "scheduler" config, one per stage
     steps = micro_batches // run.accumulate
     schedulers = [WarmupCosineLR(o, **schedule(steps)["params"]) for o in optimizers] if run.cosine else []
@@ -330,25 +349,7 @@ def run_reference(run: Run, micro_batches: int, eval_every: int) -> None:
         if (tick + 1) % eval_every == 0 and tick + 1 < micro_batches:
             evaluate(tick + 1)
 
-    losses = fdg_reference(
-        stage_modules,
-        optimizers,
-        batches,
-        hf_lm.lm_loss,
-        config=FDGConfig(
-            grad_shrink=run.grad_shrink,
-            weights=run.weights,
-            delay_lr_ticks=run.delay_lr_ticks,
-            predict_decay=run.predict_decay,
-            predict_horizon=run.predict_horizon,
-            delay_momentum=run.delay_momentum,
-            accumulate=run.accumulate,
-        ),
-        drain=True,
-        schedulers=schedulers,
-        clip_grad_norm=float(ds_config["gradient_clipping"]),  # stage-local, as the engine does
-        after_tick=after_tick,
-    )
+    losses = train_reference(run, stage_modules, optimizers, batches, after_tick, schedulers)
     evaluate(micro_batches)
     train_rows = [{"step": i + 1, "tokens": (i + 1) * 1024, "train_loss": v} for i, v in enumerate(losses)]
     with open(out / "metrics.jsonl", "w") as f:
