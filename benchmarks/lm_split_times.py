@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import torch
+from deepspeed.runtime.utils import partition_uniform
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lm_convergence import MODEL, gpt2_setup  # noqa: E402
@@ -52,7 +53,7 @@ def main() -> None:
     splits: list[tuple[int, str, list[int]]] = []
     for stages in (2, 4):
         blocks = hf_lm.stage_bounds(layers, stages)
-        uniform = [round(i * len(layers) / stages) for i in range(stages + 1)]
+        uniform = partition_uniform(len(layers), stages)  # what partition_method "uniform" cuts
         splits += [(stages, "blocks evenly (type:BlockPipe)", blocks), (stages, "uniform", uniform)]
         splits.append((stages, "balanced", partition.balanced_partition(costs, stages, objective).parts))
     for text in args.split:
