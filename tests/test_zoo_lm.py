@@ -17,9 +17,11 @@ from typing import Any
 import lm_workers
 import pytest
 import torch
+from deepspeed.runtime.config import DeepSpeedConfig
 from dist_harness import run_ranks_each
 from transformers import AutoModelForCausalLM, GPT2Config
 
+from fdg_schedule import config as fdg_config
 from fdg_schedule.launch import free_port, remove_shared_memory
 from fdg_schedule.zoo import hf_lm, text_data, tied_layers
 
@@ -320,6 +322,34 @@ RECIPE_RUNS = [
     pytest.param("lm_fdg_k2.json", [], True, marks=NEEDS_FDG_TIES, id="fdg_k2-tied"),
     pytest.param("lm_1f1b.json", ["--untie"], False, id="1f1b-untie"),
 ]
+
+
+LM_CONFIGS = sorted((ROOT / "ds_configs").glob("lm_*.json"))
+
+
+@pytest.mark.parametrize("path", LM_CONFIGS, ids=lambda p: p.stem)
+def test_lm_config_validates(path: Path) -> None:
+    """DeepSpeed and fdg_schedule accept every LM config; an FDG config steps a whole number of times per batch."""
+    config = json.loads(path.read_text())
+    ds = DeepSpeedConfig(config)  # DeepSpeed's own validation (pydantic blocks, batch arithmetic)
+    assert ds.optimizer_name == "adamw"
+    fdg_config.check_deepspeed_config(config)
+    fdg = fdg_config.parse(config)
+    assert (fdg is not None) == ("_fdg_" in path.stem)
+    if fdg is not None:
+        assert config["gradient_accumulation_steps"] % fdg.accumulate == 0
+
+
+def test_the_k4_accumulate_config_keeps_the_1f1b_batch() -> None:
+    """lm_fdg_k4_accumulate.json is lm_fdg_k4.json stepping once per lm_1f1b.json's batch (docs/staleness.md)."""
+    configs = {
+        name: json.loads((ROOT / "ds_configs" / f"{name}.json").read_text())
+        for name in ("lm_fdg_k4", "lm_fdg_k4_accumulate", "lm_1f1b")
+    }
+    accumulate = configs["lm_fdg_k4_accumulate"]["pipeline"]["fdg"].pop("accumulate")
+    assert accumulate == configs["lm_1f1b"]["gradient_accumulation_steps"] > 1
+    assert configs["lm_fdg_k4"]["pipeline"]["fdg"].pop("accumulate") == 1
+    assert configs["lm_fdg_k4_accumulate"] == configs["lm_fdg_k4"]
 
 
 @pytest.fixture(scope="module")
