@@ -1,0 +1,113 @@
+"""GPT-2's best FDG settings against BP, seed by seed: the paired gap along the run, from the evidence in docs/.
+
+    python benchmarks/staleness_gpt2_gaps.py          # writes docs/staleness_gpt2_gaps.png, prints the table
+
+Reads the validation curves that benchmarks/lm_convergence.py recorded (docs/staleness_gpt2_*.json; no
+training here) and, for each setting below, divides every seed's validation loss by that of the BP run
+with the same seed and protocol (``parse_run(name).baseline``: the same learning rate, micro-batches per
+step and schedule) at the same token count. The picture draws each seed's relative gap thin and the
+mean over seeds bold; the table gives the mean at each evaluation and the final gap per seed.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lm_convergence import parse_run  # noqa: E402
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+# Where each curve is read, first file first: a run recorded twice (a BP curve copied into a later
+# section's file, rounded) is read from the file of the section that reported it first.
+SOURCES = ("accumulate", "splits", "cosine", "stashed_predict", "first_stage", "protocols")
+K4 = "ref_k4_b1.0_stashed_dlr1600_p0.0_first_parts0-1-2-3-8"
+SETTINGS = (  # (label, run name without its seed suffix, seeds)
+    ("K = 2, split 0,3,8, 1 micro-batch per step", "ref_k2_b1.0_stashed_p0.0_first_parts0-3-8", (1234, 1, 2, 3, 4)),
+    ("K = 4, split 0,1,2,3,8, 1 micro-batch per step", K4, (1234, 1, 2)),
+    ("K = 4, split 0,1,2,3,8, 1 per step, warm-up + cosine", f"{K4}_cos", (1234, 1, 2)),
+    ("K = 4, split 0,1,2,3,8, 4 micro-batches per step", f"{K4}_a4", (1234, 1, 2, 3, 4, 5, 6)),
+    ("K = 4, split 0,1,2,3,8, 4 per step, warm-up + cosine", f"{K4}_a4_cos", (1234, 1)),
+)
+Curve = list[tuple[int, float]]  # (tokens, value) at each evaluation
+
+
+def curves() -> dict[str, Curve]:
+    found: dict[str, Curve] = {}
+    for source in SOURCES:
+        path = DOCS / f"staleness_gpt2_{source}.json"
+        if not path.exists():
+            continue
+        for name, run in json.loads(path.read_text())["runs"].items():
+            found.setdefault(name, [(int(tokens), float(loss)) for tokens, loss in run["val"]])
+    return found
+
+
+def seeded(name: str, seed: int) -> str:
+    return name if seed == 1234 else f"{name}_s{seed}"
+
+
+def paired_gap(fdg: Curve, bp: Curve) -> Curve:
+    """FDG's validation loss over BP's at each token count both evaluated, minus 1, in percent."""
+    bp_at = dict(bp)
+    return [(tokens, 100 * (loss / bp_at[tokens] - 1)) for tokens, loss in fdg if tokens in bp_at]
+
+
+def setting_gaps(found: dict[str, Curve], name: str, seeds: tuple[int, ...]) -> list[Curve]:
+    """The paired gap curve of every seed of one setting whose run and BP run are both recorded."""
+    gaps = []
+    for seed in seeds:
+        run = seeded(name, seed)
+        baseline = parse_run(run).baseline
+        if run not in found or baseline not in found:
+            print(f"skipped {run}: not recorded in docs/ (or its BP run {baseline} is not)", file=sys.stderr)
+            continue
+        gaps.append(paired_gap(found[run], found[baseline]))
+    return gaps
+
+
+def mean_curve(gaps: list[Curve]) -> Curve:
+    return [(tokens, sum(g[i][1] for g in gaps) / len(gaps)) for i, (tokens, _) in enumerate(gaps[0])]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--picture", type=Path, default=DOCS / "staleness_gpt2_gaps.png")
+    args = parser.parse_args()
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    found = curves()
+    fig, ax = plt.subplots(figsize=(9, 5))
+    lines = [
+        "| setting | seeds | mean gap at 100 k … 800 k tokens (%) | final gap per seed (%) | mean |",
+        "|---|---:|---|---|---:|",
+    ]
+    for (label, name, seeds), color in zip(SETTINGS, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False):
+        gaps = setting_gaps(found, name, seeds)
+        if not gaps:
+            continue
+        for gap in gaps:
+            ax.plot(*zip(*gap, strict=True), color=color, alpha=0.25, linewidth=0.8)
+        mean = mean_curve(gaps)
+        ax.plot(*zip(*mean, strict=True), color=color, marker="o", linewidth=2, label=f"{label} ({len(gaps)} seeds)")
+        along = " / ".join(f"{value:+.2f}" for _, value in mean)
+        finals = ", ".join(f"{g[-1][1]:+.2f}" for g in gaps)
+        lines.append(f"| {label} | {len(gaps)} | {along} | {finals} | **{mean[-1][1]:+.2f}** |")
+    for target, text in ((1, "K = 2 target (1 %)"), (2, "K = 4 target (2 %)")):
+        ax.axhline(target, color="grey", linestyle=":", linewidth=1)
+        ax.annotate(text, (0, target), xytext=(4, 2), textcoords="offset points", fontsize=8, color="grey")
+    ax.set(xlabel="tokens", ylabel="validation loss over BP's, same seed and protocol (%)",
+           title="GPT-2 (AdamW): FDG's best settings against BP, seed by seed (thin) and mean (bold)")  # fmt: skip
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(args.picture, dpi=110)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""benchmarks/staleness_gpt2_gaps.py: the GPT-2 headline gaps of docs/staleness.md follow from the curves in docs/."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from staleness_gpt2_gaps import K4, curves, mean_curve, paired_gap, setting_gaps  # noqa: E402
+
+
+def test_paired_gap_divides_at_equal_tokens() -> None:
+    fdg = [(100, 5.5), (200, 5.1), (300, 5.0)]
+    bp = [(100, 5.0), (300, 4.0)]  # no evaluation at 200: that point is left out, not misaligned
+    assert paired_gap(fdg, bp) == [(100, pytest.approx(10.0)), (300, pytest.approx(25.0))]
+    assert mean_curve([[(1, 1.0), (2, 3.0)], [(1, 3.0), (2, 5.0)]]) == [(1, 2.0), (2, 4.0)]
+
+
+@pytest.mark.parametrize(
+    ("name", "seeds", "final_mean"),
+    [
+        ("ref_k2_b1.0_stashed_p0.0_first_parts0-3-8", (1234, 1, 2, 3, 4), 0.22),  # K = 2 target: met
+        (K4, (1234, 1, 2), 3.51),  # K = 4 at one micro-batch per step: not met
+        (f"{K4}_a4", (1234, 1, 2, 3, 4, 5, 6), 1.13),  # K = 4 at a pipeline job's batch (BP _a4)
+    ],
+)
+def test_the_targets_table_follows_from_the_recorded_curves(
+    name: str, seeds: tuple[int, ...], final_mean: float
+) -> None:
+    gaps = setting_gaps(curves(), name, seeds)
+    assert len(gaps) == len(seeds)  # every seed and its own BP run are recorded
+    assert mean_curve(gaps)[-1] == (819_200, pytest.approx(final_mean, abs=0.005))
