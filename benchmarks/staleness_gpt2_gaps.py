@@ -22,19 +22,36 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 # section's file, rounded) is read from the file of the section that reported it first.
 SOURCES = ("accumulate", "splits", "cosine", "stashed_predict", "first_stage", "protocols")
 K4 = "ref_k4_b1.0_stashed_dlr1600_p0.0_first_parts0-1-2-3-8"
-SETTINGS = (  # (label, run name without its seed suffix, seeds)
-    ("K = 2, split 0,3,8, 1 micro-batch per step", "ref_k2_b1.0_stashed_p0.0_first_parts0-3-8", (1234, 1, 2, 3, 4)),
-    ("K = 4, split 0,1,2,3,8, 1 micro-batch per step", K4, (1234, 1, 2)),
-    ("K = 4, split 0,1,2,3,8, 1 per step, warm-up + cosine", f"{K4}_cos", (1234, 1, 2)),
-    ("K = 4, split 0,1,2,3,8, 4 micro-batches per step", f"{K4}_a4", (1234, 1, 2, 3, 4, 5, 6)),
-    ("K = 4, split 0,1,2,3,8, 4 per step, warm-up + cosine", f"{K4}_a4_cos", (1234, 1)),
+# (label, run name without its seed suffix, seeds, the BP run to pair with without its seed suffix:
+# None for the run's own protocol)
+Setting = tuple[str, str, tuple[int, ...], str | None]
+SETTINGS: tuple[Setting, ...] = (
+    (
+        "K = 2, split 0,3,8, 1 micro-batch per step",
+        "ref_k2_b1.0_stashed_p0.0_first_parts0-3-8",
+        (1234, 1, 2, 3, 4),
+        None,
+    ),
+    ("K = 4, split 0,1,2,3,8, 1 micro-batch per step", K4, (1234, 1, 2), None),
+    ("K = 4, split 0,1,2,3,8, 1 per step, warm-up + cosine", f"{K4}_cos", (1234, 1, 2), None),
+    ("K = 4, split 0,1,2,3,8, 4 micro-batches per step", f"{K4}_a4", (1234, 1, 2, 3, 4, 5, 6), None),
+    ("K = 4, split 0,1,2,3,8, 4 per step, warm-up + cosine", f"{K4}_a4_cos", (1234, 1), None),
+    ("K = 4, split 0,1,2,3,8, 1 per step, against BP at 4 per step", K4, (1234, 1, 2), "bp_a4"),
+)
+# The same K = 4 setting over 1,400 micro-batches (1,433,600 tokens, 0.98 epoch; delay_lr over twice the run)
+K4_LONG = "ref_k4_b1.0_stashed_dlr2800_p0.0_first_parts0-1-2-3-8"
+LONG: tuple[Setting, ...] = (
+    ("K = 4, split 0,1,2,3,8, 1 micro-batch per step", K4_LONG, (1234, 1, 2), None),
+    ("K = 4, split 0,1,2,3,8, 4 micro-batches per step", f"{K4_LONG}_a4", (1234, 1, 2), None),
+    ("K = 4, split 0,1,2,3,8, 1 per step, against BP at 4 per step", K4_LONG, (1234, 1, 2), "bp_a4"),
+    ("BP at 4 micro-batches per step, against BP at 1", "bp_a4", (1234, 1, 2), "bp"),
 )
 Curve = list[tuple[int, float]]  # (tokens, value) at each evaluation
 
 
-def curves() -> dict[str, Curve]:
+def curves(sources: tuple[str, ...] = SOURCES) -> dict[str, Curve]:
     found: dict[str, Curve] = {}
-    for source in SOURCES:
+    for source in sources:
         path = DOCS / f"staleness_gpt2_{source}.json"
         if not path.exists():
             continue
@@ -53,12 +70,12 @@ def paired_gap(fdg: Curve, bp: Curve) -> Curve:
     return [(tokens, 100 * (loss / bp_at[tokens] - 1)) for tokens, loss in fdg if tokens in bp_at]
 
 
-def setting_gaps(found: dict[str, Curve], name: str, seeds: tuple[int, ...]) -> list[Curve]:
+def setting_gaps(found: dict[str, Curve], name: str, seeds: tuple[int, ...], against: str | None = None) -> list[Curve]:
     """The paired gap curve of every seed of one setting whose run and BP run are both recorded."""
     gaps = []
     for seed in seeds:
         run = seeded(name, seed)
-        baseline = parse_run(run).baseline
+        baseline = parse_run(run).baseline if against is None else seeded(against, seed)
         if run not in found or baseline not in found:
             print(f"skipped {run}: not recorded in docs/ (or its BP run {baseline} is not)", file=sys.stderr)
             continue
@@ -72,22 +89,31 @@ def mean_curve(gaps: list[Curve]) -> Curve:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--picture", type=Path, default=DOCS / "staleness_gpt2_gaps.png")
+    parser.add_argument(
+        "--long", action="store_true", help="the runs over 1,400 micro-batches (staleness_gpt2_long.json)"
+    )
+    parser.add_argument("--picture", type=Path, default=None, help="default docs/staleness_gpt2_gaps[_long].png")
     args = parser.parse_args()
+    settings, sources, budget = (
+        (LONG, ("long",), "1,433,600 tokens") if args.long else (SETTINGS, SOURCES, "819,200 tokens")
+    )
+    picture = args.picture or DOCS / f"staleness_gpt2_gaps{'_long' if args.long else ''}.png"
 
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    found = curves()
+    found = curves(sources)
     fig, ax = plt.subplots(figsize=(9, 5))
     lines = [
-        "| setting | seeds | mean gap at 100 k … 800 k tokens (%) | final gap per seed (%) | mean |",
+        "| setting | seeds | mean gap at each evaluation, every 102,400 tokens (%) | final gap per seed (%) | mean |",
         "|---|---:|---|---|---:|",
     ]
-    for (label, name, seeds), color in zip(SETTINGS, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False):
-        gaps = setting_gaps(found, name, seeds)
+    for (label, name, seeds, against), color in zip(
+        settings, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False
+    ):
+        gaps = setting_gaps(found, name, seeds, against)
         if not gaps:
             continue
         for gap in gaps:
@@ -99,13 +125,13 @@ def main() -> None:
         lines.append(f"| {label} | {len(gaps)} | {along} | {finals} | **{mean[-1][1]:+.2f}** |")
     for target, text in ((1, "K = 2 target (1 %)"), (2, "K = 4 target (2 %)")):
         ax.axhline(target, color="grey", linestyle=":", linewidth=1)
-        ax.annotate(text, (0, target), xytext=(4, 2), textcoords="offset points", fontsize=8, color="grey")
-    ax.set(xlabel="tokens", ylabel="validation loss over BP's, same seed and protocol (%)",
-           title="GPT-2 (AdamW): FDG's best settings against BP, seed by seed (thin) and mean (bold)")  # fmt: skip
+        ax.text(0.005, target, text, transform=ax.get_yaxis_transform(), fontsize=8, color="grey", va="bottom")
+    ax.set(xlabel="tokens", ylabel="validation loss over the paired BP run's (%)",
+           title=f"GPT-2 (AdamW), {budget}: FDG against BP on the same seed, per seed (thin), mean (bold)")  # fmt: skip
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(args.picture, dpi=110)
+    fig.savefig(picture, dpi=110)
     print("\n".join(lines))
 
 
