@@ -22,6 +22,7 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 # section's file, rounded) is read from the file of the section that reported it first.
 SOURCES = ("accumulate", "splits", "cosine", "stashed_predict", "first_stage", "protocols")
 K4 = "ref_k4_b1.0_stashed_dlr1600_p0.0_first_parts0-1-2-3-8"
+K4_0124 = "ref_k4_b1.0_stashed_dlr1600_p0.0_first_parts0-1-2-4-8"
 # (label, run name without its seed suffix, seeds, the BP run to pair with without its seed suffix:
 # None for the run's own protocol)
 Setting = tuple[str, str, tuple[int, ...], str | None]
@@ -32,11 +33,12 @@ SETTINGS: tuple[Setting, ...] = (
         (1234, 1, 2, 3, 4),
         None,
     ),
-    ("K = 4, split 0,1,2,3,8, 1 micro-batch per step", K4, (1234, 1, 2), None),
+    ("K = 4, split 0,1,2,3,8, 1 micro-batch per step", K4, (1234, 1, 2, 3, 4, 5, 6), None),
     ("K = 4, split 0,1,2,3,8, 1 per step, warm-up + cosine", f"{K4}_cos", (1234, 1, 2), None),
     ("K = 4, split 0,1,2,3,8, 4 micro-batches per step", f"{K4}_a4", (1234, 1, 2, 3, 4, 5, 6), None),
     ("K = 4, split 0,1,2,3,8, 4 per step, warm-up + cosine", f"{K4}_a4_cos", (1234, 1), None),
-    ("K = 4, split 0,1,2,3,8, 1 per step, against BP at 4 per step", K4, (1234, 1, 2), "bp_a4"),
+    ("K = 4, split 0,1,2,3,8, 1 per step, against BP at 4 per step", K4, (1234, 1, 2, 3, 4, 5, 6), "bp_a4"),
+    ("K = 4, split 0,1,2,4,8, 1 per step, against BP at 4 per step", K4_0124, (1234, 1, 2, 3, 4, 5, 6), "bp_a4"),
 )
 # The same K = 4 setting over 1,400 micro-batches (1,433,600 tokens, 0.98 epoch; delay_lr over twice the run)
 K4_LONG = "ref_k4_b1.0_stashed_dlr2800_p0.0_first_parts0-1-2-3-8"
@@ -105,7 +107,8 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     found = curves(sources)
-    fig, ax = plt.subplots(figsize=(9, 5))
+    # left: each run against BP of its own protocol; right: against another BP (the `against` settings)
+    fig, (same, other) = plt.subplots(1, 2, figsize=(15, 5.5), sharey=True)
     lines = [
         "| setting | seeds | mean gap at each evaluation, every 102,400 tokens (%) | final gap per seed (%) | mean |",
         "|---|---:|---|---|---:|",
@@ -116,6 +119,7 @@ def main() -> None:
         gaps = setting_gaps(found, name, seeds, against)
         if not gaps:
             continue
+        ax = same if against is None else other
         for gap in gaps:
             ax.plot(*zip(*gap, strict=True), color=color, alpha=0.25, linewidth=0.8)
         mean = mean_curve(gaps)
@@ -123,13 +127,16 @@ def main() -> None:
         along = " / ".join(f"{value:+.2f}" for _, value in mean)
         finals = ", ".join(f"{g[-1][1]:+.2f}" for g in gaps)
         lines.append(f"| {label} | {len(gaps)} | {along} | {finals} | **{mean[-1][1]:+.2f}** |")
-    for target, text in ((1, "K = 2 target (1 %)"), (2, "K = 4 target (2 %)")):
-        ax.axhline(target, color="grey", linestyle=":", linewidth=1)
-        ax.text(0.005, target, text, transform=ax.get_yaxis_transform(), fontsize=8, color="grey", va="bottom")
-    ax.set(xlabel="tokens", ylabel="validation loss over the paired BP run's (%)",
-           title=f"GPT-2 (AdamW), {budget}: FDG against BP on the same seed, per seed (thin), mean (bold)")  # fmt: skip
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    titles = ("against BP of the same protocol", "against BP of another protocol")
+    for ax, title in zip((same, other), titles, strict=True):
+        for target, text in ((1, "K = 2 target (1 %)"), (2, "K = 4 target (2 %)")):
+            ax.axhline(target, color="grey", linestyle=":", linewidth=1)
+            ax.text(0.005, target, text, transform=ax.get_yaxis_transform(), fontsize=8, color="grey", va="bottom")
+        ax.set(xlabel="tokens", title=title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    same.set_ylabel("validation loss over the paired BP run's, same seed (%)")
+    fig.suptitle(f"GPT-2 (AdamW), {budget}: FDG against BP, per seed (thin) and mean (bold)")
     fig.tight_layout()
     fig.savefig(picture, dpi=110)
     print("\n".join(lines))

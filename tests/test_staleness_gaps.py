@@ -22,10 +22,10 @@ def test_paired_gap_divides_at_equal_tokens() -> None:
     ("name", "seeds", "against", "final_mean"),
     [
         ("ref_k2_b1.0_stashed_p0.0_first_parts0-3-8", (1234, 1, 2, 3, 4), None, 0.22),  # K = 2 target: met
-        (K4, (1234, 1, 2), None, 3.51),  # K = 4 at one micro-batch per step: not met
+        (K4, (1234, 1, 2, 3, 4, 5, 6), None, 3.72),  # K = 4 at one micro-batch per step: not met
         (f"{K4}_a4", (1234, 1, 2, 3, 4, 5, 6), None, 1.13),  # K = 4 at a pipeline job's batch (BP _a4)
         (f"{K4}_cos", (1234, 1, 2), None, 2.72),  # warm-up + cosine, both: not met
-        (K4, (1234, 1, 2), "bp_a4", -0.20),  # one micro-batch per step against the 1F1B job's batch
+        (K4, (1234, 1, 2, 3, 4, 5, 6), "bp_a4", 0.27),  # one micro-batch per step against the 1F1B job's batch
     ],
 )
 def test_the_targets_table_follows_from_the_recorded_curves(
