@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from staleness_gpt2_gaps import K4, curves, mean_curve, paired_gap, setting_gaps  # noqa: E402
+from staleness_gpt2_gaps import K4, K4_0124, curves, mean_curve, paired_gap, setting_gaps  # noqa: E402
 
 
 def test_paired_gap_divides_at_equal_tokens() -> None:
@@ -25,7 +25,13 @@ def test_paired_gap_divides_at_equal_tokens() -> None:
         (K4, (1234, 1, 2, 3, 4, 5, 6), None, 3.72),  # K = 4 at one micro-batch per step: not met
         (f"{K4}_a4", (1234, 1, 2, 3, 4, 5, 6), None, 1.13),  # K = 4 at a pipeline job's batch (BP _a4)
         (f"{K4}_cos", (1234, 1, 2), None, 2.72),  # warm-up + cosine, both: not met
-        (K4, (1234, 1, 2, 3, 4, 5, 6), "bp_a4", 0.27),  # one micro-batch per step against the 1F1B job's batch
+        (K4, (1234, 1, 2, 3, 4, 5, 6), "bp_a4", 0.27),
+        (
+            K4_0124,
+            (1234, 1, 2, 3, 4, 5, 6),
+            "bp_a4",
+            0.12,
+        ),  # the faster split, the same reading  # one micro-batch per step against the 1F1B job's batch
     ],
 )
 def test_the_targets_table_follows_from_the_recorded_curves(
