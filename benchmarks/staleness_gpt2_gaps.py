@@ -43,10 +43,10 @@ SETTINGS: tuple[Setting, ...] = (
 # The same K = 4 setting over 1,400 micro-batches (1,433,600 tokens, 0.98 epoch; delay_lr over twice the run)
 K4_LONG = "ref_k4_b1.0_stashed_dlr2800_p0.0_first_parts0-1-2-3-8"
 LONG: tuple[Setting, ...] = (
-    ("K = 4, split 0,1,2,3,8, 1 micro-batch per step", K4_LONG, (1234, 1, 2, 3), None),
-    ("K = 4, split 0,1,2,3,8, 4 micro-batches per step", f"{K4_LONG}_a4", (1234, 1, 2, 3), None),
-    ("K = 4, split 0,1,2,3,8, 1 per step, against BP at 4 per step", K4_LONG, (1234, 1, 2, 3), "bp_a4"),
-    ("BP at 4 micro-batches per step, against BP at 1", "bp_a4", (1234, 1, 2, 3), "bp"),
+    ("K = 4, split 0,1,2,3,8, 1 micro-batch per step", K4_LONG, (1234, 1, 2, 3, 4), None),
+    ("K = 4, split 0,1,2,3,8, 4 micro-batches per step", f"{K4_LONG}_a4", (1234, 1, 2, 3, 4), None),
+    ("K = 4, split 0,1,2,3,8, 1 per step, against BP at 4 per step", K4_LONG, (1234, 1, 2, 3, 4), "bp_a4"),
+    ("BP at 4 micro-batches per step, against BP at 1", "bp_a4", (1234, 1, 2, 3, 4), "bp"),
 )
 Curve = list[tuple[int, float]]  # (tokens, value) at each evaluation
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from staleness_gpt2_gaps import K4, K4_0124, curves, mean_curve, paired_gap, setting_gaps  # noqa: E402
+from staleness_gpt2_gaps import K4, K4_0124, K4_LONG, curves, mean_curve, paired_gap, setting_gaps  # noqa: E402
 
 
 def test_paired_gap_divides_at_equal_tokens() -> None:
@@ -40,3 +40,15 @@ def test_the_targets_table_follows_from_the_recorded_curves(
     gaps = setting_gaps(curves(), name, seeds, against)
     assert len(gaps) == len(seeds)  # every seed and its own BP run are recorded
     assert mean_curve(gaps)[-1] == (819_200, pytest.approx(final_mean, abs=0.005))
+
+
+@pytest.mark.parametrize(
+    ("name", "against", "final_mean"),
+    [(K4_LONG, None, 3.30), (f"{K4_LONG}_a4", None, 0.80), (K4_LONG, "bp_a4", -0.47)],
+)
+def test_the_whole_epoch_rows_follow_from_the_recorded_curves(
+    name: str, against: str | None, final_mean: float
+) -> None:
+    gaps = setting_gaps(curves(("long",)), name, (1234, 1, 2, 3, 4), against)
+    assert len(gaps) == 5
+    assert mean_curve(gaps)[-1] == (1_433_600, pytest.approx(final_mean, abs=0.005))
