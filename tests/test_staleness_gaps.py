@@ -25,13 +25,9 @@ def test_paired_gap_divides_at_equal_tokens() -> None:
         (K4, (1234, 1, 2, 3, 4, 5, 6), None, 3.72),  # K = 4 at one micro-batch per step: not met
         (f"{K4}_a4", (1234, 1, 2, 3, 4, 5, 6), None, 1.13),  # K = 4 at a pipeline job's batch (BP _a4)
         (f"{K4}_cos", (1234, 1, 2), None, 2.72),  # warm-up + cosine, both: not met
+        # one micro-batch per step against the 1F1B job's batch, with the split 0,1,2,3,8 and the faster 0,1,2,4,8
         (K4, (1234, 1, 2, 3, 4, 5, 6), "bp_a4", 0.27),
-        (
-            K4_0124,
-            (1234, 1, 2, 3, 4, 5, 6),
-            "bp_a4",
-            0.12,
-        ),  # the faster split, the same reading  # one micro-batch per step against the 1F1B job's batch
+        (K4_0124, (1234, 1, 2, 3, 4, 5, 6), "bp_a4", 0.12),
     ],
 )
 def test_the_targets_table_follows_from_the_recorded_curves(
