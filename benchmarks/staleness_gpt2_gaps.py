@@ -86,7 +86,13 @@ def setting_gaps(found: dict[str, Curve], name: str, seeds: tuple[int, ...], aga
 
 
 def mean_curve(gaps: list[Curve]) -> Curve:
-    return [(tokens, sum(g[i][1] for g in gaps) / len(gaps)) for i, (tokens, _) in enumerate(gaps[0])]
+    """The mean over seeds at each token count every seed evaluated (matched by tokens, not by position)."""
+    by_tokens = [dict(gap) for gap in gaps]
+    return [
+        (tokens, sum(g[tokens] for g in by_tokens) / len(gaps))
+        for tokens, _ in gaps[0]
+        if all(tokens in g for g in by_tokens)
+    ]
 
 
 def main() -> None:
