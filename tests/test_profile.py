@@ -63,6 +63,39 @@ def test_rounds_interleave_the_layers_unless_told_not_to() -> None:
     assert interleaved.meta["interleaved"] and not one_by_one.meta["interleaved"]
 
 
+def test_no_copy_of_the_input_is_timed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Note [the input is copied before the clock starts]: between a clock read and the layer's forward
+    # (with or without autograd) no tensor is copied. Fails if the copy moves back into the timed window.
+    events: list[str] = []
+
+    class Copies(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func in (torch.Tensor.clone, torch.clone, torch.Tensor.copy_):
+                events.append("copy")
+            return func(*args, **(kwargs or {}))
+
+    def clock(device: torch.device) -> float:
+        events.append("clock")
+        return float(len(events))
+
+    class Probe(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(5, 5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            events.append("forward")
+            return self.linear(x).relu_()
+
+    monkeypatch.setattr(profiling, "_now", clock)
+    with Copies():
+        profile_layers([Probe(), Probe()], torch.randn(4, 5), repeats=2, warmup=1)
+    # two layers, three rounds, a forward with and one without autograd: each starts right at a clock
+    # read, and its copy of the input was made just before that read
+    timed = [events[j - 1 : j + 2] for j in range(1, len(events) - 1) if events[j : j + 2] == ["clock", "forward"]]
+    assert timed == [["copy", "clock", "forward"]] * (2 * 3 * 2), events
+
+
 def test_sizes_do_not_depend_on_interleaving(measured: ModelProfile) -> None:
     x, y = toy.micro_batches(1, 4)[0]
     one_by_one = profile_layers(toy.layers(), x, y, toy.loss_fn, repeats=1, warmup=0, interleave=False)
