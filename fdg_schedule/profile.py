@@ -59,9 +59,8 @@ from torch import Tensor, nn
 
 FORMAT = "fdg_schedule.profile/1"
 # How layers are timed; part of the cache key, so a profile cached by an older way of timing is measured
-# again. 2: the input is copied before the clock starts (Note [the input is copied before the clock starts]);
-# 3: the layers are timed in a chain, as a stage runs them (Note [layers timed in a chain]).
-TIMING = 3
+# again. 2: the input is copied before the clock starts (Note [the input is copied before the clock starts]).
+TIMING = 2
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 
@@ -272,7 +271,7 @@ def profile_layers(
                 (kept,) = _interleaved([passes], warmup, repeats)
                 results.append(passes.cost(layer_name(layer), kept))
         if interleave:
-            rounds = _chained(everyone, warmup, repeats)
+            rounds = _interleaved(everyone, warmup, repeats)
             results = [passes.cost(layer_name(layer), kept) for passes, layer, kept in zip(everyone, layers, rounds)]
     return ModelProfile(
         layers=tuple(results),
@@ -390,74 +389,6 @@ def _interleaved(everyone: Sequence[_Passes], warmup: int, repeats: int) -> list
             if round_ >= warmup:
                 rounds[i].append(timed)
     return rounds
-
-
-def _chained(everyone: Sequence[_Passes], warmup: int, repeats: int) -> list[Rounds]:
-    """Per layer, its ``repeats`` rounds after ``warmup``; a round runs the layers as a stage does.
-
-    Note [layers timed in a chain]: one round is the forward of every layer in model order, each on
-    the output the layer before it just produced; the backward of every layer in reverse order, each
-    from the gradient the layer after it just produced (the last from the loss or fixed gradients);
-    every layer's optimizer step; and the forward without autograd in model order. Each pass of each
-    layer is timed on its own clock. So a layer's input is where a stage would have it, just written
-    (in the caches of a CPU), not read back cold after every other layer has run, which made the
-    layers on wide activations cost up to a quarter more alone than inside a stage. Every round times
-    every layer, so a slow moment of a shared machine falls on a stretch of layers in one round, and
-    the median over rounds leaves it out.
-    """
-    rounds: list[Rounds] = [[] for _ in everyone]
-    for round_ in range(warmup + repeats):
-        timed = _chain_round(everyone)
-        if round_ >= warmup:
-            for i, row in enumerate(timed):
-                rounds[i].append(row)
-    return rounds
-
-
-def _chain_round(everyone: Sequence[_Passes]) -> list[tuple[float, float, float, float]]:
-    """Seconds of (forward with autograd, backward, step, forward without autograd) per layer, one round."""
-    n = len(everyone)
-    times = [[0.0, 0.0, 0.0, 0.0] for _ in everyone]
-    inputs: list[Any] = []
-    outputs: list[tuple[Any, Tensor | None]] = []
-    x = _fresh(everyone[0].leaf)
-    for i, layer in enumerate(everyone):
-        inputs.append(x)
-        t0 = _now(layer.device)
-        out = layer.run(x)
-        target = layer.loss(out) if layer.loss is not None else None
-        times[i][0] = _now(layer.device) - t0
-        outputs.append((out, target))
-        x = _leaf(out, requires_grad=True)  # the next layer's input, a leaf as a stage's input is
-    for i in reversed(range(n)):
-        layer = everyone[i]
-        out, target = outputs[i]
-        grads = layer.grads if i == n - 1 else _input_grads(inputs[i + 1])
-        t1 = _now(layer.device)
-        _backward(out, target, grads)
-        times[i][1] = _now(layer.device) - t1
-        outputs[i] = (None, None)
-        if i + 1 < n:
-            inputs[i + 1] = None
-    for i, layer in enumerate(everyone):
-        if layer.opt is not None:
-            t2 = _now(layer.device)
-            layer.opt.step()
-            times[i][2] = _now(layer.device) - t2
-            layer.opt.zero_grad(set_to_none=True)
-    del inputs, outputs
-    x = _fresh(everyone[0].leaf)
-    with torch.no_grad():
-        for i, layer in enumerate(everyone):
-            t3 = _now(layer.device)
-            x = layer.run(x)
-            times[i][3] = _now(layer.device) - t3
-    return [(a, b, c, d) for a, b, c, d in times]
-
-
-def _input_grads(x: Any) -> list[Tensor]:
-    """The gradients a layer's floating inputs received in the backward (zeros where it received none)."""
-    return [t.grad if t.grad is not None else torch.zeros_like(t) for t in _floating(x)]
 
 
 def _loss_of(loss_fn: Callable[..., Tensor], labels: Any) -> Callable[[Any], Tensor]:
