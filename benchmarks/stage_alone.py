@@ -17,6 +17,13 @@ few ticks of every stage in turn), so drift on this shared machine falls on all 
 Measured = median tick time over ``--ticks`` ticks per stage after the pipeline is full and
 ``--warmup`` more; error = measured / predicted - 1.
 
+The error has two parts. A split's offset (its stages' measured sum over their predicted sum, - 1)
+is the same on every stage of the split: the machine running faster or slower while the stages are
+timed than while the layers were profiled (on a shared machine it moves by ±20 % between runs minutes
+apart). It does not move the best cut. What does is the share error: a stage's share of the split's
+measured time over its share of the predicted time, - 1 (0 on every stage = the cut is where the
+measurement would put it).
+
 Writes ``<out>/stage_alone.json`` and ``<out>/stage_alone.md``.
 """
 
@@ -235,6 +242,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     print(f"  {model} K={stages} {activations} stage {s.stage_id} layers {s.start}-{s.stop - 1}: "
                           f"predicted {s.time_s * 1e3:.1f} ms, measured {median * 1e3:.1f} ms "
                           f"({row['error']:+.1%})", flush=True)  # fmt: skip
+    add_share_errors(report["rows"])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "stage_alone.json").write_text(json.dumps(report, indent=1))
@@ -243,26 +251,43 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return report
 
 
+def add_share_errors(rows: list[dict[str, Any]]) -> None:
+    """Give every row its split's ``offset`` (measured sum / predicted sum - 1) and its ``share_error``
+    (measured share of the split / predicted share - 1); a split is the rows of one model, K and mode."""
+    splits: dict[tuple[str, int, str], list[dict[str, Any]]] = collections.defaultdict(list)
+    for row in rows:
+        splits[(row["model"], row["stages"], row["activations"])].append(row)
+    for split in splits.values():
+        predicted = sum(r["predicted_s"] for r in split)
+        measured = sum(r["measured_s"] for r in split)
+        for r in split:
+            r["offset"] = measured / predicted - 1
+            r["share_error"] = (r["measured_s"] / measured) / (r["predicted_s"] / predicted) - 1
+
+
 def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"Measured {report['date']} on {report['machine']}; command:",
         "",
         f"    {report['command']}",
         "",
-        "| model | K | activations | split | stage | predicted ms | measured ms [min–max] | error |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | K | activations | split | stage | predicted ms | measured ms [min–max] | error | split offset "
+        "| share error |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
         lines.append(
             f"| {r['model']} | {r['stages']} | {r['activations']} | {','.join(map(str, r['parts']))} | {r['stage']} | "
             f"{r['predicted_s'] * 1e3:.1f} | {r['measured_s'] * 1e3:.1f} [{r['measured_min_s'] * 1e3:.1f}–"
-            f"{r['measured_max_s'] * 1e3:.1f}] | {r['error']:+.1%} |"
+            f"{r['measured_max_s'] * 1e3:.1f}] | {r['error']:+.1%} | {r['offset']:+.1%} | {r['share_error']:+.1%} |"
         )
     errors = [abs(r["error"]) for r in report["rows"]]
+    shares = [abs(r["share_error"]) for r in report["rows"]]
     if errors:
         lines += [
             "",
-            f"|error|: median {statistics.median(errors):.1%}, max {max(errors):.1%} over {len(errors)} stages.",
+            f"|error|: median {statistics.median(errors):.1%}, max {max(errors):.1%}; "
+            f"|share error|: median {statistics.median(shares):.1%}, max {max(shares):.1%}; over {len(errors)} stages.",
         ]
     return "\n".join(lines) + "\n"
 

@@ -160,3 +160,23 @@ def test_staleness_metric_reads_every_stage_back_from_its_wandb_run(tmp_path: Pa
     done = subprocess.run(report, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"| {name} | 0 | " in done.stdout and f"| {name} | 1 | 0.00e+00 |" in done.stdout
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(150)
+def test_stage_alone_reports_each_splits_offset_and_share_errors(tmp_path: Path) -> None:
+    command = [sys.executable, str(ROOT / "benchmarks" / "stage_alone.py"), "--models=resnet8_tiny"]
+    command += ["--stages=3", "--activations=stored", "--ticks=4", "--rounds=2", "--profile-repeats=2"]
+    command += [f"--out={tmp_path}"]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=140)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads((tmp_path / "stage_alone.json").read_text())["rows"]
+    assert [r["stage"] for r in rows] == [0, 1, 2]
+    predicted = sum(r["predicted_s"] for r in rows)
+    measured = sum(r["measured_s"] for r in rows)
+    for r in rows:  # error = (1 + offset) (1 + share error) - 1: the split's offset times the stage's share
+        assert r["offset"] == pytest.approx(measured / predicted - 1)
+        assert (1 + r["error"]) == pytest.approx((1 + r["offset"]) * (1 + r["share_error"]))
+    assert sum(r["predicted_s"] / predicted * (1 + r["share_error"]) for r in rows) == pytest.approx(1.0)
+    assert "| share error |" in (tmp_path / "stage_alone.md").read_text()
