@@ -21,12 +21,13 @@ same stage-local clipping); a K=2 reference run checks that the reference tracks
 Run names say what runs (any combination; the table in docs/staleness.md):
 
     bp[_s<seed>]                                  BP, a DeepSpeed job of the recipe
-    fdg_k<K>_b<beta>[_stashed][_dlr<T>][_p<gamma>[_first]][_m][_s<seed>]
+    fdg_k<K>_b<beta>[_stashed][_dlr<T>][_p<gamma>[_first]][_m|_r<c>][_s<seed>]
                                                   FDG on the DeepSpeed engine (K ranks): weights "stashed"
                                                   (default "current"), the staleness corrections
                                                   delay_lr_ticks T, predict_decay gamma (with _first:
-                                                  predict_horizon "first_stage"), delay_momentum
-    ref_k<K>_b<beta>[_stashed][_dlr<T>][_p<gamma>[_first]][_m][_s<seed>]
+                                                  predict_horizon "first_stage"), delay_momentum (_m) or
+                                                  delay_momentum_raise c (_r<c>)
+    ref_k<K>_b<beta>[_stashed][_dlr<T>][_p<gamma>[_first]][_m|_r<c>][_s<seed>]
                                                   the same with fdg_reference in one process
     <any FDG run above>_parts<b0-b1-...-bK>         after _m: the stages' layer boundaries (the recipe's
                                                   --partition parts:b0,...,bK; the model has 8 pipeline
@@ -75,7 +76,7 @@ RUNS = "bp,fdg_k2_b0.5,fdg_k2_b1.0,ref_k2_b0.5,ref_k3_b0.5,ref_k3_b1.0"  # the d
 TIE_RUNS = "bp_tied,bp_untied,fdg_k2_b0.5_tied,fdg_k2_b0.5_untied"  # tied vs untied at K = 2
 NAME = re.compile(
     r"^(?:bp|(?P<kind>fdg|ref)_k(?P<K>\d+)_b(?P<beta>[\d.]+)(?:_(?P<weights>stashed))?"
-    r"(?:_dlr(?P<T>\d+))?(?:_p(?P<gamma>[\d.]+)(?P<first>_first)?)?(?P<momentum>_m)?(?:_parts(?P<parts>\d+(?:-\d+)+))?)(?:_lr(?P<lr>\d*\.\d+))?(?:_a(?P<A>\d+))?(?P<cos>_cos)?(?:_s(?P<seed>\d+))?(?:_(?P<tie>tied|untied))?$"
+    r"(?:_dlr(?P<T>\d+))?(?:_p(?P<gamma>[\d.]+)(?P<first>_first)?)?(?:(?P<momentum>_m)|_r(?P<raise>\d*\.?\d+))?(?:_parts(?P<parts>\d+(?:-\d+)+))?)(?:_lr(?P<lr>\d*\.\d+))?(?:_a(?P<A>\d+))?(?P<cos>_cos)?(?:_s(?P<seed>\d+))?(?:_(?P<tie>tied|untied))?$"
 )
 
 
@@ -98,6 +99,7 @@ class Run:
     lr: float | None = None  # the optimizer's learning rate; None: the config's
     predict_horizon: str = "own"  # "first_stage" with _first: the prediction aims at stage 0's update
     parts: tuple[int, ...] | None = None  # the stage boundaries over the pipeline layers; None: blocks evenly
+    delay_momentum_raise: float | None = None  # c with _r<c>: the delayed stages' momentum mu ** (1 / (1 + c*h))
 
     @property
     def baseline(self) -> str:
@@ -144,7 +146,12 @@ def parse_run(name: str) -> Run:
             f"lm_convergence.py: error: run {name!r}: _parts{match['parts']} must be {stages + 1} increasing "
             "layer boundaries from 0, one more than the stages (e.g. _parts0-2-4-6-8 at K = 4)"
         )
-    return Run(name, kind, stages, beta, weights, T, gamma, seed, tie, momentum, cos, accumulate, lr, horizon, parts)
+    raised = float(match["raise"]) if match["raise"] else None
+    if raised is not None and not raised > 0:
+        raise SystemExit(f"lm_convergence.py: error: run {name!r}: _r{match['raise']} must be a number > 0")
+    return Run(
+        name, kind, stages, beta, weights, T, gamma, seed, tie, momentum, cos, accumulate, lr, horizon, parts, raised
+    )
 
 
 def schedule(steps: int) -> dict:
@@ -179,6 +186,7 @@ def deepspeed_config(run: Run, micro_batches: int) -> dict:
         config["pipeline"]["fdg"]["predict_decay"] = run.predict_decay
         config["pipeline"]["fdg"]["predict_horizon"] = run.predict_horizon
         config["pipeline"]["fdg"]["delay_momentum"] = run.delay_momentum
+        config["pipeline"]["fdg"]["delay_momentum_raise"] = run.delay_momentum_raise
         config["pipeline"]["fdg"]["accumulate"] = run.accumulate
         config["pipeline"]["fdg"]["timeout"] = 36000  # an experiment paused by quiet.sh must not time out
     else:
@@ -322,6 +330,7 @@ def train_reference(
         predict_decay=run.predict_decay,
         predict_horizon=run.predict_horizon,
         delay_momentum=run.delay_momentum,
+        delay_momentum_raise=run.delay_momentum_raise,
         accumulate=run.accumulate,
     )
     clip = float(ds_config["gradient_clipping"])

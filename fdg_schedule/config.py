@@ -14,6 +14,7 @@ The public keys::
         "predict_horizon": "own",     # "own" | "first_stage": the tick the prediction aims at
         "delay_momentum": false,      # momentum mu of stage k taken as mu ** (1 + h_k) in its steps
         "delay_momentum_peak_lr": null,  # rho > 0: mu ** (1 + h_k * min(1, lr / rho)) instead; null = off
+        "delay_momentum_raise": null, # c > 0: mu of stage k taken as mu ** (1 / (1 + c * h_k)); null = off
         "staleness_every": 100,       # measure ||w_fwd - w_bwd|| / ||w|| every N ticks; 0 = off
         "nonfinite": "error",         # "error" | "skip": a non-finite loss or gradient on a stage
         "timeout": 60,                # seconds a stage waits for a neighbour before failing
@@ -100,6 +101,16 @@ class FDGConfig:
     since a step of a smaller lr moves the weights less while its gradient waits. Set rho to the
     schedule's peak lr. None: ``mu ** (1 + h_k)`` at every lr."""
 
+    delay_momentum_raise: float | None = None
+    """c > 0: the step of stage k uses momentum ``mu ** (1 / (1 + c * h_k))``, h_k = delay_k / accumulate, mu
+    each param group's ``momentum`` or first beta as for ``delay_momentum``: the opposite direction. The
+    stage's momentum then averages over about ``1 + c * h_k`` times as many steps (for mu near 1,
+    ``1 - mu ** (1/n)`` is about ``(1 - mu) / n``), so its steps turn more slowly and the steps still to
+    come while a micro-batch's gradient travels are closer to the ones already taken (what weight
+    prediction extrapolates). The last stage (h = 0) keeps mu. Cannot be combined with ``delay_momentum``.
+    An extension of issue 11's corrections, added on the GPT-2 (AdamW) evidence in docs/staleness.md.
+    None: off."""
+
     staleness_every: int = 100
     """N: every N ticks each delayed stage measures its staleness, the relative distance
     ``||w_fwd - w_bwd|| / ||w_bwd||`` between the weights the forward of the micro-batch entering it
@@ -174,6 +185,18 @@ class FDGConfig:
                 raise FDGConfigError(
                     f"delay_momentum_peak_lr is {self.delay_momentum_peak_lr!r} but delay_momentum is false "
                     "(pipeline.fdg in ds_config); set delay_momentum to true, or remove delay_momentum_peak_lr"
+                )
+        if self.delay_momentum_raise is not None:
+            _check_number("delay_momentum_raise", self.delay_momentum_raise, float, "; e.g. 2.0, or null for off")
+            if not self.delay_momentum_raise > 0 or math.isinf(self.delay_momentum_raise):
+                raise FDGConfigError(
+                    f"delay_momentum_raise must be a number > 0 or null, got {self.delay_momentum_raise!r} "
+                    "(pipeline.fdg.delay_momentum_raise in ds_config); e.g. 2.0, or null for off"
+                )
+            if self.delay_momentum:
+                raise FDGConfigError(
+                    f"delay_momentum_raise is {self.delay_momentum_raise!r} and delay_momentum is true (pipeline.fdg "
+                    "in ds_config): one lowers the delayed stages' momentum, the other raises it; keep one of them"
                 )
         _check_number("staleness_every", self.staleness_every, int, "; e.g. 100, or 0 for off")
         if self.staleness_every < 0:

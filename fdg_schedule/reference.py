@@ -29,6 +29,9 @@ Note [staleness corrections]
     gradient h_k steps old already carries h_k steps of the trajectory; the stage keeps less memory.
     With ``pipeline.fdg.delay_momentum_peak_lr`` = rho the power is ``1 + h_k * min(1, lr / rho)``,
     lr the param group's lr for that step before delay_lr's factor (what optimizer and scheduler give).
+    ``pipeline.fdg.delay_momentum_raise`` = c goes the other way (not with delay_momentum): the power
+    is ``1 / (1 + c*h_k)``, so the delayed stage's momentum averages over about 1 + c*h_k times as
+    many steps; the last stage keeps mu.
 
     predict: stage k keeps delta (one tensor per trainable parameter, zero at first); after each of
     its steps ``delta <- gamma*delta + (1-gamma)*(w_after - w_before)``. Every forward on stage k
@@ -215,6 +218,7 @@ class _Corrections:
         # rho mu ** (1 + h_k * min(1, lr / rho)), lr that of the param group before the lr factor
         self.delay_momentum = config.delay_momentum
         self.peak_lr = config.delay_momentum_peak_lr
+        self.raise_momentum = config.delay_momentum_raise  # c: mu ** (1 / (1 + c*h_k)) in the step; None: off
         self.gamma = config.predict_decay
         self.delta: dict[str, Tensor] | None = None
         # how far ahead the forwards' weights aim, in optimizer steps: h_k, or with predict_horizon
@@ -256,6 +260,8 @@ class _Corrections:
             if self.delay_momentum:
                 share = 1.0 if self.peak_lr is None else min(1.0, group["lr"] / self.peak_lr)
                 power = 1.0 + self.h * share
+            elif self.raise_momentum is not None:
+                power = 1.0 / (1.0 + self.raise_momentum * self.h)
             group["lr"] = group["lr"] * self.lr_factor
             if power != 1.0:
                 if "momentum" in group:

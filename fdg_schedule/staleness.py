@@ -83,7 +83,9 @@ class Corrections:
         self.tau = max(1.0, self.h)
         self.delay_lr_ticks = config.delay_lr_ticks
         self.delay_momentum = config.delay_momentum
-        self.lowers_momentum = config.delay_momentum and self.h > 0  # the last stage (h = 0) keeps mu
+        self.raise_momentum = config.delay_momentum_raise  # c: mu ** (1 / (1 + c*h)) instead; None: off
+        # the last stage (h = 0) keeps mu
+        self.moves_momentum = (config.delay_momentum or self.raise_momentum is not None) and self.h > 0
         self.peak_lr = config.delay_momentum_peak_lr  # None: h in full at every lr
         # how far ahead the forwards' weights aim, in optimizer steps (config.predict_horizon)
         self.h_predict = ticks.prediction_ticks(stages, stage_id, config.predict_horizon) / config.accumulate
@@ -103,7 +105,10 @@ class Corrections:
 
     def momentum_power_at(self, lr: float) -> float:
         """``1 + h``, or with a peak lr rho ``1 + h * min(1, lr / rho)``: the power delay_momentum raises mu to
-        in a step whose param group has learning rate ``lr`` (before :meth:`lr_factor`)."""
+        in a step whose param group has learning rate ``lr`` (before :meth:`lr_factor`); with
+        delay_momentum_raise c, ``1 / (1 + c*h)`` at every lr."""
+        if self.raise_momentum is not None:
+            return 1.0 / (1.0 + self.raise_momentum * self.h)
         if self.peak_lr is None:
             return 1.0 + self.h
         return 1.0 + self.h * min(1.0, lr / self.peak_lr)
@@ -128,7 +133,7 @@ class Corrections:
         """Run ``take_step()`` (one optimizer step; returns whether it was taken) in tick ``tick``.
 
         The lr of every param group of ``optimizer`` is multiplied by :meth:`lr_factor` for the step
-        only, and with ``delay_momentum`` its momentum mu is taken as ``mu ** p``, p from
+        only, and with ``delay_momentum`` (or ``delay_momentum_raise``) its momentum mu is taken as ``mu ** p``, p from
         :meth:`momentum_power_at` of the group's lr: the values they had are written back afterwards
         (not divided back), so a scheduler or the user sees its own. DeepSpeed's bf16 and ZeRO wrappers
         share ``param_groups`` (the same dicts) with the optimizer they wrap. After a step that was
@@ -137,7 +142,7 @@ class Corrections:
         """
         groups = optimizer.param_groups
         lrs = [group["lr"] for group in groups]
-        momenta = [momentum_of(group) if self.lowers_momentum else (None, None) for group in groups]
+        momenta = [momentum_of(group) if self.moves_momentum else (None, None) for group in groups]
         factor = self.lr_factor(tick)
         before = None
         if self.delta is not None:
@@ -146,7 +151,7 @@ class Corrections:
         if factor != 1.0:
             for group, lr in zip(groups, lrs):
                 group["lr"] = lr * factor
-        if self.lowers_momentum:
+        if self.moves_momentum:
             for group, lr, (key, value) in zip(groups, lrs, momenta):
                 set_momentum(group, key, value, self.momentum_power_at(lr))
         try:
@@ -164,15 +169,19 @@ class Corrections:
         return taken
 
     def check_optimizer(self, optimizer: Any, where: str) -> None:
-        """With ``delay_momentum``, every param group must have a momentum to take the power of (checked on
-        every stage, the last one too, so that all raise alike)."""
-        if not self.delay_momentum:
+        """With ``delay_momentum`` or ``delay_momentum_raise``, every param group must have a momentum to take
+        the power of (checked on every stage, the last one too, so that all raise alike)."""
+        if self.delay_momentum:
+            key, value, off = "delay_momentum", "true", "false"
+        elif self.raise_momentum is not None:
+            key, value, off = "delay_momentum_raise", repr(self.raise_momentum), "null"
+        else:
             return
         for i, group in enumerate(optimizer.param_groups):
             if momentum_of(group)[0] is None:
                 raise FDGConfigError(
-                    f"{where}: pipeline.fdg.delay_momentum is true but param group {i} of the optimizer "
-                    f"({type(optimizer).__name__}) has no 'momentum' nor 'betas'; set delay_momentum to false, "
+                    f"{where}: pipeline.fdg.{key} is {value} but param group {i} of the optimizer "
+                    f"({type(optimizer).__name__}) has no 'momentum' nor 'betas'; set {key} to {off}, "
                     "or use an optimizer with momentum (SGD with momentum, Adam, AdamW)"
                 )
 

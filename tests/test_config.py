@@ -37,6 +37,8 @@ def test_staleness_corrections_are_off_by_default_and_read_from_the_block() -> N
     assert default.delay_momentum_peak_lr is None
     both = {"delay_momentum": True, "delay_momentum_peak_lr": 0.1}
     assert parse(_ds(both)) == FDGConfig(delay_momentum=True, delay_momentum_peak_lr=0.1)
+    assert default.delay_momentum_raise is None
+    assert parse(_ds({"delay_momentum_raise": 2})) == FDGConfig(delay_momentum_raise=2.0)
 
 
 @pytest.mark.parametrize("pipeline", [None, {}, {"schedule": "1f1b"}, {"schedule": "1F1B", "stages": 2}])
@@ -86,6 +88,16 @@ def test_no_fdg_means_stock_deepspeed(pipeline) -> None:
         (
             _ds({"delay_momentum": True, "delay_momentum_peak_lr": "0.1"}),
             "delay_momentum_peak_lr must be a number, got str '0.1' (pipeline.fdg.delay_momentum_peak_lr in ds_config)",
+        ),
+        (
+            _ds({"delay_momentum_raise": 0}),
+            "delay_momentum_raise must be a number > 0 or null, got 0 (pipeline.fdg.delay_momentum_raise in ds_config)",
+        ),
+        (_ds({"delay_momentum_raise": float("inf")}), "delay_momentum_raise must be a number > 0 or null, got inf"),
+        (_ds({"delay_momentum_raise": "2"}), "delay_momentum_raise must be a number, got str '2' (pipeline.fdg."),
+        (
+            _ds({"delay_momentum_raise": 2.0, "delay_momentum": True}),
+            "delay_momentum_raise is 2.0 and delay_momentum is true (pipeline.fdg in ds_config): one lowers",
         ),
         (_ds({"delay_lr_ticks": -1}), "delay_lr_ticks must be an integer >= 0, got -1 (pipeline.fdg.delay_lr_ticks"),
         (_ds({"delay_lr_ticks": -1}), "0 turns the delay-aware learning rate off"),

@@ -34,6 +34,8 @@ CORRECTIONS = [
 BOTH = CORRECTIONS[-1]  # all of them; the peak lr above every toy lr (SGD 0.1, Adam 0.01, warm-ups from 0)
 # the prediction aimed at stage 0's update: the last stage predicts too (Note [the last stage's prediction])
 FIRST_STAGE = {"predict_decay": 0.5, "predict_horizon": "first_stage"}
+# the delayed stages' momentum raised (the extension key), with delay_lr and the first-stage prediction
+RAISED = {"delay_lr_ticks": 8, "predict_decay": 0.0, "predict_horizon": "first_stage", "delay_momentum_raise": 2.0}
 
 
 def reference(case: dict[str, Any], parts: list[int]) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
@@ -167,6 +169,10 @@ def _corrected(stages: int, gas: int, calls: int, **extra: Any) -> list[dict[str
     cases += [{**base, "weights": w, "activations": a, "optimizer": opt, **c} for c, (w, a), opt in alone]
     cases += [
         {**base, "weights": w, "activations": a, "optimizer": ("adam", "sgd")[i % 2], **FIRST_STAGE}
+        for i, (w, a) in enumerate(MODES)
+    ]
+    cases += [
+        {**base, "weights": w, "activations": a, "optimizer": ("adam", "sgd")[i % 2], **RAISED}
         for i, (w, a) in enumerate(MODES)
     ]
     return cases
@@ -328,6 +334,7 @@ def _data_parallel_cases() -> list[dict[str, Any]]:
     ]
     cases += [{**base, "weights": "stashed", "activations": "stored", "accumulate": 2, **BOTH}]
     cases += [{**base, "weights": "stashed", "activations": "recomputed", "optimizer": "adam", **FIRST_STAGE}]
+    cases += [{**base, "weights": "stashed", "activations": "stored", "optimizer": "adam", **RAISED}]
     return cases
 
 

@@ -61,6 +61,17 @@ def test_the_m_suffix_turns_delay_aware_momentum_on() -> None:
     assert not lm.parse_run("ref_k4_b1.0").delay_momentum
 
 
+def test_the_r_suffix_raises_the_delayed_stages_momentum() -> None:
+    lm = benchmark()
+    run = lm.parse_run("ref_k4_b1.0_stashed_dlr1600_p0.0_first_r2_parts0-1-2-3-8_s3")
+    assert run.delay_momentum_raise == 2.0 and not run.delay_momentum and run.parts == (0, 1, 2, 3, 8)
+    assert run.baseline == "bp_s3" and lm.parse_run("ref_k4_b1.0").delay_momentum_raise is None
+    config = lm.deepspeed_config(lm.parse_run("fdg_k2_b1.0_stashed_p0.0_first_r0.5"), 800)["pipeline"]["fdg"]
+    assert config["delay_momentum_raise"] == 0.5 and config["delay_momentum"] is False
+    with pytest.raises(SystemExit, match="does not read as"):
+        lm.parse_run("ref_k4_b1.0_m_r2")  # one or the other
+
+
 def test_the_first_suffix_aims_the_prediction_at_stage_0s_update() -> None:
     lm = benchmark()
     run = lm.parse_run("fdg_k2_b1.0_stashed_p0.0_first_s2")

@@ -467,16 +467,21 @@ def test_schedulers_step_once_per_accumulate_ticks() -> None:
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 @pytest.mark.parametrize("accumulate", [1, 2])
-@pytest.mark.parametrize("peak_lr", [None, 0.4])
+@pytest.mark.parametrize("peak_lr", [None, 0.4, "raise"])
 def test_delay_momentum_is_the_momentum_of_each_stage_raised_to_one_plus_its_delay(
-    optimizer: str, accumulate: int, peak_lr: float | None
+    optimizer: str, accumulate: int, peak_lr: float | str | None
 ) -> None:
     """delay_momentum (Note [staleness corrections]) equals running the plain update with stage k's optimizer built
     with momentum mu ** (1 + h_k), h_k = 2(K-1-k) / accumulate: the last stage keeps mu. With
-    delay_momentum_peak_lr rho: mu ** (1 + h_k * min(1, lr / rho)) (constant lr here: SGD 0.1, Adam 0.01)."""
-    K, mu = 3, 0.9
+    delay_momentum_peak_lr rho: mu ** (1 + h_k * min(1, lr / rho)) (constant lr here: SGD 0.1, Adam 0.01). With
+    delay_momentum_raise c instead ("raise", c = 1.5): mu ** (1 / (1 + c * h_k))."""
+    K, mu, c = 3, 0.9, 1.5
     lr = 0.1 if optimizer == "sgd" else 0.01
-    share = 1.0 if peak_lr is None else min(1.0, lr / peak_lr)
+    share = 1.0 if not isinstance(peak_lr, float) else min(1.0, lr / peak_lr)
+
+    def power(k: int) -> float:
+        h = 2 * (K - 1 - k) / accumulate
+        return 1 / (1 + c * h) if peak_lr == "raise" else 1 + h * share
 
     def build(with_power: bool) -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:
         model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
@@ -486,7 +491,7 @@ def test_delay_momentum_is_the_momentum_of_each_stage_raised_to_one_plus_its_del
         stages = [model[0:2], model[2:4], model[4:]]
         opts = []
         for k, stage in enumerate(stages):
-            m = mu ** (1 + 2 * (K - 1 - k) / accumulate * share) if with_power else mu
+            m = mu ** power(k) if with_power else mu
             if optimizer == "sgd":
                 opts.append(torch.optim.SGD(stage.parameters(), lr=lr, momentum=m))
             else:
@@ -496,9 +501,12 @@ def test_delay_momentum_is_the_momentum_of_each_stage_raised_to_one_plus_its_del
     data = _data(12)
     corrected, corrected_opts = build(False)
     config = FDGConfig(0.5, "stashed", accumulate=accumulate)
+    if peak_lr == "raise":
+        momentum: dict[str, object] = {"delay_momentum_raise": c}
+    else:
+        momentum = {"delay_momentum": True, "delay_momentum_peak_lr": peak_lr}
     got = fdg_reference(corrected, corrected_opts, data, F.cross_entropy, FDGConfig(
-        0.5, "stashed", accumulate=accumulate, delay_momentum=True, delay_momentum_peak_lr=peak_lr),
-        drain=True)  # fmt: skip
+        0.5, "stashed", accumulate=accumulate, **momentum), drain=True)  # fmt: skip
     preset, preset_opts = build(True)
     want = fdg_reference(preset, preset_opts, data, F.cross_entropy, config, drain=True)
     assert got == want

@@ -89,6 +89,25 @@ def test_a_peak_lr_scales_the_delay_by_each_groups_lr() -> None:
     assert Corrections(params, 4, 0, FDGConfig(delay_momentum=True)).momentum_power_at(1e-9) == 7.0
 
 
+@pytest.mark.parametrize("stage,power", [(0, 1 / (1 + 2.5 * 4 / 4)), (1, 1 / (1 + 2.5 * 2 / 4)), (2, None)])
+def test_a_raised_momentum_is_mu_to_one_over_one_plus_c_times_the_delay(stage: int, power: float | None) -> None:
+    """delay_momentum_raise c: mu ** (1 / (1 + c*h)) in the step (K = 3, accumulate 4: h < 1 on stage 1), at every lr,
+    put back after it; the last stage (h = 0) keeps mu, and so does K = 1."""
+    params = _params()
+    sgd = torch.optim.SGD([{"params": params[:1], "lr": 0.2}, {"params": params[1:], "lr": 0.05}], lr=0.1, momentum=0.9)
+    adam = torch.optim.Adam(params, betas=(0.8, 0.95))
+    corrections = Corrections(params, 3, stage, FDGConfig(delay_momentum_raise=2.5, accumulate=4, delay_lr_ticks=9))
+    seen: list[list[object]] = []
+    for optimizer, key in ((sgd, "momentum"), (adam, "betas")):
+        before = [group[key] for group in optimizer.param_groups]
+        corrections.step(optimizer, 5, lambda o=optimizer, k=key: seen.append([g[k] for g in o.param_groups]) or True)
+        assert [group[key] for group in optimizer.param_groups] == before
+    p = power or 1.0
+    assert seen == [[0.9**p, 0.9**p], [(0.8**p, 0.95)]]
+    assert corrections.moves_momentum == (power is not None)
+    assert not Corrections(params, 1, 0, FDGConfig(delay_momentum_raise=2.5)).moves_momentum
+
+
 def test_delay_momentum_needs_an_optimizer_with_momentum() -> None:
     """Checked on every stage, the last one too (every rank raises alike), naming the key and the fix."""
     params = _params()
@@ -98,6 +117,10 @@ def test_delay_momentum_needs_an_optimizer_with_momentum() -> None:
             corrections.check_optimizer(torch.optim.Adagrad(params), "stage 0")
         corrections.check_optimizer(torch.optim.SGD(params, lr=0.1), "stage 0")  # momentum 0: allowed
     Corrections(params, 2, 0, FDGConfig()).check_optimizer(torch.optim.Adagrad(params), "stage 0")  # off
+    raised = Corrections(params, 2, 1, FDGConfig(delay_momentum_raise=2.0))
+    with pytest.raises(FDGConfigError, match=r"delay_momentum_raise is 2.0 but param group 0 .*Adagrad.* set "
+                       "delay_momentum_raise to null"):  # fmt: skip
+        raised.check_optimizer(torch.optim.Adagrad(params), "stage 1")
 
 
 def test_delta_follows_taken_steps_only() -> None:
