@@ -20,9 +20,13 @@ from lm_convergence import parse_run  # noqa: E402
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 # Where each curve is read, first file first: a run recorded twice (a BP curve copied into a later
 # section's file, rounded) is read from the file of the section that reported it first.
-SOURCES = ("accumulate", "splits", "cosine", "stashed_predict", "first_stage", "protocols")
+SOURCES = ("accumulate", "splits", "cosine", "stashed_predict", "first_stage", "protocols", "raise")
 K4 = "ref_k4_b1.0_stashed_dlr1600_p0.0_first_parts0-1-2-3-8"
 K4_0124 = "ref_k4_b1.0_stashed_dlr1600_p0.0_first_parts0-1-2-4-8"
+# the same with the delayed stages' momentum raised (pipeline.fdg.delay_momentum_raise 1)
+K4_RAISED = "ref_k4_b1.0_stashed_dlr1600_p0.0_first_r1_parts0-1-2-3-8"
+K4_0124_RAISED = "ref_k4_b1.0_stashed_dlr1600_p0.0_first_r1_parts0-1-2-4-8"
+SEVEN = (1234, 1, 2, 3, 4, 5, 6)
 # (label, run name without its seed suffix, seeds, the BP run to pair with without its seed suffix:
 # None for the run's own protocol)
 Setting = tuple[str, str, tuple[int, ...], str | None]
@@ -34,6 +38,15 @@ SETTINGS: tuple[Setting, ...] = (
         None,
     ),
     ("K = 4, split 0,1,2,3,8, 1 micro-batch per step", K4, (1234, 1, 2, 3, 4, 5, 6), None),
+    ("K = 4, split 0,1,2,3,8, 1 per step, momentum raised (c = 1)", K4_RAISED, SEVEN, None),
+    ("K = 4, split 0,1,2,4,8, 1 per step, momentum raised (c = 1)", K4_0124_RAISED, SEVEN, None),
+    ("K = 2, split 0,5,8 (balanced), 1 per step", "ref_k2_b1.0_stashed_p0.0_first_parts0-5-8", (1234, 1, 2), None),
+    (
+        "K = 2, split 0,5,8 (balanced), 1 per step, momentum raised (c = 1)",
+        "ref_k2_b1.0_stashed_p0.0_first_r1_parts0-5-8",
+        (1234, 1, 2),
+        None,
+    ),
     ("K = 4, split 0,1,2,3,8, 1 per step, warm-up + cosine", f"{K4}_cos", (1234, 1, 2), None),
     ("K = 4, split 0,1,2,3,8, 4 micro-batches per step", f"{K4}_a4", (1234, 1, 2, 3, 4, 5, 6), None),
     ("K = 4, split 0,1,2,3,8, 4 per step, warm-up + cosine", f"{K4}_a4_cos", (1234, 1), None),

@@ -341,7 +341,8 @@ def test_lm_config_validates(path: Path) -> None:
 
 
 def test_the_k4_accumulate_config_keeps_the_1f1b_batch() -> None:
-    """lm_fdg_k4_accumulate.json is lm_fdg_k4.json stepping once per lm_1f1b.json's batch (docs/staleness.md)."""
+    """lm_fdg_k4_accumulate.json is lm_fdg_k4.json stepping once per lm_1f1b.json's batch (docs/staleness.md),
+    without delay_momentum_raise (measured at one micro-batch per step)."""
     configs = {
         name: json.loads((ROOT / "ds_configs" / f"{name}.json").read_text())
         for name in ("lm_fdg_k4", "lm_fdg_k4_accumulate", "lm_1f1b")
@@ -349,6 +350,7 @@ def test_the_k4_accumulate_config_keeps_the_1f1b_batch() -> None:
     accumulate = configs["lm_fdg_k4_accumulate"]["pipeline"]["fdg"].pop("accumulate")
     assert accumulate == configs["lm_1f1b"]["gradient_accumulation_steps"] > 1
     assert configs["lm_fdg_k4"]["pipeline"]["fdg"].pop("accumulate") == 1
+    assert configs["lm_fdg_k4"]["pipeline"]["fdg"].pop("delay_momentum_raise") == 1.0
     assert configs["lm_fdg_k4_accumulate"] == configs["lm_fdg_k4"]
 
 
