@@ -55,8 +55,10 @@ SETTINGS: tuple[Setting, ...] = (
 )
 # The same K = 4 setting over 1,400 micro-batches (1,433,600 tokens, 0.98 epoch; delay_lr over twice the run)
 K4_LONG = "ref_k4_b1.0_stashed_dlr2800_p0.0_first_parts0-1-2-3-8"
+K4_LONG_RAISED = "ref_k4_b1.0_stashed_dlr2800_p0.0_first_r1_parts0-1-2-3-8"
 LONG: tuple[Setting, ...] = (
     ("K = 4, split 0,1,2,3,8, 1 micro-batch per step", K4_LONG, (1234, 1, 2, 3, 4), None),
+    ("K = 4, split 0,1,2,3,8, 1 per step, momentum raised (c = 1)", K4_LONG_RAISED, (1234, 1, 2, 3, 4), None),
     ("K = 4, split 0,1,2,3,8, 4 micro-batches per step", f"{K4_LONG}_a4", (1234, 1, 2, 3, 4), None),
     ("K = 4, split 0,1,2,3,8, 1 per step, against BP at 4 per step", K4_LONG, (1234, 1, 2, 3, 4), "bp_a4"),
     ("BP at 4 micro-batches per step, against BP at 1", "bp_a4", (1234, 1, 2, 3, 4), "bp"),
@@ -111,12 +113,12 @@ def mean_curve(gaps: list[Curve]) -> Curve:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
-        "--long", action="store_true", help="the runs over 1,400 micro-batches (staleness_gpt2_long.json)"
+        "--long", action="store_true", help="the runs over 1,400 micro-batches (staleness_gpt2_long.json, _raise_long)"
     )
     parser.add_argument("--picture", type=Path, default=None, help="default docs/staleness_gpt2_gaps[_long].png")
     args = parser.parse_args()
     settings, sources, budget = (
-        (LONG, ("long",), "1,433,600 tokens") if args.long else (SETTINGS, SOURCES, "819,200 tokens")
+        (LONG, ("long", "raise_long"), "1,433,600 tokens") if args.long else (SETTINGS, SOURCES, "819,200 tokens")
     )
     picture = args.picture or DOCS / f"staleness_gpt2_gaps{'_long' if args.long else ''}.png"
 

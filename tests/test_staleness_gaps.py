@@ -8,7 +8,17 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from staleness_gpt2_gaps import K4, K4_0124, K4_LONG, curves, mean_curve, paired_gap, setting_gaps  # noqa: E402
+from staleness_gpt2_gaps import (  # noqa: E402
+    K4,
+    K4_0124,
+    K4_LONG,
+    K4_LONG_RAISED,
+    K4_RAISED,
+    curves,
+    mean_curve,
+    paired_gap,
+    setting_gaps,
+)
 
 
 def test_paired_gap_divides_at_equal_tokens() -> None:
@@ -23,6 +33,7 @@ def test_paired_gap_divides_at_equal_tokens() -> None:
     [
         ("ref_k2_b1.0_stashed_p0.0_first_parts0-3-8", (1234, 1, 2, 3, 4), None, 0.22),  # K = 2 target: met
         (K4, (1234, 1, 2, 3, 4, 5, 6), None, 3.72),  # K = 4 at one micro-batch per step: not met
+        (K4_RAISED, (1234, 1, 2, 3, 4, 5, 6), None, 1.87),  # the same with the momentum raised: met
         (f"{K4}_a4", (1234, 1, 2, 3, 4, 5, 6), None, 1.13),  # K = 4 at a pipeline job's batch (BP _a4)
         (f"{K4}_cos", (1234, 1, 2), None, 2.72),  # warm-up + cosine, both: not met
         # one micro-batch per step against the 1F1B job's batch, with the split 0,1,2,3,8 and the faster 0,1,2,4,8
@@ -40,11 +51,11 @@ def test_the_targets_table_follows_from_the_recorded_curves(
 
 @pytest.mark.parametrize(
     ("name", "against", "final_mean"),
-    [(K4_LONG, None, 3.30), (f"{K4_LONG}_a4", None, 0.80), (K4_LONG, "bp_a4", -0.47)],
+    [(K4_LONG, None, 3.30), (f"{K4_LONG}_a4", None, 0.80), (K4_LONG, "bp_a4", -0.47), (K4_LONG_RAISED, None, 2.69)],
 )
 def test_the_whole_epoch_rows_follow_from_the_recorded_curves(
     name: str, against: str | None, final_mean: float
 ) -> None:
-    gaps = setting_gaps(curves(("long",)), name, (1234, 1, 2, 3, 4), against)
+    gaps = setting_gaps(curves(("long", "raise_long")), name, (1234, 1, 2, 3, 4), against)
     assert len(gaps) == 5
     assert mean_curve(gaps)[-1] == (1_433_600, pytest.approx(final_mean, abs=0.005))
