@@ -52,6 +52,12 @@ SETTINGS: tuple[Setting, ...] = (
     ("K = 4, split 0,1,2,3,8, 4 per step, warm-up + cosine", f"{K4}_a4_cos", (1234, 1), None),
     ("K = 4, split 0,1,2,3,8, 1 per step, against BP at 4 per step", K4, (1234, 1, 2, 3, 4, 5, 6), "bp_a4"),
     ("K = 4, split 0,1,2,4,8, 1 per step, against BP at 4 per step", K4_0124, (1234, 1, 2, 3, 4, 5, 6), "bp_a4"),
+    (
+        "K = 4, split 0,1,2,3,8, 1 per step, momentum raised (c = 1), against BP at 4 per step",
+        K4_RAISED,
+        SEVEN,
+        "bp_a4",
+    ),
 )
 # The same K = 4 setting over 1,400 micro-batches (1,433,600 tokens, 0.98 epoch; delay_lr over twice the run)
 K4_LONG = "ref_k4_b1.0_stashed_dlr2800_p0.0_first_parts0-1-2-3-8"

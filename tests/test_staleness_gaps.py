@@ -39,6 +39,7 @@ def test_paired_gap_divides_at_equal_tokens() -> None:
         # one micro-batch per step against the 1F1B job's batch, with the split 0,1,2,3,8 and the faster 0,1,2,4,8
         (K4, (1234, 1, 2, 3, 4, 5, 6), "bp_a4", 0.27),
         (K4_0124, (1234, 1, 2, 3, 4, 5, 6), "bp_a4", 0.12),
+        (K4_RAISED, (1234, 1, 2, 3, 4, 5, 6), "bp_a4", -1.52),  # the same with the momentum raised
     ],
 )
 def test_the_targets_table_follows_from_the_recorded_curves(
