@@ -11,6 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from staleness_gpt2_gaps import (  # noqa: E402
     K4,
     K4_0124,
+    K4_0124_RAISED,
     K4_LONG,
     K4_LONG_RAISED,
     K4_RAISED,
@@ -34,6 +35,7 @@ def test_paired_gap_divides_at_equal_tokens() -> None:
         ("ref_k2_b1.0_stashed_p0.0_first_parts0-3-8", (1234, 1, 2, 3, 4), None, 0.22),  # K = 2 target: met
         (K4, (1234, 1, 2, 3, 4, 5, 6), None, 3.72),  # K = 4 at one micro-batch per step: not met
         (K4_RAISED, (1234, 1, 2, 3, 4, 5, 6), None, 1.87),  # the same with the momentum raised: met
+        (K4_0124_RAISED, (1234, 1, 2, 3, 4, 5, 6), None, 1.33),  # and with the faster split 0,1,2,4,8
         (f"{K4}_a4", (1234, 1, 2, 3, 4, 5, 6), None, 1.13),  # K = 4 at a pipeline job's batch (BP _a4)
         (f"{K4}_cos", (1234, 1, 2), None, 2.72),  # warm-up + cosine, both: not met
         # one micro-batch per step against the 1F1B job's batch, with the split 0,1,2,3,8 and the faster 0,1,2,4,8
