@@ -10,6 +10,7 @@ mean over seeds bold; the table gives the mean at each evaluation and the final 
 """
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -44,7 +45,7 @@ SETTINGS: tuple[Setting, ...] = (
     (
         "K = 2, split 0,5,8 (balanced), 1 per step, momentum raised (c = 1)",
         "ref_k2_b1.0_stashed_p0.0_first_r1_parts0-5-8",
-        (1234, 1, 2),
+        (1234, 1, 2, 3, 4),
         None,
     ),
     ("K = 4, split 0,1,2,3,8, 1 per step, warm-up + cosine", f"{K4}_cos", (1234, 1, 2), None),
@@ -140,9 +141,10 @@ def main() -> None:
         "| setting | seeds | mean gap at each evaluation, every 102,400 tokens (%) | final gap per seed (%) | mean |",
         "|---|---:|---|---|---:|",
     ]
-    for (label, name, seeds, against), color in zip(
-        settings, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False
-    ):
+    # the default 10 colours, solid, then dashed: every setting is drawn, however many there are
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    styles = itertools.cycle([(color, dash) for dash in ("-", "--", ":") for color in palette])
+    for (label, name, seeds, against), (color, dash) in zip(settings, styles):
         gaps = setting_gaps(found, name, seeds, against)
         if not gaps:
             continue
@@ -150,7 +152,14 @@ def main() -> None:
         for gap in gaps:
             ax.plot(*zip(*gap, strict=True), color=color, alpha=0.25, linewidth=0.8)
         mean = mean_curve(gaps)
-        ax.plot(*zip(*mean, strict=True), color=color, marker="o", linewidth=2, label=f"{label} ({len(gaps)} seeds)")
+        ax.plot(
+            *zip(*mean, strict=True),
+            color=color,
+            linestyle=dash,
+            marker="o",
+            linewidth=2,
+            label=f"{label} ({len(gaps)} seeds)",
+        )
         along = " / ".join(f"{value:+.2f}" for _, value in mean)
         finals = ", ".join(f"{g[-1][1]:+.2f}" for g in gaps)
         lines.append(f"| {label} | {len(gaps)} | {along} | {finals} | **{mean[-1][1]:+.2f}** |")

@@ -36,6 +36,7 @@ def test_paired_gap_divides_at_equal_tokens() -> None:
         (K4, (1234, 1, 2, 3, 4, 5, 6), None, 3.72),  # K = 4 at one micro-batch per step: not met
         (K4_RAISED, (1234, 1, 2, 3, 4, 5, 6), None, 1.87),  # the same with the momentum raised: met
         (K4_0124_RAISED, (1234, 1, 2, 3, 4, 5, 6), None, 1.33),  # and with the faster split 0,1,2,4,8
+        ("ref_k2_b1.0_stashed_p0.0_first_r1_parts0-5-8", (1234, 1, 2, 3, 4), None, 1.21),  # K = 2, fast split: not met
         (f"{K4}_a4", (1234, 1, 2, 3, 4, 5, 6), None, 1.13),  # K = 4 at a pipeline job's batch (BP _a4)
         (f"{K4}_cos", (1234, 1, 2), None, 2.72),  # warm-up + cosine, both: not met
         # one micro-batch per step against the 1F1B job's batch, with the split 0,1,2,3,8 and the faster 0,1,2,4,8
