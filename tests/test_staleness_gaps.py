@@ -15,6 +15,8 @@ from staleness_gpt2_gaps import (  # noqa: E402
     K4_LONG,
     K4_LONG_RAISED,
     K4_RAISED,
+    LONG_SOURCES,
+    SEVEN,
     curves,
     mean_curve,
     paired_gap,
@@ -33,16 +35,16 @@ def test_paired_gap_divides_at_equal_tokens() -> None:
     ("name", "seeds", "against", "final_mean"),
     [
         ("ref_k2_b1.0_stashed_p0.0_first_parts0-3-8", (1234, 1, 2, 3, 4), None, 0.22),  # K = 2 target: met
-        (K4, (1234, 1, 2, 3, 4, 5, 6), None, 3.72),  # K = 4 at one micro-batch per step: not met
-        (K4_RAISED, (1234, 1, 2, 3, 4, 5, 6), None, 1.87),  # the same with the momentum raised: met
-        (K4_0124_RAISED, (1234, 1, 2, 3, 4, 5, 6), None, 1.33),  # and with the faster split 0,1,2,4,8
+        (K4, SEVEN, None, 3.72),  # K = 4 at one micro-batch per step: not met
+        (K4_RAISED, SEVEN, None, 1.87),  # the same with the momentum raised: met
+        (K4_0124_RAISED, SEVEN, None, 1.33),  # and with the faster split 0,1,2,4,8
         ("ref_k2_b1.0_stashed_p0.0_first_r1_parts0-5-8", (1234, 1, 2, 3, 4), None, 1.21),  # K = 2, fast split: not met
-        (f"{K4}_a4", (1234, 1, 2, 3, 4, 5, 6), None, 1.13),  # K = 4 at a pipeline job's batch (BP _a4)
+        (f"{K4}_a4", SEVEN, None, 1.13),  # K = 4 at a pipeline job's batch (BP _a4)
         (f"{K4}_cos", (1234, 1, 2), None, 2.72),  # warm-up + cosine, both: not met
         # one micro-batch per step against the 1F1B job's batch, with the split 0,1,2,3,8 and the faster 0,1,2,4,8
-        (K4, (1234, 1, 2, 3, 4, 5, 6), "bp_a4", 0.27),
-        (K4_0124, (1234, 1, 2, 3, 4, 5, 6), "bp_a4", 0.12),
-        (K4_RAISED, (1234, 1, 2, 3, 4, 5, 6), "bp_a4", -1.52),  # the same with the momentum raised
+        (K4, SEVEN, "bp_a4", 0.27),
+        (K4_0124, SEVEN, "bp_a4", 0.12),
+        (K4_RAISED, SEVEN, "bp_a4", -1.52),  # the same with the momentum raised
     ],
 )
 def test_the_targets_table_follows_from_the_recorded_curves(
@@ -60,6 +62,6 @@ def test_the_targets_table_follows_from_the_recorded_curves(
 def test_the_whole_epoch_rows_follow_from_the_recorded_curves(
     name: str, against: str | None, final_mean: float
 ) -> None:
-    gaps = setting_gaps(curves(("long", "raise_long")), name, (1234, 1, 2, 3, 4), against)
+    gaps = setting_gaps(curves(LONG_SOURCES), name, (1234, 1, 2, 3, 4), against)
     assert len(gaps) == 5
     assert mean_curve(gaps)[-1] == (1_433_600, pytest.approx(final_mean, abs=0.005))
