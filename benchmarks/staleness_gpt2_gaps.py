@@ -21,13 +21,18 @@ from lm_convergence import parse_run  # noqa: E402
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 # Where each curve is read, first file first: a run recorded twice (a BP curve copied into a later
 # section's file, rounded) is read from the file of the section that reported it first.
-SOURCES = ("accumulate", "splits", "cosine", "stashed_predict", "first_stage", "protocols", "raise")
+SOURCES = ("accumulate", "splits", "cosine", "stashed_predict", "first_stage", "protocols", "raise", "delay_lr")
 K4 = "ref_k4_b1.0_stashed_dlr1600_p0.0_first_parts0-1-2-3-8"
 K4_0124 = "ref_k4_b1.0_stashed_dlr1600_p0.0_first_parts0-1-2-4-8"
 # the same with the delayed stages' momentum raised (pipeline.fdg.delay_momentum_raise 1)
 K4_RAISED = "ref_k4_b1.0_stashed_dlr1600_p0.0_first_r1_parts0-1-2-3-8"
 K4_0124_RAISED = "ref_k4_b1.0_stashed_dlr1600_p0.0_first_r1_parts0-1-2-4-8"
 SEVEN = (1234, 1, 2, 3, 4, 5, 6)
+TEN = (1234, 1, 2, 3, 4, 5, 6, 7, 8, 9)
+# the best setting per K with the decoder blocks spread evenly (lm_convergence's default split, no _parts)
+K2_EVEN = "ref_k2_b1.0_stashed_p0.0_first"
+K3_EVEN = "ref_k3_b1.0_stashed_dlr1600_p0.0_first"
+K4_EVEN = "ref_k4_b1.0_stashed_dlr1600_p0.0_first"
 # (label, run name without its seed suffix, seeds, the BP run to pair with without its seed suffix:
 # None for the run's own protocol)
 Setting = tuple[str, str, tuple[int, ...], str | None]
@@ -49,6 +54,24 @@ SETTINGS: tuple[Setting, ...] = (
         None,
     ),
     ("K = 4, split 0,1,2,3,8, 1 per step, warm-up + cosine", f"{K4}_cos", (1234, 1, 2), None),
+    (
+        "K = 4, split 0,1,2,3,8, 1 per step, warm-up + cosine, momentum raised (c = 1)",
+        f"{K4_RAISED}_cos",
+        (1234, 1, 2),
+        None,
+    ),
+    (
+        "K = 2, split 0,5,8 (balanced), 1 per step, momentum raised (c = 2)",
+        f"{K2_EVEN}_r2_parts0-5-8",
+        (1234, 1, 2),
+        None,
+    ),
+    ("K = 2, blocks evenly (0,4,8), 1 per step", K2_EVEN, TEN, None),
+    ("K = 2, blocks evenly (0,4,8), 1 per step, momentum raised (c = 1)", f"{K2_EVEN}_r1", (1234, 1, 2, 3, 4), None),
+    ("K = 3, blocks evenly (0,3,5,8), 1 per step", K3_EVEN, (1234, 1, 2), None),
+    ("K = 3, blocks evenly (0,3,5,8), 1 per step, momentum raised (c = 1)", f"{K3_EVEN}_r1", (1234, 1, 2), None),
+    ("K = 4, blocks evenly (0,3,5,6,8), 1 per step", K4_EVEN, (1234, 1, 2), None),
+    ("K = 4, blocks evenly (0,3,5,6,8), 1 per step, momentum raised (c = 1)", f"{K4_EVEN}_r1", (1234, 1, 2), None),
     ("K = 4, split 0,1,2,3,8, 4 micro-batches per step", f"{K4}_a4", SEVEN, None),
     ("K = 4, split 0,1,2,3,8, 4 per step, warm-up + cosine", f"{K4}_a4_cos", (1234, 1), None),
     ("K = 4, split 0,1,2,3,8, 1 per step, against BP at 4 per step", K4, SEVEN, "bp_a4"),
@@ -67,6 +90,18 @@ LONG_SOURCES = ("long", "raise_long")  # the files of the runs over 1,400 micro-
 LONG: tuple[Setting, ...] = (
     ("K = 4, split 0,1,2,3,8, 1 micro-batch per step", K4_LONG, (1234, 1, 2, 3, 4), None),
     ("K = 4, split 0,1,2,3,8, 1 per step, momentum raised (c = 1)", K4_LONG_RAISED, (1234, 1, 2, 3, 4), None),
+    (
+        "K = 4, split 0,1,2,3,8, 1 per step, momentum raised (c = 2)",
+        K4_LONG_RAISED.replace("_r1_", "_r2_"),
+        (1234, 1),
+        None,
+    ),
+    (
+        "K = 4, split 0,1,2,3,8, 1 per step, warm-up + cosine, momentum raised (c = 1)",
+        f"{K4_LONG_RAISED}_cos",
+        (1234, 1, 2),
+        None,
+    ),
     ("K = 4, split 0,1,2,3,8, 4 micro-batches per step", f"{K4_LONG}_a4", (1234, 1, 2, 3, 4), None),
     ("K = 4, split 0,1,2,3,8, 1 per step, against BP at 4 per step", K4_LONG, (1234, 1, 2, 3, 4), "bp_a4"),
     ("BP at 4 micro-batches per step, against BP at 1", "bp_a4", (1234, 1, 2, 3, 4), "bp"),

@@ -9,9 +9,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from staleness_gpt2_gaps import (  # noqa: E402
+    K3_EVEN,
     K4,
     K4_0124,
     K4_0124_RAISED,
+    K4_EVEN,
     K4_LONG,
     K4_LONG_RAISED,
     K4_RAISED,
@@ -45,6 +47,10 @@ def test_paired_gap_divides_at_equal_tokens() -> None:
         (K4, SEVEN, "bp_a4", 0.27),
         (K4_0124, SEVEN, "bp_a4", 0.12),
         (K4_RAISED, SEVEN, "bp_a4", -1.52),  # the same with the momentum raised
+        (f"{K4_RAISED}_cos", (1234, 1, 2), None, 1.97),  # raised, under warm-up + cosine
+        (K3_EVEN, (1234, 1, 2), None, 4.79),  # K = 3, the blocks spread evenly
+        (f"{K3_EVEN}_r1", (1234, 1, 2), None, 1.56),  # the same with the momentum raised
+        (f"{K4_EVEN}_r1", (1234, 1, 2), None, 3.70),  # K = 4, the blocks spread evenly, raised: not met
     ],
 )
 def test_the_targets_table_follows_from_the_recorded_curves(
@@ -55,13 +61,22 @@ def test_the_targets_table_follows_from_the_recorded_curves(
     assert mean_curve(gaps)[-1] == (819_200, pytest.approx(final_mean, abs=0.005))
 
 
+FIVE = (1234, 1, 2, 3, 4)
+
+
 @pytest.mark.parametrize(
-    ("name", "against", "final_mean"),
-    [(K4_LONG, None, 3.30), (f"{K4_LONG}_a4", None, 0.80), (K4_LONG, "bp_a4", -0.47), (K4_LONG_RAISED, None, 2.69)],
+    ("name", "seeds", "against", "final_mean"),
+    [
+        (K4_LONG, FIVE, None, 3.30),
+        (f"{K4_LONG}_a4", FIVE, None, 0.80),
+        (K4_LONG, FIVE, "bp_a4", -0.47),
+        (K4_LONG_RAISED, FIVE, None, 2.69),
+        (f"{K4_LONG_RAISED}_cos", (1234, 1, 2), None, 2.23),  # under warm-up + cosine, against BP under it
+    ],
 )
 def test_the_whole_epoch_rows_follow_from_the_recorded_curves(
-    name: str, against: str | None, final_mean: float
+    name: str, seeds: tuple[int, ...], against: str | None, final_mean: float
 ) -> None:
-    gaps = setting_gaps(curves(LONG_SOURCES), name, (1234, 1, 2, 3, 4), against)
-    assert len(gaps) == 5
+    gaps = setting_gaps(curves(LONG_SOURCES), name, seeds, against)
+    assert len(gaps) == len(seeds)
     assert mean_curve(gaps)[-1] == (1_433_600, pytest.approx(final_mean, abs=0.005))
