@@ -67,7 +67,7 @@ SETTINGS: tuple[Setting, ...] = (
         None,
     ),
     ("K = 2, blocks evenly (0,4,8), 1 per step", K2_EVEN, TEN, None),
-    ("K = 2, blocks evenly (0,4,8), 1 per step, momentum raised (c = 1)", f"{K2_EVEN}_r1", (1234, 1, 2, 3, 4), None),
+    ("K = 2, blocks evenly (0,4,8), 1 per step, momentum raised (c = 1)", f"{K2_EVEN}_r1", TEN, None),
     ("K = 3, blocks evenly (0,3,5,8), 1 per step", K3_EVEN, (1234, 1, 2), None),
     ("K = 3, blocks evenly (0,3,5,8), 1 per step, momentum raised (c = 1)", f"{K3_EVEN}_r1", (1234, 1, 2), None),
     ("K = 4, blocks evenly (0,3,5,6,8), 1 per step", K4_EVEN, (1234, 1, 2), None),

@@ -9,6 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from staleness_gpt2_gaps import (  # noqa: E402
+    K2_EVEN,
     K3_EVEN,
     K4,
     K4_0124,
@@ -19,6 +20,7 @@ from staleness_gpt2_gaps import (  # noqa: E402
     K4_RAISED,
     LONG_SOURCES,
     SEVEN,
+    TEN,
     curves,
     mean_curve,
     paired_gap,
@@ -48,6 +50,8 @@ def test_paired_gap_divides_at_equal_tokens() -> None:
         (K4_0124, SEVEN, "bp_a4", 0.12),
         (K4_RAISED, SEVEN, "bp_a4", -1.52),  # the same with the momentum raised
         (f"{K4_RAISED}_cos", (1234, 1, 2), None, 1.97),  # raised, under warm-up + cosine
+        (f"{K2_EVEN}_r1", TEN, None, 0.73),  # K = 2, the blocks spread evenly, raised: met on the mean
+        (K2_EVEN, TEN, None, 1.11),  # the same without the raise
         (K3_EVEN, (1234, 1, 2), None, 4.79),  # K = 3, the blocks spread evenly
         (f"{K3_EVEN}_r1", (1234, 1, 2), None, 1.56),  # the same with the momentum raised
         (f"{K4_EVEN}_r1", (1234, 1, 2), None, 3.70),  # K = 4, the blocks spread evenly, raised: not met
