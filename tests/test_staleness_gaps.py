@@ -54,6 +54,7 @@ def test_paired_gap_divides_at_equal_tokens() -> None:
         (K2_EVEN, TEN, None, 1.11),  # the same without the raise
         (K3_EVEN, (1234, 1, 2), None, 4.79),  # K = 3, the blocks spread evenly
         (f"{K3_EVEN}_r1", (1234, 1, 2), None, 1.56),  # the same with the momentum raised
+        (f"{K3_EVEN}_r1_parts0-4-6-8", (1234, 1, 2), None, 3.15),  # K = 3 at K = 4's speed (2.33 x), raised
         (f"{K4_EVEN}_r1", (1234, 1, 2), None, 3.70),  # K = 4, the blocks spread evenly, raised: not met
     ],
 )
