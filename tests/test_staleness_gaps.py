@@ -57,7 +57,7 @@ def test_paired_gap_divides_at_equal_tokens() -> None:
         (K3_EVEN, FIVE, None, 4.92),  # K = 3, the blocks spread evenly
         (f"{K3_EVEN}_r1", FIVE, None, 1.65),  # the same with the momentum raised
         (f"{K3_EVEN}_r1_parts0-4-6-8", (1234, 1, 2), None, 3.15),  # K = 3 at K = 4's speed (2.33 x), raised
-        (f"{K4_EVEN}_r1", (1234, 1, 2), None, 3.70),  # K = 4, the blocks spread evenly, raised: not met
+        (f"{K4_EVEN}_r1", FIVE, None, 3.73),  # K = 4, the blocks spread evenly, raised: not met
     ],
 )
 def test_the_targets_table_follows_from_the_recorded_curves(
