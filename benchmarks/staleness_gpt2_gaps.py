@@ -27,6 +27,7 @@ K4_0124 = "ref_k4_b1.0_stashed_dlr1600_p0.0_first_parts0-1-2-4-8"
 # the same with the delayed stages' momentum raised (pipeline.fdg.delay_momentum_raise 1)
 K4_RAISED = "ref_k4_b1.0_stashed_dlr1600_p0.0_first_r1_parts0-1-2-3-8"
 K4_0124_RAISED = "ref_k4_b1.0_stashed_dlr1600_p0.0_first_r1_parts0-1-2-4-8"
+FIVE = (1234, 1, 2, 3, 4)
 SEVEN = (1234, 1, 2, 3, 4, 5, 6)
 TEN = (1234, 1, 2, 3, 4, 5, 6, 7, 8, 9)
 # the best setting per K with the decoder blocks spread evenly (lm_convergence's default split, no _parts)
@@ -39,18 +40,18 @@ Setting = tuple[str, str, tuple[int, ...], str | None]
 SETTINGS: tuple[Setting, ...] = (
     (
         "K = 2, split 0,3,8, 1 micro-batch per step",
-        "ref_k2_b1.0_stashed_p0.0_first_parts0-3-8",
-        (1234, 1, 2, 3, 4),
+        f"{K2_EVEN}_parts0-3-8",
+        FIVE,
         None,
     ),
     ("K = 4, split 0,1,2,3,8, 1 micro-batch per step", K4, SEVEN, None),
     ("K = 4, split 0,1,2,3,8, 1 per step, momentum raised (c = 1)", K4_RAISED, SEVEN, None),
     ("K = 4, split 0,1,2,4,8, 1 per step, momentum raised (c = 1)", K4_0124_RAISED, SEVEN, None),
-    ("K = 2, split 0,5,8 (balanced), 1 per step", "ref_k2_b1.0_stashed_p0.0_first_parts0-5-8", (1234, 1, 2), None),
+    ("K = 2, split 0,5,8 (balanced), 1 per step", f"{K2_EVEN}_parts0-5-8", (1234, 1, 2), None),
     (
         "K = 2, split 0,5,8 (balanced), 1 per step, momentum raised (c = 1)",
-        "ref_k2_b1.0_stashed_p0.0_first_r1_parts0-5-8",
-        (1234, 1, 2, 3, 4),
+        f"{K2_EVEN}_r1_parts0-5-8",
+        FIVE,
         None,
     ),
     ("K = 4, split 0,1,2,3,8, 1 per step, warm-up + cosine", f"{K4}_cos", (1234, 1, 2), None),
@@ -68,14 +69,14 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     ("K = 2, blocks evenly (0,4,8), 1 per step", K2_EVEN, TEN, None),
     ("K = 2, blocks evenly (0,4,8), 1 per step, momentum raised (c = 1)", f"{K2_EVEN}_r1", TEN, None),
-    ("K = 3, blocks evenly (0,3,5,8), 1 per step", K3_EVEN, (1234, 1, 2, 3, 4), None),
-    ("K = 3, blocks evenly (0,3,5,8), 1 per step, momentum raised (c = 1)", f"{K3_EVEN}_r1", (1234, 1, 2, 3, 4), None),
+    ("K = 3, blocks evenly (0,3,5,8), 1 per step", K3_EVEN, FIVE, None),
+    ("K = 3, blocks evenly (0,3,5,8), 1 per step, momentum raised (c = 1)", f"{K3_EVEN}_r1", FIVE, None),
     ("K = 3, split 0,4,6,8, 1 per step, momentum raised (c = 1)", f"{K3_EVEN}_r1_parts0-4-6-8", (1234, 1, 2), None),
-    ("K = 4, blocks evenly (0,3,5,6,8), 1 per step", K4_EVEN, (1234, 1, 2, 3, 4), None),
+    ("K = 4, blocks evenly (0,3,5,6,8), 1 per step", K4_EVEN, FIVE, None),
     (
         "K = 4, blocks evenly (0,3,5,6,8), 1 per step, momentum raised (c = 1)",
         f"{K4_EVEN}_r1",
-        (1234, 1, 2, 3, 4),
+        FIVE,
         None,
     ),
     ("K = 4, split 0,1,2,3,8, 4 micro-batches per step", f"{K4}_a4", SEVEN, None),
@@ -94,8 +95,8 @@ K4_LONG = "ref_k4_b1.0_stashed_dlr2800_p0.0_first_parts0-1-2-3-8"
 K4_LONG_RAISED = "ref_k4_b1.0_stashed_dlr2800_p0.0_first_r1_parts0-1-2-3-8"
 LONG_SOURCES = ("long", "raise_long")  # the files of the runs over 1,400 micro-batches
 LONG: tuple[Setting, ...] = (
-    ("K = 4, split 0,1,2,3,8, 1 micro-batch per step", K4_LONG, (1234, 1, 2, 3, 4), None),
-    ("K = 4, split 0,1,2,3,8, 1 per step, momentum raised (c = 1)", K4_LONG_RAISED, (1234, 1, 2, 3, 4), None),
+    ("K = 4, split 0,1,2,3,8, 1 micro-batch per step", K4_LONG, FIVE, None),
+    ("K = 4, split 0,1,2,3,8, 1 per step, momentum raised (c = 1)", K4_LONG_RAISED, FIVE, None),
     (
         "K = 4, split 0,1,2,3,8, 1 per step, momentum raised (c = 2)",
         K4_LONG_RAISED.replace("_r1_", "_r2_"),
@@ -108,9 +109,9 @@ LONG: tuple[Setting, ...] = (
         (1234, 1, 2),
         None,
     ),
-    ("K = 4, split 0,1,2,3,8, 4 micro-batches per step", f"{K4_LONG}_a4", (1234, 1, 2, 3, 4), None),
-    ("K = 4, split 0,1,2,3,8, 1 per step, against BP at 4 per step", K4_LONG, (1234, 1, 2, 3, 4), "bp_a4"),
-    ("BP at 4 micro-batches per step, against BP at 1", "bp_a4", (1234, 1, 2, 3, 4), "bp"),
+    ("K = 4, split 0,1,2,3,8, 4 micro-batches per step", f"{K4_LONG}_a4", FIVE, None),
+    ("K = 4, split 0,1,2,3,8, 1 per step, against BP at 4 per step", K4_LONG, FIVE, "bp_a4"),
+    ("BP at 4 micro-batches per step, against BP at 1", "bp_a4", FIVE, "bp"),
 )
 Curve = list[tuple[int, float]]  # (tokens, value) at each evaluation
 

@@ -9,6 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from staleness_gpt2_gaps import (  # noqa: E402
+    FIVE,
     K2_EVEN,
     K3_EVEN,
     K4,
@@ -27,8 +28,6 @@ from staleness_gpt2_gaps import (  # noqa: E402
     setting_gaps,
 )
 
-FIVE = (1234, 1, 2, 3, 4)
-
 
 def test_paired_gap_divides_at_equal_tokens() -> None:
     fdg = [(100, 5.5), (200, 5.1), (300, 5.0)]
@@ -40,11 +39,11 @@ def test_paired_gap_divides_at_equal_tokens() -> None:
 @pytest.mark.parametrize(
     ("name", "seeds", "against", "final_mean"),
     [
-        ("ref_k2_b1.0_stashed_p0.0_first_parts0-3-8", (1234, 1, 2, 3, 4), None, 0.22),  # K = 2 target: met
+        (f"{K2_EVEN}_parts0-3-8", FIVE, None, 0.22),  # K = 2 target: met
         (K4, SEVEN, None, 3.72),  # K = 4 at one micro-batch per step: not met
         (K4_RAISED, SEVEN, None, 1.87),  # the same with the momentum raised: met
         (K4_0124_RAISED, SEVEN, None, 1.33),  # and with the faster split 0,1,2,4,8
-        ("ref_k2_b1.0_stashed_p0.0_first_r1_parts0-5-8", (1234, 1, 2, 3, 4), None, 1.21),  # K = 2, fast split: not met
+        (f"{K2_EVEN}_r1_parts0-5-8", FIVE, None, 1.21),  # K = 2, fast split: not met
         (f"{K4}_a4", SEVEN, None, 1.13),  # K = 4 at a pipeline job's batch (BP _a4)
         (f"{K4}_cos", (1234, 1, 2), None, 2.72),  # warm-up + cosine, both: not met
         # one micro-batch per step against the 1F1B job's batch, with the split 0,1,2,3,8 and the faster 0,1,2,4,8
