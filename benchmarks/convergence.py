@@ -87,7 +87,8 @@ parser.add_argument(
     action="append",
     metavar="SPEC",
     help="run only these (repeatable): BP, 1F1B or fdg:K:beta:weights, e.g. fdg:2:0.2:current, each "
-    "optionally followed by :warmup=EPOCHS,delay_lr=TICKS,predict=GAMMA,horizon=H,momentum=1,peak_lr=RHO,split=SPLIT "
+    "optionally followed by :warmup=EPOCHS,delay_lr=TICKS,predict=GAMMA,horizon=H,momentum=1,peak_lr=RHO,raise=C,"
+    "split=SPLIT "
     "(BP takes warmup only; SPLIT: paper, parameters, uniform or boundaries 0/b1/.../L); "
     "replaces the grid of --stages x --weights x --betas",
 )
@@ -104,6 +105,7 @@ CORRECTIONS = {
     "horizon": "{} horizon",  # predict_horizon (with predict=GAMMA): own or first_stage
     "momentum": "delay_momentum",  # momentum=1
     "peak_lr": "peak lr {}",  # delay_momentum_peak_lr (with momentum=1)
+    "raise": "momentum raise c={}",  # delay_momentum_raise (not with momentum=1)
     "split": "{} split",  # not a correction: the recipe's --partition (paper, parameters, uniform, b0/b1/.../bK)
 }
 
@@ -126,6 +128,8 @@ def fdg_variant(stages, beta, weights, options=None):
         fdg["delay_momentum"] = True
     if "peak_lr" in options:
         fdg["delay_momentum_peak_lr"] = float(options["peak_lr"])
+    if "raise" in options:
+        fdg["delay_momentum_raise"] = float(options["raise"])
     name = f"FDG K={stages} β={beta:g} {weights}" + correction_name(options)
     return name, stages, {"pipeline": {"schedule": "fdg", "fdg": fdg}}, warmup_args(options)
 
@@ -157,7 +161,7 @@ def parse_options(spec, text):
             parser.error(
                 f"--variant {spec!r}: unknown option {item!r}; "
                 "options: warmup=N, delay_lr=T, predict=GAMMA, horizon=own|first_stage, momentum=1, peak_lr=RHO, "
-                "split=paper|parameters|uniform|0/b1/.../L"
+                "raise=C, split=paper|parameters|uniform|0/b1/.../L"
             )
         options[key] = value
     horizon = options.get("horizon")
