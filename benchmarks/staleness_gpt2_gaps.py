@@ -93,7 +93,8 @@ SETTINGS: tuple[Setting, ...] = (
 # The same K = 4 setting over 1,400 micro-batches (1,433,600 tokens, 0.98 epoch; delay_lr over twice the run)
 K4_LONG = "ref_k4_b1.0_stashed_dlr2800_p0.0_first_parts0-1-2-3-8"
 K4_LONG_RAISED = "ref_k4_b1.0_stashed_dlr2800_p0.0_first_r1_parts0-1-2-3-8"
-LONG_SOURCES = ("long", "raise_long")  # the files of the runs over 1,400 micro-batches
+K4_LONG_0124_RAISED = K4_LONG_RAISED.replace("parts0-1-2-3-8", "parts0-1-2-4-8")
+LONG_SOURCES = ("long", "raise_long", "split_long")  # the files of the runs over 1,400 micro-batches
 LONG: tuple[Setting, ...] = (
     ("K = 4, split 0,1,2,3,8, 1 micro-batch per step", K4_LONG, FIVE, None),
     ("K = 4, split 0,1,2,3,8, 1 per step, momentum raised (c = 1)", K4_LONG_RAISED, FIVE, None),
@@ -109,6 +110,14 @@ LONG: tuple[Setting, ...] = (
         (1234, 1, 2),
         None,
     ),
+    ("K = 4, split 0,1,2,4,8, 1 per step, momentum raised (c = 1)", K4_LONG_0124_RAISED, FIVE, None),
+    (
+        "K = 4, split 0,1,2,4,8, 1 per step, warm-up + cosine, momentum raised (c = 1)",
+        f"{K4_LONG_0124_RAISED}_cos",
+        (1234, 1, 2),
+        None,
+    ),
+    ("K = 4, split 0,1,2,3,8, 1 per step, warm-up + cosine", f"{K4_LONG}_cos", (1234, 1, 2), None),
     ("K = 4, split 0,1,2,3,8, 4 micro-batches per step", f"{K4_LONG}_a4", FIVE, None),
     ("K = 4, split 0,1,2,3,8, 1 per step, against BP at 4 per step", K4_LONG, FIVE, "bp_a4"),
     ("BP at 4 micro-batches per step, against BP at 1", "bp_a4", FIVE, "bp"),

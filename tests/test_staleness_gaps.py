@@ -17,6 +17,7 @@ from staleness_gpt2_gaps import (  # noqa: E402
     K4_0124_RAISED,
     K4_EVEN,
     K4_LONG,
+    K4_LONG_0124_RAISED,
     K4_LONG_RAISED,
     K4_RAISED,
     LONG_SOURCES,
@@ -75,6 +76,8 @@ def test_the_targets_table_follows_from_the_recorded_curves(
         (K4_LONG, FIVE, "bp_a4", -0.47),
         (K4_LONG_RAISED, FIVE, None, 2.69),
         (f"{K4_LONG_RAISED}_cos", (1234, 1, 2), None, 2.23),  # under warm-up + cosine, against BP under it
+        (K4_LONG_0124_RAISED, FIVE, None, 2.24),  # the faster split 0,1,2,4,8, raised: not met over an epoch
+        (f"{K4_LONG}_cos", (1234, 1, 2), None, 2.76),  # warm-up + cosine without the raise
     ],
 )
 def test_the_whole_epoch_rows_follow_from_the_recorded_curves(
