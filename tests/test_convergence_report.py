@@ -178,3 +178,13 @@ def test_staleness_lines_are_read_back_and_tabled_per_stage(tmp_path: Path) -> N
     assert "| FDG K=2 β=0.2 current | 0 | 2.00e+00 | 3.00e+00 | 4.50e+00 |" in md
     assert "|  | 1 | 2.00e-01 | 3.00e-01 | 4.50e-01 |" in md
     assert "| BP |" in md and "| BP | 0 |" not in md  # runs without the metric have no rows
+
+
+def test_the_momentum_raise_names_the_variant(tmp_path: Path) -> None:
+    out = tmp_path / "conv"
+    command = [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--seeds", "0", f"--out={out}"]
+    command += ["--variant", "fdg:4:1:stashed:raise=1,split=0/2/4/7/12,delay_lr=1024", "--reuse", "--report-only"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    name = "FDG K=4 β=1 stashed, momentum raise c=1, 0/2/4/7/12 split, delay_lr T=1024"
+    assert name in out.with_suffix(".md").read_text()
