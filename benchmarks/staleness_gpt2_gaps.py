@@ -114,10 +114,16 @@ LONG: tuple[Setting, ...] = (
     (
         "K = 4, split 0,1,2,4,8, 1 per step, warm-up + cosine, momentum raised (c = 1)",
         f"{K4_LONG_0124_RAISED}_cos",
-        (1234, 1, 2),
+        FIVE,
         None,
     ),
     ("K = 4, split 0,1,2,3,8, 1 per step, warm-up + cosine", f"{K4_LONG}_cos", (1234, 1, 2), None),
+    (
+        "K = 4, split 0,1,2,4,8, 1 per step, warm-up + cosine, momentum raised (c = 1), against BP at a constant rate",
+        f"{K4_LONG_0124_RAISED}_cos",
+        FIVE,
+        "bp",
+    ),
     ("K = 4, split 0,1,2,3,8, 4 micro-batches per step", f"{K4_LONG}_a4", FIVE, None),
     ("K = 4, split 0,1,2,3,8, 1 per step, against BP at 4 per step", K4_LONG, FIVE, "bp_a4"),
     ("BP at 4 micro-batches per step, against BP at 1", "bp_a4", FIVE, "bp"),
