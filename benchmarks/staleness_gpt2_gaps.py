@@ -114,7 +114,7 @@ LONG: tuple[Setting, ...] = (
     (
         "K = 4, split 0,1,2,4,8, 1 per step, warm-up + cosine, momentum raised (c = 1)",
         f"{K4_LONG_0124_RAISED}_cos",
-        FIVE,
+        SEVEN,
         None,
     ),
     ("K = 4, split 0,1,2,3,8, 1 per step, warm-up + cosine", f"{K4_LONG}_cos", (1234, 1, 2), None),
