@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = {"model": "resnet20", "dataset": "fashion-mnist", "epochs": 4, "train_subset": 2048, "test_subset": 1000}
 
@@ -91,13 +93,27 @@ def test_unknown_correction_options_are_refused(tmp_path: Path) -> None:
     assert done.returncode != 0 and "split=2/4/7: use paper, parameters, uniform or the stage boundaries" in done.stderr
 
 
-def test_a_split_given_as_boundaries_and_a_peak_lr_name_the_variant(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("spec", "name"),
+    [
+        # a split given as boundaries, and a peak lr
+        (
+            "fdg:4:1:stashed:momentum=1,peak_lr=0.1,split=0/2/4/7/12",
+            "FDG K=4 β=1 stashed, delay_momentum, peak lr 0.1, 0/2/4/7/12 split",
+        ),
+        # the momentum raise
+        (
+            "fdg:4:1:stashed:raise=1,split=0/2/4/7/12,delay_lr=1024",
+            "FDG K=4 β=1 stashed, momentum raise c=1, 0/2/4/7/12 split, delay_lr T=1024",
+        ),
+    ],
+)
+def test_correction_options_name_the_variant(tmp_path: Path, spec: str, name: str) -> None:
     out = tmp_path / "conv"
     command = [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--seeds", "0", f"--out={out}"]
-    command += ["--variant", "fdg:4:1:stashed:momentum=1,peak_lr=0.1,split=0/2/4/7/12", "--reuse", "--report-only"]
+    command += ["--variant", spec, "--reuse", "--report-only"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    name = "FDG K=4 β=1 stashed, delay_momentum, peak lr 0.1, 0/2/4/7/12 split"
     assert name in out.with_suffix(".md").read_text()
 
 
@@ -178,13 +194,3 @@ def test_staleness_lines_are_read_back_and_tabled_per_stage(tmp_path: Path) -> N
     assert "| FDG K=2 β=0.2 current | 0 | 2.00e+00 | 3.00e+00 | 4.50e+00 |" in md
     assert "|  | 1 | 2.00e-01 | 3.00e-01 | 4.50e-01 |" in md
     assert "| BP |" in md and "| BP | 0 |" not in md  # runs without the metric have no rows
-
-
-def test_the_momentum_raise_names_the_variant(tmp_path: Path) -> None:
-    out = tmp_path / "conv"
-    command = [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--seeds", "0", f"--out={out}"]
-    command += ["--variant", "fdg:4:1:stashed:raise=1,split=0/2/4/7/12,delay_lr=1024", "--reuse", "--report-only"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    name = "FDG K=4 β=1 stashed, momentum raise c=1, 0/2/4/7/12 split, delay_lr T=1024"
-    assert name in out.with_suffix(".md").read_text()
