@@ -94,7 +94,7 @@ SETTINGS: tuple[Setting, ...] = (
 K4_LONG = "ref_k4_b1.0_stashed_dlr2800_p0.0_first_parts0-1-2-3-8"
 K4_LONG_RAISED = "ref_k4_b1.0_stashed_dlr2800_p0.0_first_r1_parts0-1-2-3-8"
 K4_LONG_0124_RAISED = K4_LONG_RAISED.replace("parts0-1-2-3-8", "parts0-1-2-4-8")
-LONG_SOURCES = ("long", "raise_long", "split_long", "dlr_long")  # the files of the runs over 1,400 micro-batches
+LONG_SOURCES = ("long", "raise_long", "split_long", "dlr_long", "seeds56_long")  # the files of the runs over 1,400 micro-batches
 LONG: tuple[Setting, ...] = (
     ("K = 4, split 0,1,2,3,8, 1 micro-batch per step", K4_LONG, FIVE, None),
     ("K = 4, split 0,1,2,3,8, 1 per step, momentum raised (c = 1)", K4_LONG_RAISED, FIVE, None),
@@ -110,7 +110,7 @@ LONG: tuple[Setting, ...] = (
         (1234, 1, 2),
         None,
     ),
-    ("K = 4, split 0,1,2,4,8, 1 per step, momentum raised (c = 1)", K4_LONG_0124_RAISED, FIVE, None),
+    ("K = 4, split 0,1,2,4,8, 1 per step, momentum raised (c = 1)", K4_LONG_0124_RAISED, SEVEN, None),
     (
         "K = 4, split 0,1,2,4,8, 1 per step, momentum raised (c = 1), delay_lr over four times the run (T = 5600)",
         K4_LONG_0124_RAISED.replace("_dlr2800_", "_dlr5600_"),
@@ -127,7 +127,7 @@ LONG: tuple[Setting, ...] = (
     (
         "K = 4, split 0,1,2,4,8, 1 per step, warm-up + cosine, momentum raised (c = 1), against BP at a constant rate",
         f"{K4_LONG_0124_RAISED}_cos",
-        FIVE,
+        SEVEN,
         "bp",
     ),
     ("K = 4, split 0,1,2,3,8, 4 micro-batches per step", f"{K4_LONG}_a4", FIVE, None),

@@ -77,11 +77,13 @@ def test_the_targets_table_follows_from_the_recorded_curves(
         (K4_LONG_RAISED, FIVE, None, 2.69),
         (f"{K4_LONG_RAISED}_cos", (1234, 1, 2), None, 2.23),  # under warm-up + cosine, against BP under it
         (K4_LONG_0124_RAISED, FIVE, None, 2.24),  # the faster split 0,1,2,4,8, raised: not met over an epoch
+        (K4_LONG_0124_RAISED, SEVEN, None, 2.01),  # ... with seeds 5 and 6: at the target's edge, not within it
         (K4_LONG_0124_RAISED.replace("_dlr2800_", "_dlr5600_"), (1234, 1), None, 1.76),  # T four times the run
         (K4_LONG_0124_RAISED, (1234, 1), None, 1.81),  # ... and the same two seeds at T = 2800: no gain
         (f"{K4_LONG}_cos", (1234, 1, 2), None, 2.76),  # warm-up + cosine without the raise
         (f"{K4_LONG_0124_RAISED}_cos", SEVEN, None, 1.74),  # 0,1,2,4,8 raised under cosine: within 2 % of BP under it
         (f"{K4_LONG_0124_RAISED}_cos", FIVE, "bp", 2.59),  # ... not of BP at a constant rate
+        (f"{K4_LONG_0124_RAISED}_cos", SEVEN, "bp", 2.46),
     ],
 )
 def test_the_whole_epoch_rows_follow_from_the_recorded_curves(
