@@ -94,7 +94,8 @@ SETTINGS: tuple[Setting, ...] = (
 K4_LONG = "ref_k4_b1.0_stashed_dlr2800_p0.0_first_parts0-1-2-3-8"
 K4_LONG_RAISED = "ref_k4_b1.0_stashed_dlr2800_p0.0_first_r1_parts0-1-2-3-8"
 K4_LONG_0124_RAISED = K4_LONG_RAISED.replace("parts0-1-2-3-8", "parts0-1-2-4-8")
-LONG_SOURCES = ("long", "raise_long", "split_long", "dlr_long", "seeds56_long")  # the files of the runs over 1,400 micro-batches
+# the files of the runs over 1,400 micro-batches
+LONG_SOURCES = ("long", "raise_long", "split_long", "dlr_long", "seeds56_long")
 LONG: tuple[Setting, ...] = (
     ("K = 4, split 0,1,2,3,8, 1 micro-batch per step", K4_LONG, FIVE, None),
     ("K = 4, split 0,1,2,3,8, 1 per step, momentum raised (c = 1)", K4_LONG_RAISED, FIVE, None),
