@@ -1,0 +1,43 @@
+"""benchmarks/lockstep_jitter.py: the lock-step's jitter cost read from two ranks' traces."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from lockstep_jitter import lockstep  # noqa: E402
+
+
+def rank_trace(work_ms: list[list[float]], tick_ends_ms: list[float]) -> list[dict]:
+    """Spans (ms) per tick, as pipeline.fdg.trace writes them (µs), and each tick's end marker."""
+    events: list[dict] = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "stage"}}]
+    for tick, (spans, end) in enumerate(zip(work_ms, tick_ends_ms, strict=True)):
+        events += [{"ph": "X", "cat": "forward", "ts": 0.0, "dur": 1e3 * d, "args": {"tick": tick}} for d in spans]
+        events.append({"ph": "i", "cat": "tick", "ts": 1e3 * end, "args": {"tick": tick}})
+    return events
+
+
+def test_the_cost_is_the_mean_per_tick_maximum_over_the_slower_stages_mean() -> None:
+    # stage 0 computes 10 + 2, 20, 10, 20 ms; stage 1 20, 10, 20, 10: both average 15, their per-tick maximum is 20
+    stage0 = rank_trace([[10, 2], [20], [10], [20]], [0, 21, 42, 63])
+    stage1 = rank_trace([[20], [10], [20], [10]], [0, 21, 42, 63])
+    result = lockstep([stage0, stage1])
+    assert result["ticks"] == 3  # tick 0 has no tick before it to measure from
+    assert result["compute_ms"] == pytest.approx([50 / 3, 40 / 3])
+    assert result["slower_mean_ms"] == pytest.approx(50 / 3)
+    assert result["mean_of_max_ms"] == pytest.approx(20)
+    assert result["jitter_ms"] == pytest.approx(20 - 50 / 3)
+    assert result["tick_ms"] == pytest.approx(21)
+
+
+def test_equal_steady_stages_cost_nothing() -> None:
+    steady = rank_trace([[15]] * 4, [0, 16, 32, 48])
+    assert lockstep([steady, steady])["jitter_ms"] == pytest.approx(0)
+
+
+def test_too_few_shared_ticks_is_an_error() -> None:
+    with pytest.raises(ValueError, match="share 1 whole ticks"):
+        lockstep([rank_trace([[1], [1]], [0, 2]), rank_trace([[1], [1]], [0, 2])])
