@@ -11,7 +11,8 @@ the jitter costs, on top of the imbalance between the stages' means.
 
 By default the script runs the ResNet recipe (ResNet-56, Fashion-MNIST, K = 2, the recipe's balanced
 split, ``ds_configs/resnet_fdg_k2.json`` at micro-batch 32) under the ``deepspeed`` launcher with
-``pipeline.fdg.trace`` recording ticks [40, 200), then reads the per-rank traces. A stage's compute
+``pipeline.fdg.trace`` recording ticks [40, 200) (``--model``, ``--start``, ``--ticks``), then reads the
+per-rank traces. A stage's compute
 in a tick is the sum of its traced instructions (forward, backward, step, reduce, load, exchange);
 the rest of the tick, between the exchange and the next tick's first instruction, is where a stage
 waits for the neighbour's exchange to complete. Prints one Markdown table.
@@ -30,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-TRACE = {"start_tick": 40, "ticks": 160}
 
 
 def per_tick(events: list[dict[str, Any]]) -> tuple[dict[int, float], dict[int, float]]:
@@ -66,18 +66,19 @@ def lockstep(ranks: list[list[dict[str, Any]]]) -> dict[str, Any]:
     }
 
 
-def run_recipe(out: Path, deadline_s: float) -> Path:
-    """Train ResNet-56 at K = 2 with FDG under the deepspeed launcher, tracing ticks TRACE; the trace dir."""
+def run_recipe(out: Path, model: str, start: int, ticks: int, deadline_s: float) -> Path:
+    """Train ``model`` at K = 2 with FDG under the deepspeed launcher, tracing ticks [start, start + ticks);
+    the trace directory."""
     config = json.loads((ROOT / "ds_configs" / "resnet_fdg_k2.json").read_text())
     config["train_micro_batch_size_per_gpu"] = 32
     trace = out / "trace"
-    config["pipeline"]["fdg"]["trace"] = {**TRACE, "dir": str(trace)}
+    config["pipeline"]["fdg"]["trace"] = {"start_tick": start, "ticks": ticks, "dir": str(trace)}
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
-    steps = TRACE["start_tick"] + TRACE["ticks"] + 20
+    steps = start + ticks + 20
     command = [
         str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "recipes/train_resnet.py",
-        "--model", "resnet56", "--epochs", "1", "--train-subset", "8192", "--test-subset", "256",
+        "--model", model, "--epochs", "1", "--train-subset", "8192", "--test-subset", "256",
         "--max-steps", str(steps), "--deepspeed_config", str(out / "config.json"),
     ]  # fmt: skip
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -105,9 +106,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--trace", default=None, help="read this trace directory instead of running the recipe")
     parser.add_argument("--out", default=str(ROOT / "out" / "lockstep"))
+    parser.add_argument("--model", default="resnet56", help="the recipe's --model")
+    parser.add_argument("--start", type=int, default=40, help="first traced tick (after warm-up)")
+    parser.add_argument("--ticks", type=int, default=160, help="traced ticks")
     parser.add_argument("--deadline", type=float, default=900.0, help="seconds the recipe may run")
     args = parser.parse_args(argv)
-    trace = Path(args.trace) if args.trace else run_recipe(Path(args.out), args.deadline)
+    if args.trace:
+        trace = Path(args.trace)
+    else:
+        trace = run_recipe(Path(args.out), args.model, args.start, args.ticks, args.deadline)
     ranks = [json.loads((trace / f"trace-rank{r}.json").read_text())["traceEvents"] for r in (0, 1)]
     print(markdown(lockstep(ranks)))
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -41,3 +44,18 @@ def test_equal_steady_stages_cost_nothing() -> None:
 def test_too_few_shared_ticks_is_an_error() -> None:
     with pytest.raises(ValueError, match="share 1 whole ticks"):
         lockstep([rank_trace([[1], [1]], [0, 2]), rank_trace([[1], [1]], [0, 2])])
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_the_script_traces_a_recipe_run_and_prints_the_table(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parents[1]
+    command = [sys.executable, str(root / "benchmarks" / "lockstep_jitter.py"), "--model", "resnet20"]
+    command += ["--start", "4", "--ticks", "6", "--out", str(tmp_path), "--deadline", "200"]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=230)
+    log = (tmp_path / "train.log").read_text()[-3000:]
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + log
+    row = done.stdout.strip().splitlines()[-1]
+    assert row.startswith("| 5 |"), done.stdout  # ticks 5 to 9: tick 4 has no traced tick before it
+    assert json.loads((tmp_path / "config.json").read_text())["pipeline"]["fdg"]["trace"]["ticks"] == 6
