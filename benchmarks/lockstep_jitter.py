@@ -30,7 +30,13 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: the package is in the repository root
+    sys.path.insert(0, str(ROOT))
+
+from fdg_schedule.launch import free_port, remove_shared_memory  # noqa: E402
 
 
 def per_tick(events: list[dict[str, Any]]) -> tuple[dict[int, float], dict[int, float]]:
@@ -76,14 +82,26 @@ def run_recipe(out: Path, model: str, start: int, ticks: int, deadline_s: float)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
     steps = start + ticks + 20
+    port = free_port()  # not the launcher's default, which another job may hold
     command = [
-        str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "recipes/train_resnet.py",
-        "--model", model, "--epochs", "1", "--train-subset", "8192", "--test-subset", "256",
-        "--max-steps", str(steps), "--deepspeed_config", str(out / "config.json"),
+        str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(port),
+        "recipes/train_resnet.py", "--model", model, "--epochs", "1", "--train-subset", "8192",
+        "--test-subset", "256", "--max-steps", str(steps), "--deepspeed_config", str(out / "config.json"),
     ]  # fmt: skip
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     with (out / "train.log").open("w") as log:
-        subprocess.run(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=deadline_s)
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            code = proc.wait(timeout=deadline_s)
+        except subprocess.TimeoutExpired:  # the launcher and its ranks, all of them
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
+            proc.kill()
+            code = proc.wait()
+        finally:
+            remove_shared_memory(port)
+    if code != 0:
+        raise SystemExit(f"lockstep_jitter.py: the recipe run exited with {code}; see {out / 'train.log'}")
     return trace
 
 
