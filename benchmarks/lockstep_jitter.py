@@ -22,15 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
-
-import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: the package is in the repository root
@@ -88,20 +84,12 @@ def run_recipe(out: Path, model: str, start: int, ticks: int, deadline_s: float)
         "recipes/train_resnet.py", "--model", model, "--epochs", "1", "--train-subset", "8192",
         "--test-subset", "256", "--max-steps", str(steps), "--deepspeed_config", str(out / "config.json"),
     ]  # fmt: skip
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    with (out / "train.log").open("w") as log:
-        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            code = proc.wait(timeout=deadline_s)
-        except subprocess.TimeoutExpired:  # the launcher and its ranks, all of them
-            for child in psutil.Process(proc.pid).children(recursive=True):
-                child.kill()
-            proc.kill()
-            code = proc.wait()
-        finally:
-            remove_shared_memory(port)
-    if code != 0:
-        raise SystemExit(f"lockstep_jitter.py: the recipe run exited with {code}; see {out / 'train.log'}")
+    from multinode import run_launchers  # the launcher under a deadline, its process group killed past it
+
+    try:
+        run_launchers([command], deadline_s, out / "train.log")  # the log: train.node0.log
+    finally:
+        remove_shared_memory(port)
     return trace
 
 
