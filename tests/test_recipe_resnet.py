@@ -194,6 +194,9 @@ def test_reference_trainer_prints_what_the_recipe_prints_on_the_engine(tmp_path:
     # --delay-lr-epochs: the recipe derives delay_lr_ticks (16) from DeepSpeed's batch arithmetic, the reference
     # trainer from its own; any other T changes stage 0's steps in epoch 1 and the printed losses.
     args += ["--test-subset", "128", "--seed", "1", "--warmup-epochs", "1", "--delay-lr-epochs", "1"]
+    # The split named on both sides: the recipe's default (balanced) measures layer times, and on a busy or
+    # different machine picks another split ([0, 4, 12] on a CI run) than the reference trainer's preset.
+    args += ["--partition", "paper"]
     engine = launch(2, *args, cwd=ROOT, timeout=300)
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     command = [sys.executable, str(ROOT / "benchmarks" / "resnet_reference.py"), "--stages", "2", *args]
@@ -204,6 +207,8 @@ def test_reference_trainer_prints_what_the_recipe_prints_on_the_engine(tmp_path:
     assert len(lines) == 2 and "lr 0.01" in lines[0], reference.stdout[-3000:]
     assert "delay_lr_ticks 16" in engine, engine[-3000:]
     engine = re.sub(r"^\[rank\d+\]:", "", engine, flags=re.M)
+    split = r", partition (\[[\d, ]+\]), "
+    assert re.findall(split, reference.stdout) == re.findall(split, engine) == ["[0, 5, 12]"], engine[-3000:]
     assert lines == re.findall(pattern, engine, re.M)
     staleness = r"^staleness: stage 0 (\S+) \((\d+)\)$"
     measured = re.findall(staleness, reference.stdout, re.M)
