@@ -12,9 +12,22 @@ reaches at most
 
     ceiling ×BP = 2 × (ms per iteration alone) / (ms per iteration in a pair)
 
-Rounds alternate so a slow stretch of a shared machine falls on both modes alike. Prints one
-Markdown table: medians [min–max] over rounds of each mode's ms per iteration, the slowdown and
-the ceiling (the median of the per-pair-of-rounds ratios).
+Rounds alternate so a slow stretch of a shared machine falls on both modes alike.
+
+A pipeline also runs in lock-step: each FDG tick needs the neighbour's previous tick, so at K = 2 a
+tick lasts as long as the slower stage *in that tick* (docs/performance.md, benchmarks/lockstep_jitter.py).
+When the time of identical work varies from iteration to iteration, that costs even perfectly
+balanced stages. The pair rounds measure it without a pipeline: the two workers' i-th iterations
+of a round, started together at the round's barrier, give
+
+    lock-step cost = mean over i of max(a_i, b_i) / max(mean a, mean b) - 1
+
+and the ceiling with the lock-step = ceiling / (1 + lock-step cost). An iteration here is the whole
+model, twice a K = 2 stage's tick, so the relative spread of a tick, and so its cost, can be larger.
+
+Prints one Markdown table: medians [min–max] over rounds of each mode's ms per iteration, the
+per-iteration spread of identical work (sd / mean in the alone rounds), the slowdown, the ceiling
+(the median of the per-pair-of-rounds ratios), the lock-step cost and the ceiling with it.
 """
 
 from __future__ import annotations
@@ -44,13 +57,15 @@ def worker(rank: int, model: str, rounds: int, iterations: int, barrier: Any, re
     x, y = fixed_data(model, 1)[0]
     criterion = loss_fn(model)
 
-    def train() -> float:
-        start = time.perf_counter()
+    def train() -> list[float]:
+        seconds = []
         for _ in range(iterations):
+            start = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
             criterion(net(x), y).backward()
             optimizer.step()
-        return (time.perf_counter() - start) / iterations
+            seconds.append(time.perf_counter() - start)
+        return seconds
 
     train()  # warm-up
     for round_ in range(2 * rounds):
@@ -72,14 +87,28 @@ def measure(model: str, rounds: int, iterations: int) -> dict[str, Any]:
         proc.join(timeout=60)
         if proc.exitcode != 0:
             raise SystemExit(f"{model}: a worker failed (exit code {proc.exitcode})")
-    alone = {r: s for r, mode, _, s in seen if mode == "alone"}
-    pair: dict[int, list[float]] = {}
-    for r, mode, _, s in seen:
+    alone = {r: statistics.fmean(s) for r, mode, _, s in seen if mode == "alone"}
+    spreads = [statistics.stdev(s) / statistics.fmean(s) for _, mode, _, s in seen if mode == "alone" and len(s) > 1]
+    pair: dict[int, dict[int, list[float]]] = {}
+    for r, mode, rank, s in seen:
         if mode == "pair":
-            pair.setdefault(r, []).append(s)
-    pair_mean = {r: statistics.fmean(s) for r, s in pair.items()}
+            pair.setdefault(r, {})[rank] = s
+    pair_mean = {r: statistics.fmean([statistics.fmean(s) for s in ranks.values()]) for r, ranks in pair.items()}
     ceilings = [2 * alone[r] / pair_mean[r + 1] for r in sorted(alone)]
-    return {"alone": list(alone.values()), "pair": list(pair_mean.values()), "ceiling": ceilings}
+    lockstep = [lockstep_cost(ranks[0], ranks[1]) for _, ranks in sorted(pair.items())]
+    return {
+        "alone": list(alone.values()),
+        "pair": list(pair_mean.values()),
+        "ceiling": ceilings,
+        "spread": spreads,
+        "lockstep": lockstep,
+    }
+
+
+def lockstep_cost(a: list[float], b: list[float]) -> float:
+    """What running ``a`` and ``b`` in lock-step costs: the mean per-iteration maximum over the slower mean, - 1."""
+    mean_max = statistics.fmean(max(x, y) for x, y in zip(a, b, strict=True))
+    return mean_max / max(statistics.fmean(a), statistics.fmean(b)) - 1
 
 
 def spread(values: list[float], scale: float = 1.0, digits: int = 1) -> str:
@@ -94,14 +123,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--iterations", type=int, default=6, help="training iterations per round")
     args = parser.parse_args(argv)
     print(f"command: python benchmarks/core_contention.py {' '.join(sys.argv[1:] if argv is None else argv)}")
-    print("| model | ms/iteration alone | ms/iteration in a pair | slowdown | ceiling ×BP at K = 2 |")
-    print("|---|---|---|---|---|")
+    print(
+        "| model | ms/iteration alone | ms/iteration in a pair | spread alone (sd/mean %) | slowdown "
+        "| ceiling ×BP at K = 2 | lock-step cost % | ceiling with the lock-step |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for model in args.models.split(","):
         got = measure(model, args.rounds, args.iterations)
         slowdown = statistics.median(got["pair"]) / statistics.median(got["alone"])
+        ceiling = statistics.median(got["ceiling"])
+        lockstep = statistics.median(got["lockstep"])
+        alone_spread = spread(got["spread"], 100) if got["spread"] else "-"
         print(
-            f"| {model} | {spread(got['alone'], 1e3)} | {spread(got['pair'], 1e3)} | {slowdown:.2f} | "
-            f"{spread(got['ceiling'], digits=2)} |",
+            f"| {model} | {spread(got['alone'], 1e3)} | {spread(got['pair'], 1e3)} | {alone_spread} | {slowdown:.2f} | "
+            f"{spread(got['ceiling'], digits=2)} | {spread(got['lockstep'], 100)} | {ceiling / (1 + lockstep):.2f} |",
             flush=True,
         )
 

@@ -119,14 +119,26 @@ def test_correction_cost_measures_every_correction_and_its_delta(tmp_path: Path)
 @pytest.mark.timeout(150)
 def test_core_contention_reports_both_modes_and_the_ceiling() -> None:
     command = [sys.executable, str(ROOT / "benchmarks" / "core_contention.py"), "--models=resnet8_tiny"]
-    command += ["--rounds=2", "--iterations=1"]
+    command += ["--rounds=2", "--iterations=3"]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=140)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (row,) = [line for line in done.stdout.splitlines() if line.startswith("| resnet8_tiny |")]
-    alone, pair, slowdown, ceiling = (cell.strip() for cell in row.strip("|").split("|")[1:])
-    medians = [float(cell.split()[0]) for cell in (alone, pair, ceiling)]
+    alone, pair, spread, slowdown, ceiling, lockstep, with_lockstep = (
+        cell.strip() for cell in row.strip("|").split("|")[1:]
+    )
+    medians = [float(cell.split()[0]) for cell in (alone, pair, spread, ceiling)]
     assert all(0 < value < math.inf for value in medians) and float(slowdown) > 0, row
+    assert float(lockstep.split()[0]) >= 0  # a maximum is never below either mean
+    assert float(with_lockstep) <= float(ceiling.split()[0]) + 0.005, row
+
+
+def test_lockstep_cost_is_the_mean_per_iteration_maximum_over_the_slower_mean() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from core_contention import lockstep_cost
+
+    assert lockstep_cost([1.0, 3.0], [3.0, 1.0]) == pytest.approx(3 / 2 - 1)  # both average 2, the max is 3
+    assert lockstep_cost([2.0, 2.0], [1.0, 1.0]) == pytest.approx(0)  # steady: only the slower one counts
 
 
 @pytest.mark.distributed
