@@ -17,17 +17,18 @@ Rounds alternate so a slow stretch of a shared machine falls on both modes alike
 A pipeline also runs in lock-step: each FDG tick needs the neighbour's previous tick, so at K = 2 a
 tick lasts as long as the slower stage *in that tick* (docs/performance.md, benchmarks/lockstep_jitter.py).
 When the time of identical work varies from iteration to iteration, that costs even perfectly
-balanced stages. The pair rounds measure it without a pipeline: the two workers' i-th iterations
-of a round, started together at the round's barrier, give
+balanced stages. A third kind of round measures it without a pipeline: in a "halves" round worker 0
+trains the first of the two stages the library's partitioner cuts (:func:`fdg_schedule.partition.balanced_partition`
+on :func:`fdg_schedule.profile.profile_layers`) and worker 1 the second, with no communication, and
+their i-th iterations, started together at the round's barrier, give
 
     lock-step cost = mean over i of max(a_i, b_i) / max(mean a, mean b) - 1
 
-and the ceiling with the lock-step = ceiling / (1 + lock-step cost). An iteration here is the whole
-model, twice a K = 2 stage's tick, so the relative spread of a tick, and so its cost, can be larger.
+and the ceiling with the lock-step = ceiling / (1 + lock-step cost).
 
 Prints one Markdown table: medians [min–max] over rounds of each mode's ms per iteration, the
-per-iteration spread of identical work (sd / mean in the alone rounds), the slowdown, the ceiling
-(the median of the per-pair-of-rounds ratios), the lock-step cost and the ceiling with it.
+slowdown, the ceiling (the median of the per-pair-of-rounds ratios), the split, a stage's
+per-iteration spread (sd / mean in the halves rounds), the lock-step cost and the ceiling with it.
 """
 
 from __future__ import annotations
@@ -46,7 +47,10 @@ for path in (ROOT, ROOT / "benchmarks"):
         sys.path.insert(0, str(path))
 
 
-def worker(rank: int, model: str, rounds: int, iterations: int, barrier: Any, results: Any) -> None:
+MODES = ("alone", "pair", "halves")
+
+
+def worker(rank: int, model: str, rounds: int, iterations: int, cut: int, barrier: Any, results: Any) -> None:
     import torch
     from bench_models import build_layers, fixed_data, loss_fn
 
@@ -56,52 +60,87 @@ def worker(rank: int, model: str, rounds: int, iterations: int, barrier: Any, re
     optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
     x, y = fixed_data(model, 1)[0]
     criterion = loss_fn(model)
+    layers = build_layers(model)  # this worker's stage of the split, trained alone in the halves rounds
+    stage = torch.nn.Sequential(*(layers[:cut] if rank == 0 else layers[cut:]))
+    stage_optimizer = torch.optim.SGD(stage.parameters(), lr=0.01, momentum=0.9)
+    with torch.no_grad():
+        boundary = torch.nn.Sequential(*layers[:cut])(x)
 
-    def train() -> list[float]:
+    def whole() -> None:
+        criterion(net(x), y).backward()
+
+    def half() -> None:  # stage 0: backward with a fixed gradient; stage 1: from the fixed boundary activation
+        if rank == 0:
+            out = stage(x)
+            out.backward(torch.full_like(out, 1e-4))
+        else:
+            criterion(stage(boundary.detach().requires_grad_()), y).backward()
+
+    def train(step: Any, opt: Any, count: int) -> list[float]:
         seconds = []
-        for _ in range(iterations):
+        for _ in range(count):
             start = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            criterion(net(x), y).backward()
-            optimizer.step()
+            opt.zero_grad(set_to_none=True)
+            step()
+            opt.step()
             seconds.append(time.perf_counter() - start)
         return seconds
 
-    train()  # warm-up
-    for round_ in range(2 * rounds):
-        mode = "alone" if round_ % 2 == 0 else "pair"
+    train(whole, optimizer, 1)  # warm-up
+    train(half, stage_optimizer, 1)
+    for round_ in range(len(MODES) * rounds):
+        mode = MODES[round_ % len(MODES)]
         barrier.wait()
-        if mode == "pair" or rank == 0:
-            results.put((round_, mode, rank, train()))
+        if mode == "halves":  # a stage's tick is about half an iteration: twice as many
+            results.put((round_, mode, rank, train(half, stage_optimizer, 2 * iterations)))
+        elif mode == "pair" or rank == 0:
+            results.put((round_, mode, rank, train(whole, optimizer, iterations)))
         barrier.wait()
+
+
+def balanced_cut(model: str) -> int:
+    """The boundary of the library's balanced K = 2 split of ``model`` (profiled here, on one thread)."""
+    import torch
+    from bench_models import fixed_data, loss_fn, model_layers
+
+    from fdg_schedule.partition import balanced_partition
+    from fdg_schedule.profile import profile_layers
+
+    torch.set_num_threads(1)
+    x, y = fixed_data(model, 1)[0]
+    profile = profile_layers(model_layers(model), x, y, loss_fn(model), device="cpu")
+    return balanced_partition(profile, 2).parts[1]
 
 
 def measure(model: str, rounds: int, iterations: int) -> dict[str, Any]:
+    cut = balanced_cut(model)
     context = mp.get_context("spawn")
     barrier, results = context.Barrier(2), context.Queue()
-    procs = [context.Process(target=worker, args=(r, model, rounds, iterations, barrier, results)) for r in (0, 1)]
+    args = (model, rounds, iterations, cut, barrier, results)
+    procs = [context.Process(target=worker, args=(r, *args)) for r in (0, 1)]
     for proc in procs:
         proc.start()
-    seen = [results.get(timeout=3600) for _ in range(rounds * 3)]  # alone: one result, pair: two
+    seen = [results.get(timeout=3600) for _ in range(rounds * 5)]  # alone: one result, pair and halves: two
     for proc in procs:
         proc.join(timeout=60)
         if proc.exitcode != 0:
             raise SystemExit(f"{model}: a worker failed (exit code {proc.exitcode})")
     alone = {r: statistics.fmean(s) for r, mode, _, s in seen if mode == "alone"}
-    spreads = [statistics.stdev(s) / statistics.fmean(s) for _, mode, _, s in seen if mode == "alone" and len(s) > 1]
-    pair: dict[int, dict[int, list[float]]] = {}
+    both: dict[str, dict[int, dict[int, list[float]]]] = {"pair": {}, "halves": {}}
     for r, mode, rank, s in seen:
-        if mode == "pair":
-            pair.setdefault(r, {})[rank] = s
-    pair_mean = {r: statistics.fmean([statistics.fmean(s) for s in ranks.values()]) for r, ranks in pair.items()}
-    ceilings = [2 * alone[r] / pair_mean[r + 1] for r in sorted(alone)]
-    lockstep = [lockstep_cost(ranks[0], ranks[1]) for _, ranks in sorted(pair.items())]
+        if mode in both:
+            both[mode].setdefault(r, {})[rank] = s
+    pair_mean = {
+        r: statistics.fmean([statistics.fmean(s) for s in ranks.values()]) for r, ranks in both["pair"].items()
+    }
+    halves = [ranks for _, ranks in sorted(both["halves"].items())]
     return {
         "alone": list(alone.values()),
         "pair": list(pair_mean.values()),
-        "ceiling": ceilings,
-        "spread": spreads,
-        "lockstep": lockstep,
+        "ceiling": [2 * alone[r] / pair_mean[r + 1] for r in sorted(alone)],
+        "cut": cut,
+        "spread": [statistics.stdev(s) / statistics.fmean(s) for ranks in halves for s in ranks.values() if len(s) > 1],
+        "lockstep": [lockstep_cost(ranks[0], ranks[1]) for ranks in halves],
     }
 
 
@@ -117,6 +156,8 @@ def spread(values: list[float], scale: float = 1.0, digits: int = 1) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from bench_models import model_layers
+
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--models", default="resnet32,transformer")
     parser.add_argument("--rounds", type=int, default=8, help="rounds of each mode, alternating")
@@ -124,19 +165,20 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     print(f"command: python benchmarks/core_contention.py {' '.join(sys.argv[1:] if argv is None else argv)}")
     print(
-        "| model | ms/iteration alone | ms/iteration in a pair | spread alone (sd/mean %) | slowdown "
-        "| ceiling ×BP at K = 2 | lock-step cost % | ceiling with the lock-step |"
+        "| model | ms/iteration alone | ms/iteration in a pair | slowdown | ceiling ×BP at K = 2 "
+        "| split | a stage's spread (sd/mean %) | lock-step cost % | ceiling with the lock-step |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for model in args.models.split(","):
         got = measure(model, args.rounds, args.iterations)
         slowdown = statistics.median(got["pair"]) / statistics.median(got["alone"])
         ceiling = statistics.median(got["ceiling"])
         lockstep = statistics.median(got["lockstep"])
-        alone_spread = spread(got["spread"], 100) if got["spread"] else "-"
+        stage_spread = spread(got["spread"], 100) if got["spread"] else "-"
         print(
-            f"| {model} | {spread(got['alone'], 1e3)} | {spread(got['pair'], 1e3)} | {alone_spread} | {slowdown:.2f} | "
-            f"{spread(got['ceiling'], digits=2)} | {spread(got['lockstep'], 100)} | {ceiling / (1 + lockstep):.2f} |",
+            f"| {model} | {spread(got['alone'], 1e3)} | {spread(got['pair'], 1e3)} | {slowdown:.2f} | "
+            f"{spread(got['ceiling'], digits=2)} | 0,{got['cut']},{len(model_layers(model))} | {stage_spread} | "
+            f"{spread(got['lockstep'], 100)} | {ceiling / (1 + lockstep):.2f} |",
             flush=True,
         )
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -124,9 +125,10 @@ def test_core_contention_reports_both_modes_and_the_ceiling() -> None:
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=140)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (row,) = [line for line in done.stdout.splitlines() if line.startswith("| resnet8_tiny |")]
-    alone, pair, spread, slowdown, ceiling, lockstep, with_lockstep = (
+    alone, pair, slowdown, ceiling, split, spread, lockstep, with_lockstep = (
         cell.strip() for cell in row.strip("|").split("|")[1:]
     )
+    assert re.fullmatch(r"0,\d+,\d+", split), row
     medians = [float(cell.split()[0]) for cell in (alone, pair, spread, ceiling)]
     assert all(0 < value < math.inf for value in medians) and float(slowdown) > 0, row
     assert float(lockstep.split()[0]) >= 0  # a maximum is never below either mean
