@@ -27,8 +27,10 @@ their i-th iterations, started together at the round's barrier, give
 and the ceiling with the lock-step = ceiling / (1 + lock-step cost).
 
 Prints one Markdown table: medians [min–max] over rounds of each mode's ms per iteration, the
-slowdown, the ceiling (the median of the per-pair-of-rounds ratios), the split, a stage's
-per-iteration spread (sd / mean in the halves rounds), the lock-step cost and the ceiling with it.
+slowdown, the ceiling (the median of the per-pair-of-rounds ratios), the split, the two stages'
+summed ms per iteration in the halves rounds over the whole model's alone (the plain-torch
+counterpart of the throughput benchmark's "stages' compute / BP's"), a stage's per-iteration spread
+(sd / mean in the halves rounds), the lock-step cost and the ceiling with it.
 """
 
 from __future__ import annotations
@@ -139,6 +141,7 @@ def measure(model: str, rounds: int, iterations: int) -> dict[str, Any]:
         "pair": list(pair_mean.values()),
         "ceiling": [2 * alone[r] / pair_mean[r + 1] for r in sorted(alone)],
         "cut": cut,
+        "stages_sum": [sum(map(statistics.fmean, both["halves"][r + 2].values())) / alone[r] for r in sorted(alone)],
         "spread": [statistics.stdev(s) / statistics.fmean(s) for ranks in halves for s in ranks.values() if len(s) > 1],
         "lockstep": [lockstep_cost(ranks[0], ranks[1]) for ranks in halves],
     }
@@ -166,9 +169,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"command: python benchmarks/core_contention.py {' '.join(sys.argv[1:] if argv is None else argv)}")
     print(
         "| model | ms/iteration alone | ms/iteration in a pair | slowdown | ceiling ×BP at K = 2 "
-        "| split | a stage's spread (sd/mean %) | lock-step cost % | ceiling with the lock-step |"
+        "| split | stages' sum / alone | a stage's spread (sd/mean %) | lock-step cost % | ceiling with the lock-step |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for model in args.models.split(","):
         got = measure(model, args.rounds, args.iterations)
         slowdown = statistics.median(got["pair"]) / statistics.median(got["alone"])
@@ -177,7 +180,8 @@ def main(argv: list[str] | None = None) -> None:
         stage_spread = spread(got["spread"], 100) if got["spread"] else "-"
         print(
             f"| {model} | {spread(got['alone'], 1e3)} | {spread(got['pair'], 1e3)} | {slowdown:.2f} | "
-            f"{spread(got['ceiling'], digits=2)} | 0,{got['cut']},{len(model_layers(model))} | {stage_spread} | "
+            f"{spread(got['ceiling'], digits=2)} | 0,{got['cut']},{len(model_layers(model))} | "
+            f"{spread(got['stages_sum'], digits=2)} | {stage_spread} | "
             f"{spread(got['lockstep'], 100)} | {ceiling / (1 + lockstep):.2f} |",
             flush=True,
         )

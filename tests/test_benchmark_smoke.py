@@ -125,11 +125,11 @@ def test_core_contention_reports_both_modes_and_the_ceiling() -> None:
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=140)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (row,) = [line for line in done.stdout.splitlines() if line.startswith("| resnet8_tiny |")]
-    alone, pair, slowdown, ceiling, split, spread, lockstep, with_lockstep = (
+    alone, pair, slowdown, ceiling, split, stages_sum, spread, lockstep, with_lockstep = (
         cell.strip() for cell in row.strip("|").split("|")[1:]
     )
     assert re.fullmatch(r"0,\d+,\d+", split), row
-    medians = [float(cell.split()[0]) for cell in (alone, pair, spread, ceiling)]
+    medians = [float(cell.split()[0]) for cell in (alone, pair, stages_sum, spread, ceiling)]
     assert all(0 < value < math.inf for value in medians) and float(slowdown) > 0, row
     assert float(lockstep.split()[0]) >= 0  # a maximum is never below either mean
     assert float(with_lockstep) <= float(ceiling.split()[0]) + 0.005, row
@@ -194,3 +194,16 @@ def test_stage_alone_reports_each_splits_offset_and_share_errors(tmp_path: Path)
         assert (1 + r["error"]) == pytest.approx((1 + r["offset"]) * (1 + r["share_error"]))
     assert sum(r["predicted_s"] / predicted * (1 + r["share_error"]) for r in rows) == pytest.approx(1.0)
     assert "| share error |" in (tmp_path / "stage_alone.md").read_text()
+
+
+@pytest.mark.timeout(150)
+def test_engine_overhead_times_bp_fdg_and_stock_deepspeed_on_one_core() -> None:
+    command = [sys.executable, str(ROOT / "benchmarks" / "engine_overhead.py"), "--models=resnet8_tiny"]
+    command += ["--rounds=2", "--gas=2"]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=140)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (row,) = [line for line in done.stdout.splitlines() if line.startswith("| resnet8_tiny |")]
+    cells = [cell.strip() for cell in row.strip("|").split("|")[1:]]
+    values = [float(cell.split()[0]) for cell in cells]
+    assert len(values) == 5 and all(0 < value < math.inf for value in values), row
