@@ -29,7 +29,8 @@ and the ceiling with the lock-step = ceiling / (1 + lock-step cost).
 Prints one Markdown table: medians [min–max] over rounds of each mode's ms per iteration, the
 slowdown, the ceiling (the median of the per-pair-of-rounds ratios), the split, the two stages'
 summed ms per iteration in the halves rounds over the whole model's alone (the plain-torch
-counterpart of the throughput benchmark's "stages' compute / BP's"), a stage's per-iteration spread
+counterpart of the throughput benchmark's "stages' compute / BP's"), each stage's ms per iteration in
+the halves rounds against the partitioner's prediction, a stage's per-iteration spread
 (sd / mean in the halves rounds), the lock-step cost and the ceiling with it.
 """
 
@@ -100,8 +101,9 @@ def worker(rank: int, model: str, rounds: int, iterations: int, cut: int, barrie
         barrier.wait()
 
 
-def balanced_cut(model: str) -> int:
-    """The boundary of the library's balanced K = 2 split of ``model`` (profiled here, on one thread)."""
+def balanced_cut(model: str) -> tuple[int, list[float]]:
+    """The boundary of the library's balanced K = 2 split of ``model`` (profiled here, on one thread) and the
+    stages' predicted seconds per tick."""
     import torch
     from bench_models import fixed_data, loss_fn, model_layers
 
@@ -111,11 +113,12 @@ def balanced_cut(model: str) -> int:
     torch.set_num_threads(1)
     x, y = fixed_data(model, 1)[0]
     profile = profile_layers(model_layers(model), x, y, loss_fn(model), device="cpu")
-    return balanced_partition(profile, 2).parts[1]
+    plan = balanced_partition(profile, 2)
+    return plan.parts[1], [stage.time_s for stage in plan.stages]
 
 
 def measure(model: str, rounds: int, iterations: int) -> dict[str, Any]:
-    cut = balanced_cut(model)
+    cut, predicted = balanced_cut(model)
     context = mp.get_context("spawn")
     barrier, results = context.Barrier(2), context.Queue()
     args = (model, rounds, iterations, cut, barrier, results)
@@ -141,6 +144,8 @@ def measure(model: str, rounds: int, iterations: int) -> dict[str, Any]:
         "pair": list(pair_mean.values()),
         "ceiling": [2 * alone[r] / pair_mean[r + 1] for r in sorted(alone)],
         "cut": cut,
+        "predicted": predicted,
+        "stage_ms": [statistics.median(statistics.fmean(ranks[rank]) for ranks in halves) for rank in (0, 1)],
         "stages_sum": [sum(map(statistics.fmean, both["halves"][r + 2].values())) / alone[r] for r in sorted(alone)],
         "spread": [statistics.stdev(s) / statistics.fmean(s) for ranks in halves for s in ranks.values() if len(s) > 1],
         "lockstep": [lockstep_cost(ranks[0], ranks[1]) for ranks in halves],
@@ -169,19 +174,22 @@ def main(argv: list[str] | None = None) -> None:
     print(f"command: python benchmarks/core_contention.py {' '.join(sys.argv[1:] if argv is None else argv)}")
     print(
         "| model | ms/iteration alone | ms/iteration in a pair | slowdown | ceiling ×BP at K = 2 "
-        "| split | stages' sum / alone | a stage's spread (sd/mean %) | lock-step cost % | ceiling with the lock-step |"
+        "| split | stages' sum / alone | stage 0 / 1 ms in the halves (predicted) | a stage's spread (sd/mean %) "
+        "| lock-step cost % | ceiling with the lock-step |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for model in args.models.split(","):
         got = measure(model, args.rounds, args.iterations)
         slowdown = statistics.median(got["pair"]) / statistics.median(got["alone"])
         ceiling = statistics.median(got["ceiling"])
         lockstep = statistics.median(got["lockstep"])
         stage_spread = spread(got["spread"], 100) if got["spread"] else "-"
+        (m0, m1), (p0, p1) = got["stage_ms"], got["predicted"]
+        halves_ms = f"{1e3 * m0:.1f} / {1e3 * m1:.1f} ({1e3 * p0:.1f} / {1e3 * p1:.1f})"
         print(
             f"| {model} | {spread(got['alone'], 1e3)} | {spread(got['pair'], 1e3)} | {slowdown:.2f} | "
             f"{spread(got['ceiling'], digits=2)} | 0,{got['cut']},{len(model_layers(model))} | "
-            f"{spread(got['stages_sum'], digits=2)} | {stage_spread} | "
+            f"{spread(got['stages_sum'], digits=2)} | {halves_ms} | {stage_spread} | "
             f"{spread(got['lockstep'], 100)} | {ceiling / (1 + lockstep):.2f} |",
             flush=True,
         )

@@ -125,10 +125,11 @@ def test_core_contention_reports_both_modes_and_the_ceiling() -> None:
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=140)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (row,) = [line for line in done.stdout.splitlines() if line.startswith("| resnet8_tiny |")]
-    alone, pair, slowdown, ceiling, split, stages_sum, spread, lockstep, with_lockstep = (
+    alone, pair, slowdown, ceiling, split, stages_sum, stage_ms, spread, lockstep, with_lockstep = (
         cell.strip() for cell in row.strip("|").split("|")[1:]
     )
     assert re.fullmatch(r"0,\d+,\d+", split), row
+    assert re.fullmatch(r"[\d.]+ / [\d.]+ \([\d.]+ / [\d.]+\)", stage_ms), row
     medians = [float(cell.split()[0]) for cell in (alone, pair, stages_sum, spread, ceiling)]
     assert all(0 < value < math.inf for value in medians) and float(slowdown) > 0, row
     assert float(lockstep.split()[0]) >= 0  # a maximum is never below either mean
