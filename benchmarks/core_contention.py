@@ -139,14 +139,15 @@ def measure(model: str, rounds: int, iterations: int) -> dict[str, Any]:
         r: statistics.fmean([statistics.fmean(s) for s in ranks.values()]) for r, ranks in both["pair"].items()
     }
     halves = [ranks for _, ranks in sorted(both["halves"].items())]
+    stage_means = {r: [statistics.fmean(ranks[rank]) for rank in (0, 1)] for r, ranks in both["halves"].items()}
     return {
         "alone": list(alone.values()),
         "pair": list(pair_mean.values()),
         "ceiling": [2 * alone[r] / pair_mean[r + 1] for r in sorted(alone)],
         "cut": cut,
         "predicted": predicted,
-        "stage_ms": [statistics.median(statistics.fmean(ranks[rank]) for ranks in halves) for rank in (0, 1)],
-        "stages_sum": [sum(map(statistics.fmean, both["halves"][r + 2].values())) / alone[r] for r in sorted(alone)],
+        "stage_ms": [statistics.median(means[rank] for means in stage_means.values()) for rank in (0, 1)],
+        "stages_sum": [sum(stage_means[r + 2]) / alone[r] for r in sorted(alone)],  # halves follow alone by 2
         "spread": [statistics.stdev(s) / statistics.fmean(s) for ranks in halves for s in ranks.values() if len(s) > 1],
         "lockstep": [lockstep_cost(ranks[0], ranks[1]) for ranks in halves],
     }

@@ -65,13 +65,13 @@ def measure(model: str, rounds: int, gas: int) -> dict[str, list[float]]:
 def row(model: str, times: dict[str, list[float]]) -> str:
     """One Markdown row: ms per micro-batch per variant, and the median per-round ratios to ``bp``."""
 
-    def cell(name: str) -> str:
-        return f"{statistics.median(times[name]):.1f} [{min(times[name]):.1f}–{max(times[name]):.1f}]"
+    from core_contention import spread  # median [min–max]
 
     def ratio(name: str) -> str:
         return f"{statistics.median(a / b for a, b in zip(times[name], times['bp'], strict=True)):.3f}"
 
-    return f"| {model} | {cell('bp')} | {cell('fdg')} | {cell('stock')} | {ratio('fdg')} | {ratio('stock')} |"
+    cells = [spread(times[name]) for name in ("bp", "fdg", "stock")] + [ratio("fdg"), ratio("stock")]
+    return f"| {model} | {' | '.join(cells)} |"
 
 
 def main(argv: list[str] | None = None) -> None:

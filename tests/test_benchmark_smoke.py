@@ -117,17 +117,20 @@ def test_correction_cost_measures_every_correction_and_its_delta(tmp_path: Path)
     assert "| predict |" in (tmp_path / "correction_cost.md").read_text()
 
 
-@pytest.mark.timeout(150)
-def test_core_contention_reports_both_modes_and_the_ceiling() -> None:
-    command = [sys.executable, str(ROOT / "benchmarks" / "core_contention.py"), "--models=resnet8_tiny"]
-    command += ["--rounds=2", "--iterations=3"]
+def tiny_model_row(script: str, *args: str) -> tuple[str, list[str]]:
+    """Run ``benchmarks/<script>`` on resnet8_tiny; its table row, and the row's cells after the model's name."""
+    command = [sys.executable, str(ROOT / "benchmarks" / script), "--models=resnet8_tiny", *args]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=140)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (row,) = [line for line in done.stdout.splitlines() if line.startswith("| resnet8_tiny |")]
-    alone, pair, slowdown, ceiling, split, stages_sum, stage_ms, spread, lockstep, with_lockstep = (
-        cell.strip() for cell in row.strip("|").split("|")[1:]
-    )
+    return row, [cell.strip() for cell in row.strip("|").split("|")[1:]]
+
+
+@pytest.mark.timeout(150)
+def test_core_contention_reports_both_modes_and_the_ceiling() -> None:
+    row, cells = tiny_model_row("core_contention.py", "--rounds=2", "--iterations=3")
+    alone, pair, slowdown, ceiling, split, stages_sum, stage_ms, spread, lockstep, with_lockstep = cells
     assert re.fullmatch(r"0,\d+,\d+", split), row
     assert re.fullmatch(r"[\d.]+ / [\d.]+ \([\d.]+ / [\d.]+\)", stage_ms), row
     medians = [float(cell.split()[0]) for cell in (alone, pair, stages_sum, spread, ceiling)]
@@ -199,12 +202,6 @@ def test_stage_alone_reports_each_splits_offset_and_share_errors(tmp_path: Path)
 
 @pytest.mark.timeout(150)
 def test_engine_overhead_times_bp_fdg_and_stock_deepspeed_on_one_core() -> None:
-    command = [sys.executable, str(ROOT / "benchmarks" / "engine_overhead.py"), "--models=resnet8_tiny"]
-    command += ["--rounds=2", "--gas=2"]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=140)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    (row,) = [line for line in done.stdout.splitlines() if line.startswith("| resnet8_tiny |")]
-    cells = [cell.strip() for cell in row.strip("|").split("|")[1:]]
+    row, cells = tiny_model_row("engine_overhead.py", "--rounds=2", "--gas=2")
     values = [float(cell.split()[0]) for cell in cells]
     assert len(values) == 5 and all(0 < value < math.inf for value in values), row
