@@ -68,6 +68,7 @@ from throughput_measure import memory_worker, throughput_worker  # noqa: E402
 from throughput_report import markdown, summarize  # noqa: E402
 from throughput_variants import LR, MOMENTUM, STAGES, split_key, split_objective, variants  # noqa: E402
 
+from fdg_schedule import host_memory  # noqa: E402
 from fdg_schedule.launch import run  # noqa: E402
 from fdg_schedule.partition import balanced_partition, evaluate_partition, parameter_split  # noqa: E402
 from fdg_schedule.profile import ModelProfile, profile_layers  # noqa: E402
@@ -147,6 +148,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default="",
         help="fixed splits, e.g. 'resnet32:2=0,6,18;resnet32:2r=0,5,18' (keys: throughput_variants.split_key)",
     )
+    parser.add_argument(
+        "--host-memory",
+        choices=("retain", "system"),
+        default="retain",
+        help="retain: every process keeps freed memory (fdg_schedule.host_memory); system: glibc's default",
+    )
+    parser.add_argument(
+        "--bind-cores", action="store_true", help="pin rank r (all its threads) to core r, as deepspeed --bind_cores_to_rank"
+    )
     parser.add_argument("--engine-note", default="", help="text recorded next to the engine version")
     parser.add_argument("--out", default=str(ROOT / "out" / "throughput"))
     parser.add_argument("--deadline", type=float, default=3600, help="seconds per process tree")
@@ -169,6 +179,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         [os.path.relpath(__file__, ROOT), *(sys.argv[1:] if argv is None else argv)]
     )
     print(f"command: {command}", flush=True)
+    if args.host_memory == "retain":  # before the profile: its layer times then exclude the page faults too
+        host_memory.retain_freed_memory()
     started = time.monotonic()
     report: dict[str, Any] = {
         "command": command,
@@ -181,6 +193,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "window": window,
         "warmup": warmup,
         "fdg_gas": fdg_gas,
+        "host_memory": host_memory.describe(),
+        "bind_cores": args.bind_cores,
         "data": "synthetic fixed tensors, cycled (data loading excluded)",
         "models": {},
         "memory_by_stages": {},
@@ -209,6 +223,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             window=window,
             warmup=warmup,
             memory_micro_batches=args.memory_micro_batches,
+            host_memory=args.host_memory,
+            bind_cores=args.bind_cores,
         )
         costs_ms = [round((c.forward_s + c.backward_s) * 1e3, 2) for c in profile.layers]
         print(f"{model}: layer forward+backward {costs_ms} ms, splits {splits}", flush=True)

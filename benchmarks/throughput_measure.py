@@ -13,12 +13,15 @@ from deepspeed.accelerator import get_accelerator
 from throughput_variants import DeepSpeedVariant, PlainBP, build_variant
 from torch import nn
 
+from fdg_schedule import host_memory
+
 
 def throughput_worker(rank: int, world: int, plan: dict[str, Any]) -> dict[str, Any]:
     """Build every variant, warm each up, run them interleaved, then count their held bytes.
 
     Returns this rank's per-window records and, per variant, its stage and held/saved bytes.
     """
+    prepare_process(rank, plan)
     specs = plan["variants"]
     built = {spec["name"]: build_variant(spec, plan["model"], plan["splits"]) for spec in specs}
     for spec in specs:
@@ -40,6 +43,16 @@ def throughput_worker(rank: int, world: int, plan: dict[str, Any]) -> dict[str, 
     return {"rank": rank, "windows": windows, "stage_id": stage, "memory": memory}
 
 
+def prepare_process(rank: int, plan: dict[str, Any]) -> None:
+    """This rank's allocator setting, and its core when ``bind_cores``: every thread it has (gloo's too)."""
+    if plan.get("host_memory", "system") == "retain":
+        host_memory.retain_freed_memory()
+    if plan.get("bind_cores"):
+        core = sorted(os.sched_getaffinity(0))[rank % len(os.sched_getaffinity(0))]
+        for thread in os.listdir("/proc/self/task"):
+            os.sched_setaffinity(int(thread), {core})
+
+
 def _window(variant: PlainBP | DeepSpeedVariant | None, spec: dict[str, Any], micro_batches: int) -> dict[str, Any]:
     """Run ``micro_batches`` (rounded up to whole units) of one variant after a barrier; time it."""
     units = max(1, -(-micro_batches // spec["per_unit"]))
@@ -47,6 +60,7 @@ def _window(variant: PlainBP | DeepSpeedVariant | None, spec: dict[str, Any], mi
     load_before = os.getloadavg()[0]
     before = dict(variant.stats) if variant is not None else {}
     cpu_before = _cpu_seconds()
+    usage_before = _usage()
     get_accelerator().synchronize()  # on a GPU: the window holds exactly its own kernels (no-op on CPU)
     start = time.perf_counter()
     if variant is not None:
@@ -55,6 +69,7 @@ def _window(variant: PlainBP | DeepSpeedVariant | None, spec: dict[str, Any], mi
     get_accelerator().synchronize()
     local_wall = time.perf_counter() - start
     cpu = _cpu_seconds() - cpu_before
+    usage = {k: v - usage_before[k] for k, v in _usage().items()}
     wall = torch.tensor([local_wall], dtype=torch.float64)
     dist.all_reduce(wall, op=dist.ReduceOp.MAX)
     after = dict(variant.stats) if variant is not None else {}
@@ -64,6 +79,7 @@ def _window(variant: PlainBP | DeepSpeedVariant | None, spec: dict[str, Any], mi
         "micro_batches": units * spec["per_unit"],
         "stats": {k: after[k] - before.get(k, 0.0) for k in after},
         "cpu_s": cpu,
+        "usage": usage,
         "load_before": load_before,
         "load_after": os.getloadavg()[0],
     }
@@ -72,6 +88,22 @@ def _window(variant: PlainBP | DeepSpeedVariant | None, spec: dict[str, Any], mi
 def _cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
+
+
+def _usage() -> dict[str, float]:
+    """Where a rank's CPU time went: user and kernel time, the main thread's share (the rest is
+    other threads: gloo's transport, DeepSpeed's), page faults, and context switches
+    (involuntary: the kernel took the core away)."""
+    process = resource.getrusage(resource.RUSAGE_SELF)
+    thread = resource.getrusage(resource.RUSAGE_THREAD)
+    return {
+        "user_s": process.ru_utime,
+        "sys_s": process.ru_stime,
+        "main_thread_s": thread.ru_utime + thread.ru_stime,
+        "minor_faults": float(process.ru_minflt),
+        "voluntary_switches": float(process.ru_nvcsw),
+        "involuntary_switches": float(process.ru_nivcsw),
+    }
 
 
 class SavedBytes:
@@ -154,6 +186,7 @@ def memory_worker(rank: int, world: int, plan: dict[str, Any], spec: dict[str, A
     """Build one variant in this fresh process, train a few micro-batches, report RSS and held bytes."""
     import psutil
 
+    prepare_process(rank, plan)
     variant = build_variant(spec, plan["model"], plan["splits"])
     result: dict[str, Any] = {"rank": rank, "stage_id": None, "rss_build": psutil.Process().memory_info().rss}
     if variant is not None:

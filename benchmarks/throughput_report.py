@@ -22,6 +22,7 @@ def summarize(plan: dict[str, Any], ranks: list[dict[str, Any]], memory: dict[st
     for name, spec in specs.items():
         rank0 = [w for w in ranks[0]["windows"] if w["variant"] == name]
         samples_per_s, efficiency, compute, wait, other, cpu, share, loads = [], [], [], [], [], [], [], []
+        usage: list[list[dict[str, float]]] = []
         for i, w0 in enumerate(rank0):
             windows = [[x for x in r["windows"] if x["variant"] == name][i] for r in ranks]
             used = [w for w, r in zip(windows, ranks) if r["stage_id"][name] is not None]
@@ -39,6 +40,7 @@ def summarize(plan: dict[str, Any], ranks: list[dict[str, Any]], memory: dict[st
             )  # fmt: skip
             cpu.append([w["cpu_s"] for w in windows])
             share.append([w["cpu_s"] / w["local_wall_s"] for w in used])
+            usage.append([{k: v / w0["micro_batches"] for k, v in w.get("usage", {}).items()} for w in used])
             loads.append((w0["load_before"], w0["load_after"]))
         stages = len(compute[0])
         rows[name] = {
@@ -53,6 +55,10 @@ def summarize(plan: dict[str, Any], ranks: list[dict[str, Any]], memory: dict[st
             "cpu_s_per_rank_per_window": [statistics.median(c[r] for c in cpu) for r in range(len(ranks))],
             # CPU seconds a rank got per second of its wall time: < 1 while waiting or descheduled
             "cpu_share_per_stage": [statistics.median(c[s] for c in share) for s in range(stages)],
+            # per micro-batch, per stage: user/kernel CPU seconds, other threads' CPU seconds, faults, switches
+            "usage_per_micro_batch": [
+                {k: statistics.median(u[s][k] for u in usage) for k in usage[0][s]} for s in range(stages)
+            ],
             "load_avg_1min": loads,
             "optimizer_steps_per_micro_batch": 1.0 / spec["gas"] if spec["kind"] == "1f1b" else 1.0,
         }

@@ -57,6 +57,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from fdg_schedule import host_memory
+
 FORMAT = "fdg_schedule.profile/1"
 # How layers are timed; part of the cache key, so a profile cached by an older way of timing is measured
 # again. 2: the input is copied before the clock starts (Note [the input is copied before the clock starts]).
@@ -288,6 +290,7 @@ def profile_layers(
             "loss_in_last_layer": loss_fn is not None and labels is not None,
             "threads": torch.get_num_threads(),
             "timing": TIMING,
+            "host_memory": host_memory.describe(),
             "device_name": _device_name(device),
             "torch": torch.__version__,
             "host": platform.node(),
@@ -454,7 +457,9 @@ def profile_key(
     """A short hash of what a profile depends on: the layers, the micro-batch's shapes, device, dtype, optimizer.
 
     Layers are described without building them (``LayerSpec`` repr with its arguments, module repr
-    and parameter shapes, function names); the device by its hardware name and thread count.
+    and parameter shapes, function names); the device by its hardware name and thread count, and on
+    a CPU whether freed memory is retained (:mod:`fdg_schedule.host_memory`: page faults change layer
+    times by up to a third, so a profile taken under the other setting is measured again).
     """
     device = torch.device(device) if device is not None else _default_device()
     described = {
@@ -467,6 +472,7 @@ def profile_key(
         "torch": torch.__version__,
         "format": FORMAT,
         "timing": TIMING,
+        "host_memory": host_memory.describe() if device.type == "cpu" else "",
     }
     return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
