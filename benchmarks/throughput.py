@@ -149,13 +149,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="fixed splits, e.g. 'resnet32:2=0,6,18;resnet32:2r=0,5,18' (keys: throughput_variants.split_key)",
     )
     parser.add_argument(
-        "--host-memory",
+        "--freed-memory",
         choices=("retain", "system"),
         default="retain",
         help="retain: every process keeps freed memory (fdg_schedule.host_memory); system: glibc's default",
     )
     parser.add_argument(
-        "--bind-cores", action="store_true", help="pin rank r (all its threads) to core r, as deepspeed --bind_cores_to_rank"
+        "--bind-cores",
+        action="store_true",
+        help="pin rank r (all its threads) to core r, as deepspeed --bind_cores_to_rank",
     )
     parser.add_argument("--engine-note", default="", help="text recorded next to the engine version")
     parser.add_argument("--out", default=str(ROOT / "out" / "throughput"))
@@ -179,7 +181,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         [os.path.relpath(__file__, ROOT), *(sys.argv[1:] if argv is None else argv)]
     )
     print(f"command: {command}", flush=True)
-    if args.host_memory == "retain":  # before the profile: its layer times then exclude the page faults too
+    if args.freed_memory == "retain":  # before the profile: its layer times then exclude the page faults too
         host_memory.retain_freed_memory()
     started = time.monotonic()
     report: dict[str, Any] = {
@@ -223,7 +225,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             window=window,
             warmup=warmup,
             memory_micro_batches=args.memory_micro_batches,
-            host_memory=args.host_memory,
+            host_memory=args.freed_memory,
             bind_cores=args.bind_cores,
         )
         costs_ms = [round((c.forward_s + c.backward_s) * 1e3, 2) for c in profile.layers]

@@ -21,15 +21,17 @@ def throughput_worker(rank: int, world: int, plan: dict[str, Any]) -> dict[str, 
 
     Returns this rank's per-window records and, per variant, its stage and held/saved bytes.
     """
-    prepare_process(rank, plan)
+    cores = prepare_process(rank, plan)
     specs = plan["variants"]
     built = {spec["name"]: build_variant(spec, plan["model"], plan["splits"]) for spec in specs}
     for spec in specs:
+        cores.bind(spec.get("bind_cores", False))
         _window(built[spec["name"]], spec, plan["warmup"])
     windows = []
     for r in range(plan["repeats"]):
         shift = r % len(specs)
         for spec in specs[shift:] + specs[:shift]:
+            cores.bind(spec.get("bind_cores", False))
             record = _window(built[spec["name"]], spec, plan["window"])
             windows.append({"repeat": r, "variant": spec["name"], **record})
             if rank == 0:
@@ -43,14 +45,31 @@ def throughput_worker(rank: int, world: int, plan: dict[str, Any]) -> dict[str, 
     return {"rank": rank, "windows": windows, "stage_id": stage, "memory": memory}
 
 
-def prepare_process(rank: int, plan: dict[str, Any]) -> None:
-    """This rank's allocator setting, and its core when ``bind_cores``: every thread it has (gloo's too)."""
+class Cores:
+    """Where this rank's threads may run: every core it started with, or one of its own (rank r: the r-th)."""
+
+    def __init__(self, rank: int, always_bound: bool) -> None:
+        self.all = sorted(os.sched_getaffinity(0))
+        self.own = {self.all[rank % len(self.all)]}
+        self.always_bound = always_bound
+        self.bound: bool | None = None
+
+    def bind(self, bound: bool) -> None:
+        """Move every thread of the process (gloo's transport threads too) onto its own core, or free it."""
+        bound = bound or self.always_bound
+        if bound != self.bound:
+            for thread in os.listdir("/proc/self/task"):
+                os.sched_setaffinity(int(thread), self.own if bound else set(self.all))
+            self.bound = bound
+
+
+def prepare_process(rank: int, plan: dict[str, Any]) -> Cores:
+    """This rank's allocator setting, bound to its core if ``bind_cores`` (else per variant, by its spec)."""
     if plan.get("host_memory", "system") == "retain":
         host_memory.retain_freed_memory()
-    if plan.get("bind_cores"):
-        core = sorted(os.sched_getaffinity(0))[rank % len(os.sched_getaffinity(0))]
-        for thread in os.listdir("/proc/self/task"):
-            os.sched_setaffinity(int(thread), {core})
+    cores = Cores(rank, bool(plan.get("bind_cores")))
+    cores.bind(False)
+    return cores
 
 
 def _window(variant: PlainBP | DeepSpeedVariant | None, spec: dict[str, Any], micro_batches: int) -> dict[str, Any]:

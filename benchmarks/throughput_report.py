@@ -6,7 +6,7 @@ import statistics
 from typing import Any
 
 from bench_models import MODELS
-from throughput_variants import COMPUTE_KINDS, CORRECTED, split_key, split_objective
+from throughput_variants import BOUND, COMPUTE_KINDS, CORRECTED, split_key, split_objective
 
 
 def _spread(values: list[float]) -> dict[str, float]:
@@ -62,16 +62,20 @@ def summarize(plan: dict[str, Any], ranks: list[dict[str, Any]], memory: dict[st
             "load_avg_1min": loads,
             "optimizer_steps_per_micro_batch": 1.0 / spec["gas"] if spec["kind"] == "1f1b" else 1.0,
         }
-    baseline_1f1b = "1f1b_m4" if "1f1b_m4" in per_repeat else None
     for name, row in rows.items():
-        bases = [("ratio_vs_bp", "bp"), ("ratio_vs_1f1b_m4", baseline_1f1b)]
+        # a variant bound to cores is compared with the baselines bound the same way, where they ran
+        bound = BOUND if name.endswith(BOUND) else ""
+        bases = [
+            (f"ratio_vs_{base}", base + bound if base + bound in per_repeat else base) for base in ("bp", "1f1b_m4")
+        ]
         if "corrections" in specs[name]:  # a staleness correction: its cost next to the same mode without it
             bases.append((f"ratio_vs_{CORRECTED}", CORRECTED))
         for key, base in bases:
-            if base is None or base not in per_repeat:
+            if base not in per_repeat:
                 continue
             paired = [per_repeat[name][r] / per_repeat[base][r] for r in per_repeat[name] if r in per_repeat[base]]
             row[key] = _spread(paired)
+            row.setdefault("ratio_bases", {})[key] = base
         row["speedup_over_k"] = row["ratio_vs_bp"]["median"] / specs[name]["ranks"] if "ratio_vs_bp" in row else None
         in_process = sorted(
             ({"stage_id": r["stage_id"][name], "rank": r["rank"], **r["memory"][name]} for r in ranks
@@ -98,7 +102,9 @@ def markdown(report: dict[str, Any]) -> str:
         f"    {report['command']}",
         "",
         f"Load average (1 min) at start {report['load_start'][0]:.2f}, at end {report['load_end'][0]:.2f}; "
-        f"{report['seconds']:.0f} s in all.",
+        f"{report['seconds']:.0f} s in all. Freed host memory: {report.get('host_memory', 'system default')}; "
+        f"every rank bound to a core of its own: {'yes' if report.get('bind_cores') else 'no'} "
+        "(`_bound` variants: in their own windows).",
         "",
     ]
     for model, result in report["models"].items():
@@ -113,6 +119,11 @@ def markdown(report: dict[str, Any]) -> str:
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         lines += [_row(name, row) for name, row in result["variants"].items()]
+        bound = [
+            name for name, row in result["variants"].items() if BOUND in "".join(row.get("ratio_bases", {}).values())
+        ]
+        if bound:
+            lines += ["", f"{', '.join(bound)}: ×BP and ×1F1B against the baselines bound to cores the same way."]
         lines += _rebalanced(result)
         lines += _corrections_table(result["variants"])
         loads = [load for row in result["variants"].values() for pair in row["load_avg_1min"] for load in pair]

@@ -58,6 +58,10 @@ def split_objective(key: str) -> Any:
     return Objective(activations="recomputed" if key.endswith("r") else "stored")
 
 
+BOUND = "_bound"
+BOUND_OF = ("bp", "1f1b_m4", "fdg_current_stored")
+
+
 def variants(gas_fdg: int) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = [dict(name="bp", kind="bp", stages=1, ranks=1, per_unit=1)]
     out += [dict(name=f"1f1b_m{m}", kind="1f1b", stages=STAGES, ranks=STAGES, gas=m, per_unit=m) for m in GAS_1F1B]
@@ -73,6 +77,13 @@ def variants(gas_fdg: int) -> list[dict[str, Any]]:
     ]
     out += [
         dict(spec, name=spec["name"] + BY_PARAMS, split="parameters") for spec in out if spec["name"] in BY_PARAMS_OF
+    ]
+    # each rank and all its threads on one core of its own during the variant's windows (deepspeed's
+    # --bind_cores_to_rank), paired round by round with the same variant unbound
+    out += [
+        dict(spec, name=spec["name"] + BOUND, bind_cores=True, optional=True)
+        for spec in out
+        if spec["name"] in BOUND_OF
     ]
     return out
 

@@ -64,5 +64,7 @@ def describe() -> str:
     if _applied:
         return "retained (mallopt: M_MMAP_MAX=0, M_TRIM_THRESHOLD=max)"
     if os.environ.get("MALLOC_MMAP_MAX_") == "0" and os.environ.get("MALLOC_TRIM_THRESHOLD_"):
-        return f"retained (environment: MALLOC_MMAP_MAX_=0, MALLOC_TRIM_THRESHOLD_={os.environ['MALLOC_TRIM_THRESHOLD_']})"
+        return (
+            f"retained (environment: MALLOC_MMAP_MAX_=0, MALLOC_TRIM_THRESHOLD_={os.environ['MALLOC_TRIM_THRESHOLD_']})"
+        )
     return "system default"

@@ -43,6 +43,7 @@ from pathlib import Path
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 from deepspeed.pipe import PipelineModule
 from deepspeed.utils import RepeatingLoader
 from torch.utils.data import DataLoader, DistributedSampler
@@ -50,7 +51,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
 import fdg_schedule  # noqa: F401  (must come before deepspeed.initialize: hooks the FDG engine in)
-from fdg_schedule import pipe_partition
+from fdg_schedule import host_memory, pipe_partition
 from fdg_schedule.stage_times import StageClock, stage_report
 from fdg_schedule.staleness_log import StalenessLog
 from fdg_schedule.zoo import hf_lm, text_data
@@ -72,6 +73,7 @@ eval_sequences = 0  # validation sequences per evaluation (0: the whole split), 
 log_interval = 10
 partition = "balanced"  # measured layer times; or a PipelineModule partition_method ("type:BlockPipe", "parameters")
 profile_dir = "runs/profiles"  # layer profiles for "balanced", measured once per model / micro-batch / machine
+freed_memory = "retain"  # on CPU: "retain" keeps freed memory in the process (fdg_schedule.host_memory); "system"
 seed = 1234
 out_dir = "runs/lm"  # git-ignored
 sample_tokens = 60
@@ -97,6 +99,8 @@ checkpoint_interval = int(ds_config.get("pipeline", {}).get("activation_checkpoi
 schedule = ds_config.get("pipeline", {}).get("schedule", "1f1b" if stages > 1 else "bp")
 torch.manual_seed(args.seed)
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+if args.freed_memory == "retain" and get_accelerator().device_name() == "cpu":
+    host_memory.retain_freed_memory()  # before profiling: otherwise page faults take a share of every step
 
 
 def say(*items: object) -> None:

@@ -40,12 +40,13 @@ import deepspeed
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.utils import set_random_seed
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 from tqdm import tqdm
 
 import fdg_schedule  # noqa: F401  (installs the FDG pipeline engine before deepspeed.initialize)
-from fdg_schedule import pipe_partition
+from fdg_schedule import host_memory, pipe_partition
 from fdg_schedule.stage_times import StageClock, stage_report
 from fdg_schedule.staleness_log import StalenessLog
 from fdg_schedule.zoo import resnet, vision_data
@@ -62,6 +63,7 @@ partition = (
     "balanced"  # measured layer times; or "paper" (the FDG paper's split), "parameters", "uniform", "parts:0,5,12"
 )
 profile_dir = "runs/profiles"  # layer profiles for "balanced", measured once per model / micro-batch / machine
+freed_memory = "retain"  # on CPU: "retain" keeps freed memory in the process (fdg_schedule.host_memory); "system"
 warmup_epochs = 0  # epochs at a constant 0.1 x lr before the schedule starts (the paper's code: 3)
 delay_lr_epochs = None  # FDG's delay_lr_ticks in epochs (docs/staleness.md: at K=4 the epochs before the first decay)
 checkpoint_every = 0  # epochs; 0 = never
@@ -83,6 +85,7 @@ parser.add_argument("--max-steps", type=int, default=max_steps)
 parser.add_argument("--pipeline-parallel-size", type=int, default=None, help="stages K (default: world size)")
 parser.add_argument("--partition", default=partition)
 parser.add_argument("--profile-dir", default=profile_dir, help="where --partition balanced caches layer timings")
+parser.add_argument("--freed-memory", default=freed_memory, choices=("retain", "system"))
 parser.add_argument("--lr-decay-epochs", type=int, nargs="*", default=None, help="default: the paper's, scaled")
 parser.add_argument("--warmup-epochs", type=int, default=warmup_epochs, help="epochs at 0.1 x lr first")
 parser.add_argument(
@@ -148,6 +151,8 @@ os.environ.setdefault("MASTER_PORT", "29511")
 
 deepspeed.init_distributed()
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+if args.freed_memory == "retain" and get_accelerator().device_name() == "cpu":
+    host_memory.retain_freed_memory()  # before profiling: otherwise page faults take a share of every step
 input_dtype = torch.bfloat16 if ds_config.get("bf16", {}).get("enabled") else torch.float32  # inputs match weights
 
 
