@@ -12,7 +12,9 @@ reaches at most
 
     ceiling ×BP = 2 × (ms per iteration alone) / (ms per iteration in a pair)
 
-Rounds alternate so a slow stretch of a shared machine falls on both modes alike.
+Rounds alternate so a slow stretch of a shared machine falls on both modes alike. Every worker keeps
+freed memory (``fdg_schedule.host_memory``; ``--freed-memory system`` leaves glibc's default), as the
+throughput benchmark's ranks do; ``--bind-cores`` puts worker r on core r, as its ``--bind-cores``.
 
 A pipeline also runs in lock-step: each FDG tick needs the neighbour's previous tick, so at K = 2 a
 tick lasts as long as the slower stage *in that tick* (docs/performance.md, benchmarks/lockstep_jitter.py).
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import time
@@ -53,9 +56,20 @@ for path in (ROOT, ROOT / "benchmarks"):
 MODES = ("alone", "pair", "halves")
 
 
-def worker(rank: int, model: str, rounds: int, iterations: int, cut: int, barrier: Any, results: Any) -> None:
+def worker(
+    rank: int, model: str, rounds: int, iterations: int, cut: int, barrier: Any, results: Any, host: dict[str, bool]
+) -> None:
     import torch
     from bench_models import build_layers, fixed_data, loss_fn
+
+    from fdg_schedule import host_memory
+
+    if host["retain"]:
+        host_memory.retain_freed_memory()
+    if host["bind_cores"]:  # every thread of this worker on the core of its rank
+        core = sorted(os.sched_getaffinity(0))[rank % len(os.sched_getaffinity(0))]
+        for thread in os.listdir("/proc/self/task"):
+            os.sched_setaffinity(int(thread), {core})
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -117,11 +131,11 @@ def balanced_cut(model: str) -> tuple[int, list[float]]:
     return plan.parts[1], [stage.time_s for stage in plan.stages]
 
 
-def measure(model: str, rounds: int, iterations: int) -> dict[str, Any]:
+def measure(model: str, rounds: int, iterations: int, host: dict[str, bool]) -> dict[str, Any]:
     cut, predicted = balanced_cut(model)
     context = mp.get_context("spawn")
     barrier, results = context.Barrier(2), context.Queue()
-    args = (model, rounds, iterations, cut, barrier, results)
+    args = (model, rounds, iterations, cut, barrier, results, host)
     procs = [context.Process(target=worker, args=(r, *args)) for r in (0, 1)]
     for proc in procs:
         proc.start()
@@ -171,7 +185,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", default="resnet32,transformer")
     parser.add_argument("--rounds", type=int, default=8, help="rounds of each mode, alternating")
     parser.add_argument("--iterations", type=int, default=6, help="training iterations per round")
+    parser.add_argument(
+        "--freed-memory", choices=("retain", "system"), default="retain", help="fdg_schedule.host_memory"
+    )
+    parser.add_argument("--bind-cores", action="store_true", help="worker r and all its threads on core r")
     args = parser.parse_args(argv)
+    host = {"retain": args.freed_memory == "retain", "bind_cores": args.bind_cores}
+    if host["retain"]:  # the profile behind the halves' cut too
+        from fdg_schedule import host_memory
+
+        host_memory.retain_freed_memory()
     print(f"command: python benchmarks/core_contention.py {' '.join(sys.argv[1:] if argv is None else argv)}")
     print(
         "| model | ms/iteration alone | ms/iteration in a pair | slowdown | ceiling ×BP at K = 2 "
@@ -180,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for model in args.models.split(","):
-        got = measure(model, args.rounds, args.iterations)
+        got = measure(model, args.rounds, args.iterations, host)
         slowdown = statistics.median(got["pair"]) / statistics.median(got["alone"])
         ceiling = statistics.median(got["ceiling"])
         lockstep = statistics.median(got["lockstep"])

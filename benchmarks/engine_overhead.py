@@ -79,7 +79,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", default="resnet32,transformer")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--gas", type=int, default=16, help="micro-batches per window (DeepSpeed's GAS)")
+    parser.add_argument(
+        "--freed-memory", choices=("retain", "system"), default="retain", help="fdg_schedule.host_memory"
+    )
     args = parser.parse_args(argv)
+    if args.freed_memory == "retain":
+        from fdg_schedule import host_memory
+
+        host_memory.retain_freed_memory()
 
     import deepspeed
     import torch

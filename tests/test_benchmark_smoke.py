@@ -205,3 +205,11 @@ def test_engine_overhead_times_bp_fdg_and_stock_deepspeed_on_one_core() -> None:
     row, cells = tiny_model_row("engine_overhead.py", "--rounds=2", "--gas=2")
     values = [float(cell.split()[0]) for cell in cells]
     assert len(values) == 5 and all(0 < value < math.inf for value in values), row
+
+
+@pytest.mark.timeout(150)
+def test_freed_memory_times_both_allocator_settings_in_fresh_processes() -> None:
+    row, cells = tiny_model_row("freed_memory.py", "--rounds=2", "--warmup=2", "--iterations=2")
+    system_ms, retained_ms, ratio, system_faults, retained_faults, system_kernel, retained_kernel = cells
+    assert all(float(cell.split()[0]) > 0 for cell in (system_ms, retained_ms, ratio)), row
+    assert all(float(cell.split()[0]) >= 0 for cell in (system_faults, retained_faults, system_kernel, retained_kernel))
