@@ -32,7 +32,7 @@ import platform
 # mallopt(3) parameters, from glibc's <malloc.h>.
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
-_LARGEST = ctypes.c_int(-1).value  # mallopt takes an int; glibc reads the trim threshold as unsigned
+_LARGEST = -1  # mallopt takes an int; glibc stores the trim threshold as a size_t, so -1 is its largest value
 
 _applied = False
 

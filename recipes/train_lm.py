@@ -88,6 +88,8 @@ parser.add_argument("--untie", action="store_true", help="give the LM head its o
 parser.add_argument("--local_rank", type=int, default=-1)
 parser = deepspeed.add_config_arguments(parser)
 args = parser.parse_args()
+if args.freed_memory not in ("retain", "system"):
+    parser.error(f"--freed_memory {args.freed_memory!r}: use retain (keep freed memory, the default) or system")
 with open(args.deepspeed_config) as f:
     ds_config = json.load(f)
 

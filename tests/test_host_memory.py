@@ -10,6 +10,7 @@ import os
 import platform
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -78,3 +79,18 @@ def test_a_cpu_profile_is_keyed_on_the_setting(monkeypatch: pytest.MonkeyPatch) 
     default = profile.profile_key(layers, inputs, device="cpu")
     monkeypatch.setattr(host_memory, "describe", lambda: "retained (mallopt: M_MMAP_MAX=0, M_TRIM_THRESHOLD=max)")
     assert profile.profile_key(layers, inputs, device="cpu") != default
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("recipe", "flag"), [("train_resnet.py", "--freed-memory"), ("train_lm.py", "--freed_memory")])
+def test_the_recipes_refuse_an_unknown_setting_before_starting(recipe: str, flag: str) -> None:
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, str(root / "recipes" / recipe), f"{flag}=keep"],
+        env={**os.environ, "DS_ACCELERATOR": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert flag in done.stderr and "keep" in done.stderr and "retain" in done.stderr, done.stderr[-2000:]
