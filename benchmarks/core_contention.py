@@ -66,10 +66,9 @@ def worker(
 
     if host["retain"]:
         host_memory.retain_freed_memory()
-    if host["bind_cores"]:  # every thread of this worker on the core of its rank
-        core = sorted(os.sched_getaffinity(0))[rank % len(os.sched_getaffinity(0))]
-        for thread in os.listdir("/proc/self/task"):
-            os.sched_setaffinity(int(thread), {core})
+    if host["bind_cores"]:  # this worker on the core of its rank
+        cores = sorted(os.sched_getaffinity(0))
+        bind_threads({cores[rank % len(cores)]})
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -113,6 +112,12 @@ def worker(
         elif mode == "pair" or rank == 0:
             results.put((round_, mode, rank, train(whole, optimizer, iterations)))
         barrier.wait()
+
+
+def bind_threads(cores: set[int]) -> None:
+    """Let every thread of this process (gloo's transport threads too) run only on ``cores``."""
+    for thread in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(thread), cores)
 
 
 def balanced_cut(model: str) -> tuple[int, list[float]]:

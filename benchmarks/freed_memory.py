@@ -35,9 +35,10 @@ MODES = ("system", "retained")
 
 
 def _measure(model: str, mode: str, warmup: int, iterations: int, results: Any) -> None:
-    """In a fresh process: the allocator setting first, then BP's time, faults and kernel time per micro-batch."""
-    for path in (ROOT, ROOT / "benchmarks"):
-        sys.path.insert(0, str(path))
+    """In a fresh process: the allocator setting first, then BP's time, faults and kernel time per micro-batch.
+
+    (The spawned process runs this module's top level first, which puts the checkout on ``sys.path``.)
+    """
     from fdg_schedule import host_memory
 
     if mode == "retained":

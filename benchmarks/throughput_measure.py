@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from core_contention import bind_threads
 from deepspeed.accelerator import get_accelerator
 from throughput_variants import DeepSpeedVariant, PlainBP, build_variant
 from torch import nn
@@ -58,8 +59,7 @@ class Cores:
         """Move every thread of the process (gloo's transport threads too) onto its own core, or free it."""
         bound = bound or self.always_bound
         if bound != self.bound:
-            for thread in os.listdir("/proc/self/task"):
-                os.sched_setaffinity(int(thread), self.own if bound else set(self.all))
+            bind_threads(self.own if bound else set(self.all))
             self.bound = bound
 
 
@@ -78,7 +78,6 @@ def _window(variant: PlainBP | DeepSpeedVariant | None, spec: dict[str, Any], mi
     dist.barrier()
     load_before = os.getloadavg()[0]
     before = dict(variant.stats) if variant is not None else {}
-    cpu_before = _cpu_seconds()
     usage_before = _usage()
     get_accelerator().synchronize()  # on a GPU: the window holds exactly its own kernels (no-op on CPU)
     start = time.perf_counter()
@@ -87,7 +86,6 @@ def _window(variant: PlainBP | DeepSpeedVariant | None, spec: dict[str, Any], mi
             variant.unit()
     get_accelerator().synchronize()
     local_wall = time.perf_counter() - start
-    cpu = _cpu_seconds() - cpu_before
     usage = {k: v - usage_before[k] for k, v in _usage().items()}
     wall = torch.tensor([local_wall], dtype=torch.float64)
     dist.all_reduce(wall, op=dist.ReduceOp.MAX)
@@ -97,16 +95,11 @@ def _window(variant: PlainBP | DeepSpeedVariant | None, spec: dict[str, Any], mi
         "local_wall_s": local_wall,
         "micro_batches": units * spec["per_unit"],
         "stats": {k: after[k] - before.get(k, 0.0) for k in after},
-        "cpu_s": cpu,
+        "cpu_s": usage["user_s"] + usage["sys_s"],
         "usage": usage,
         "load_before": load_before,
         "load_after": os.getloadavg()[0],
     }
-
-
-def _cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def _usage() -> dict[str, float]:

@@ -120,7 +120,9 @@ def markdown(report: dict[str, Any]) -> str:
         ]
         lines += [_row(name, row) for name, row in result["variants"].items()]
         bound = [
-            name for name, row in result["variants"].items() if BOUND in "".join(row.get("ratio_bases", {}).values())
+            name
+            for name, row in result["variants"].items()
+            if any(base.endswith(BOUND) for base in row.get("ratio_bases", {}).values())
         ]
         if bound:
             lines += ["", f"{', '.join(bound)}: ×BP and ×1F1B against the baselines bound to cores the same way."]
