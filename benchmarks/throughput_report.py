@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Any
 
@@ -11,6 +12,25 @@ from throughput_variants import BOUND, COMPUTE_KINDS, CORRECTED, split_key, spli
 
 def _spread(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def median_ci95(values: list[float]) -> tuple[float, float] | None:
+    """A distribution-free 95 % confidence interval of the median: order statistics x_(j), x_(n+1-j).
+
+    j is the largest index with P(Binomial(n, 1/2) < j) <= 2.5 %, so the interval covers the true
+    median with at least 95 % for any continuous distribution of independent rounds. None below six
+    values (no such interval exists: at n = 5 even [min, max] covers only 93.75 %).
+    """
+    n = len(values)
+    below = 0.0  # P(Binomial(n, 1/2) < j)
+    j = 0
+    while below + math.comb(n, j) / 2**n <= 0.025:
+        below += math.comb(n, j) / 2**n
+        j += 1
+    if j == 0:
+        return None
+    ordered = sorted(values)
+    return ordered[j - 1], ordered[n - j]
 
 
 def summarize(plan: dict[str, Any], ranks: list[dict[str, Any]], memory: dict[str, list[dict[str, Any]]]) -> dict:
@@ -75,6 +95,9 @@ def summarize(plan: dict[str, Any], ranks: list[dict[str, Any]], memory: dict[st
                 continue
             paired = [per_repeat[name][r] / per_repeat[base][r] for r in per_repeat[name] if r in per_repeat[base]]
             row[key] = _spread(paired)
+            ci = median_ci95(paired)
+            if ci is not None:
+                row[key]["ci95"] = list(ci)
             row.setdefault("ratio_bases", {})[key] = base
         row["speedup_over_k"] = row["ratio_vs_bp"]["median"] / specs[name]["ranks"] if "ratio_vs_bp" in row else None
         in_process = sorted(
@@ -113,7 +136,7 @@ def markdown(report: dict[str, Any]) -> str:
             f"### {model} (micro-batch {cfg['micro']}, {report['repeats']} rounds of {report['window']} "
             "micro-batches per variant)",
             "",
-            "| variant | split | samples/s median [min–max] | ×BP | ×1F1B m=4 | efficiency | predicted ms/µb "
+            "| variant | split | samples/s median [min–max] | ×BP median [min–max] (95 % CI) | ×1F1B m=4 | efficiency | predicted ms/µb "
             "| compute ms/µb "
             "| wait ms/µb | other ms/µb | CPU share | peak RSS MB | ΔRSS MB | held (FDG) / saved (others) MB |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -216,7 +239,9 @@ def _row(name: str, row: dict[str, Any]) -> str:
 def _ratio(row: dict[str, Any], key: str) -> str:
     if key not in row:
         return "–"
-    return f"{row[key]['median']:.2f} [{row[key]['min']:.2f}–{row[key]['max']:.2f}]"
+    ratio = row[key]
+    ci = f" (CI {ratio['ci95'][0]:.2f}–{ratio['ci95'][1]:.2f})" if "ci95" in ratio else ""
+    return f"{ratio['median']:.2f} [{ratio['min']:.2f}–{ratio['max']:.2f}]{ci}"
 
 
 def _slash(values: list[float], scale: float, digits: int = 1) -> str:
