@@ -28,6 +28,11 @@ their i-th iterations, started together at the round's barrier, give
 
 and the ceiling with the lock-step = ceiling / (1 + lock-step cost).
 
+``--halves-order fdg`` runs the first half in FDG's order (stage 0 at K = 2, stored activations):
+each iteration back-propagates the forward of two iterations before, so two micro-batches' activations
+are held in flight and read back cold, as the pipeline's first stage does. The halves' sum then
+includes what that order costs while the other core is busy too.
+
 Prints one Markdown table: medians [min–max] over rounds of each mode's ms per iteration, the
 slowdown, the ceiling (the median of the per-pair-of-rounds ratios), the split, the two stages'
 summed ms per iteration in the halves rounds over the whole model's alone (the plain-torch
@@ -39,6 +44,7 @@ the halves rounds against the partitioner's prediction, a stage's per-iteration 
 from __future__ import annotations
 
 import argparse
+import collections
 import multiprocessing as mp
 import os
 import statistics
@@ -85,8 +91,17 @@ def worker(
     def whole() -> None:
         criterion(net(x), y).backward()
 
+    held: collections.deque[torch.Tensor] = collections.deque()
+
     def half() -> None:  # stage 0: backward with a fixed gradient; stage 1: from the fixed boundary activation
-        if rank == 0:
+        if rank == 0 and host["fdg_order"]:  # FDG's stage 0 at K = 2: back-propagate the forward of 2 ticks ago
+            if len(held) == 2:
+                out = held.popleft()
+                out.backward(torch.full_like(out, 1e-4))
+            # as the engine's stored forward: saved weights are read live at backward time, after the steps
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                held.append(stage(x))
+        elif rank == 0:
             out = stage(x)
             out.backward(torch.full_like(out, 1e-4))
         else:
@@ -103,7 +118,7 @@ def worker(
         return seconds
 
     train(whole, optimizer, 1)  # warm-up
-    train(half, stage_optimizer, 1)
+    train(half, stage_optimizer, 3 if host["fdg_order"] else 1)  # FDG's order: two forwards in flight from here on
     for round_ in range(len(MODES) * rounds):
         mode = MODES[round_ % len(MODES)]
         barrier.wait()
@@ -194,8 +209,19 @@ def main(argv: list[str] | None = None) -> None:
         "--freed-memory", choices=("retain", "system"), default="retain", help="fdg_schedule.host_memory"
     )
     parser.add_argument("--bind-cores", action="store_true", help="worker r and all its threads on core r")
+    parser.add_argument(
+        "--halves-order",
+        choices=("plain", "fdg"),
+        default="plain",
+        help="plain: each half trains one micro-batch per iteration; fdg: the first half back-propagates the "
+        "forward of two iterations ago, holding two in flight (FDG's stage 0 at K = 2, stored activations)",
+    )
     args = parser.parse_args(argv)
-    host = {"retain": args.freed_memory == "retain", "bind_cores": args.bind_cores}
+    host = {
+        "retain": args.freed_memory == "retain",
+        "bind_cores": args.bind_cores,
+        "fdg_order": args.halves_order == "fdg",
+    }
     if host["retain"]:  # the profile behind the halves' cut too
         from fdg_schedule import host_memory
 

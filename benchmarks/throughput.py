@@ -160,11 +160,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="pin rank r (all its threads) to core r, as deepspeed --bind_cores_to_rank",
     )
     parser.add_argument("--engine-note", default="", help="text recorded next to the engine version")
+    parser.add_argument(
+        "--render",
+        metavar="JSON",
+        default=None,
+        help="no run: summarize an earlier run's raw windows again with this checkout's report code",
+    )
     parser.add_argument("--out", default=str(ROOT / "out" / "throughput"))
     parser.add_argument("--deadline", type=float, default=3600, help="seconds per process tree")
     args = parser.parse_args(argv)
     # A SIGTERM becomes SystemExit, so the launcher's cleanup kills the ranks instead of orphaning them.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.render:
+        return render(Path(args.render))
     quick = args.quick
     models = (args.models or ("resnet8_tiny,transformer_tiny" if quick else "resnet32,transformer")).split(",")
     repeats = args.repeats if args.repeats is not None else (2 if quick else 5)
@@ -258,6 +266,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     (out / "throughput.md").write_text(markdown(report))
     print(markdown(report), flush=True)
     print(f"wrote {out / 'throughput.json'} and {out / 'throughput.md'}", flush=True)
+    return report
+
+
+def render(path: Path) -> dict[str, Any]:
+    """An earlier run's report, summarized again from its raw windows by this checkout's report code.
+
+    Rewrites ``throughput.json`` (every raw window kept) and ``throughput.md`` in place; the report
+    records which code summarized it. Fresh-process memory is kept as that run measured it.
+    """
+    report = json.loads(path.read_text())
+    for model, result in report["models"].items():
+        names = set(result["variants"])
+        plan = {
+            "model": model,
+            "splits": result["splits"],
+            "predicted": result["predicted"],
+            "variants": [s for s in variants(report["fdg_gas"]) if s["name"] in names],
+        }
+        memory = {name: row["memory"] for name, row in result["variants"].items()}
+        result["variants"] = summarize(plan, result["raw"], memory)
+    report["summarized_by"] = engine_version()
+    path.write_text(json.dumps(report, indent=1))
+    (path.parent / "throughput.md").write_text(markdown(report))
+    print(markdown(report), flush=True)
     return report
 
 

@@ -109,12 +109,41 @@ def summarize(plan: dict[str, Any], ranks: list[dict[str, Any]], memory: dict[st
         row["memory"] = [
             {**m, **{k: v for k, v in f.items() if k.startswith("rss")}} for m, f in zip(in_process, fresh)
         ]
-        key = split_key(specs[name]) if specs[name]["stages"] > 1 else None
-        row["split_key"] = key
-        row["split"] = plan["splits"].get(key) if key is not None else None
-        predicted = plan.get("predicted", {}).get(key) if key is not None else None
+        split = split_key(specs[name]) if specs[name]["stages"] > 1 else None
+        row["split_key"] = split
+        row["split"] = plan["splits"].get(split) if split is not None else None
+        predicted = plan.get("predicted", {}).get(split) if split is not None else None
         row["stage_predicted_s_per_micro_batch"] = predicted["predicted_s"] if predicted else None
+    for name, row in rows.items():
+        stored = name.removesuffix("_recomputed") + "_stored"
+        if name.endswith("_recomputed") and stored in rows:
+            paired = [per_repeat[name][r] / per_repeat[stored][r] for r in per_repeat[name] if r in per_repeat[stored]]
+            row["recompute_bound"] = recompute_bound(row, rows[stored], paired)
     return rows
+
+
+IDEAL_RECOMPUTE_BOUND = 0.875  # K = 2, a forward a third of a layer's work, layers divisible at will
+
+
+def recompute_bound(recomputed: dict[str, Any], stored: dict[str, Any], paired: list[float]) -> dict[str, float]:
+    """How fast the recomputed mode can be at most, as a fraction of the stored mode's speed.
+
+    ``profile``: the partitioner's predicted tick (slowest stage) of the stored split over that of the
+    recomputed split, both on this model's measured layer times: the extra forward at its measured cost
+    and the layers as they can be cut. ``ideal``: the same bound for a forward a third of a layer's
+    work and layers divisible at will (7/8 at K = 2). ``measured``: the median over rounds of the
+    recomputed mode's samples/s over the stored mode's in the same round.
+    """
+    bound = {"ideal": IDEAL_RECOMPUTE_BOUND}
+    predicted = (stored.get("stage_predicted_s_per_micro_batch"), recomputed.get("stage_predicted_s_per_micro_batch"))
+    if predicted[0] and predicted[1]:
+        bound["profile"] = max(predicted[0]) / max(predicted[1])
+    if paired:
+        bound["measured"] = statistics.median(paired)
+        ci = median_ci95(paired)
+        if ci is not None:
+            bound["measured_ci95_low"], bound["measured_ci95_high"] = ci
+    return bound
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -124,6 +153,11 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"    {report['command']}",
         "",
+        *(
+            [f"Summarized again from the run's raw windows by {report['summarized_by']}.", ""]
+            if "summarized_by" in report
+            else []
+        ),
         f"Load average (1 min) at start {report['load_start'][0]:.2f}, at end {report['load_end'][0]:.2f}; "
         f"{report['seconds']:.0f} s in all. Freed host memory: {report.get('host_memory', 'system default')}; "
         f"every rank bound to a core of its own: {'yes' if report.get('bind_cores') else 'no'} "
@@ -136,7 +170,8 @@ def markdown(report: dict[str, Any]) -> str:
             f"### {model} (micro-batch {cfg['micro']}, {report['repeats']} rounds of {report['window']} "
             "micro-batches per variant)",
             "",
-            "| variant | split | samples/s median [min–max] | ×BP median [min–max] (95 % CI) | ×1F1B m=4 | efficiency | predicted ms/µb "
+            "| variant | split | samples/s median [min–max] | ×BP median [min–max] (95 % CI) | ×1F1B m=4 | efficiency "
+            "| predicted ms/µb "
             "| compute ms/µb "
             "| wait ms/µb | other ms/µb | CPU share | peak RSS MB | ΔRSS MB | held (FDG) / saved (others) MB |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -150,6 +185,7 @@ def markdown(report: dict[str, Any]) -> str:
         if bound:
             lines += ["", f"{', '.join(bound)}: ×BP and ×1F1B against the baselines bound to cores the same way."]
         lines += _rebalanced(result)
+        lines += _recompute_bounds(result)
         lines += _corrections_table(result["variants"])
         loads = [load for row in result["variants"].values() for pair in row["load_avg_1min"] for load in pair]
         lines += ["", f"Load average (1 min) during the windows: {min(loads):.2f}–{max(loads):.2f}.", ""]
@@ -185,6 +221,36 @@ def _rebalanced(result: dict[str, Any]) -> list[str]:
             continue
         plan = evaluate_partition(profile, row["split"], split_objective(row["split_key"]))
         lines.append(f"- {name}: {rebalanced_advice(plan, measured)}")
+    return ["", *lines] if lines else []
+
+
+def _recompute_bounds(result: dict[str, Any]) -> list[str]:
+    """Per recomputed variant: its speed over the stored mode's against the bounds its extra forward allows."""
+    layers = result.get("profile", {}).get("layers", [])
+    forward = sum(layer["forward_s"] for layer in layers)
+    share = forward / (forward + sum(layer["backward_s"] for layer in layers)) if layers else None
+    lines = []
+    for name, row in result["variants"].items():
+        bound = row.get("recompute_bound", {})
+        if "measured" not in bound:
+            continue
+        ci = (
+            f" (CI {bound['measured_ci95_low']:.3f}–{bound['measured_ci95_high']:.3f})"
+            if "measured_ci95_low" in bound
+            else ""
+        )
+        profile = (
+            f"{bound['profile']:.3f} on this profile (forward {share:.0%} of forward + backward, "
+            f"these splits; measured / bound {bound['measured'] / bound['profile']:.3f})"
+            if "profile" in bound and share is not None
+            else "– (no profile)"
+        )
+        lines.append(
+            f"- {name}: {bound['measured']:.3f}{ci} × the stored mode's samples/s (paired per round). "
+            f"Bound: {profile}; "
+            f"{bound['ideal']} for a forward a third of the work, layers cut anywhere "
+            f"(measured / bound {bound['measured'] / bound['ideal']:.3f})."
+        )
     return ["", *lines] if lines else []
 
 

@@ -91,6 +91,28 @@ def test_quick_run_writes_a_complete_report(tmp_path: Path) -> None:
     stored, recomputed = rows["fdg_current_stored"]["memory"][0], rows["fdg_current_recomputed"]["memory"][0]
     assert recomputed["held_max"] < stored["held_max"]  # inputs only, not the activations
 
+    # Recomputed against stored: the bound from the two splits' predicted ticks, the paired ratio, both printed.
+    for weights in ("current", "stashed"):
+        bound = rows[f"fdg_{weights}_recomputed"]["recompute_bound"]
+        predicted = [
+            rows[f"fdg_{weights}_{mode}"]["stage_predicted_s_per_micro_batch"] for mode in ("stored", "recomputed")
+        ]
+        assert bound["profile"] == pytest.approx(max(predicted[0]) / max(predicted[1]))
+        assert bound["ideal"] == 0.875 and bound["measured"] > 0
+        assert f"- fdg_{weights}_recomputed: {bound['measured']:.3f} × the stored mode's samples/s" in markdown
+    assert "recompute_bound" not in rows["fdg_current_stored"]
+
+    # --render summarizes the raw windows again, with the same numbers, and says so.
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "throughput.py"), f"--render={tmp_path / 'throughput.json'}"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    again = json.loads((tmp_path / "throughput.json").read_text())
+    assert again["summarized_by"] and again["command"] == report["command"]
+    assert again["models"]["transformer_tiny"]["variants"] == rows
+    assert "Summarized again from the run's raw windows by " in (tmp_path / "throughput.md").read_text()
+
 
 @pytest.mark.timeout(150)
 def test_correction_cost_measures_every_correction_and_its_delta(tmp_path: Path) -> None:
@@ -128,8 +150,9 @@ def tiny_model_row(script: str, *args: str) -> tuple[str, list[str]]:
 
 
 @pytest.mark.timeout(150)
-def test_core_contention_reports_both_modes_and_the_ceiling() -> None:
-    row, cells = tiny_model_row("core_contention.py", "--rounds=2", "--iterations=3")
+@pytest.mark.parametrize("order", ["plain", "fdg"])
+def test_core_contention_reports_both_modes_and_the_ceiling(order: str) -> None:
+    row, cells = tiny_model_row("core_contention.py", "--rounds=2", "--iterations=3", f"--halves-order={order}")
     alone, pair, slowdown, ceiling, split, stages_sum, stage_ms, spread, lockstep, with_lockstep = cells
     assert re.fullmatch(r"0,\d+,\d+", split), row
     assert re.fullmatch(r"[\d.]+ / [\d.]+ \([\d.]+ / [\d.]+\)", stage_ms), row
