@@ -86,7 +86,7 @@ def model_profile(model: str) -> ModelProfile:
 
 def model_splits(profile: ModelProfile, specs: list[dict[str, Any]], stage_counts: set[int]) -> dict[str, Any]:
     """Per split key (``throughput_variants.split_key``): its boundaries and predicted stage times."""
-    keys = {split_key(dict(s, stages=k)) for s in specs if s["kind"] in ("fdg", "1f1b") for k in stage_counts}
+    keys = {split_key(dict(s, stages=k)) for s in specs if s["kind"] in ("fdg", "1f1b", "halves") for k in stage_counts}
     out = {}
     for key in sorted(keys):
         stages, objective = int(re.match(r"\d+", key).group()), split_objective(key)  # type: ignore[union-attr]

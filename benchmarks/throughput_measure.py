@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from core_contention import bind_threads
 from deepspeed.accelerator import get_accelerator
-from throughput_variants import DeepSpeedVariant, PlainBP, build_variant
+from throughput_variants import DeepSpeedVariant, Variant, build_variant
 from torch import nn
 
 from fdg_schedule import host_memory
@@ -72,7 +72,7 @@ def prepare_process(rank: int, plan: dict[str, Any]) -> Cores:
     return cores
 
 
-def _window(variant: PlainBP | DeepSpeedVariant | None, spec: dict[str, Any], micro_batches: int) -> dict[str, Any]:
+def _window(variant: Variant | None, spec: dict[str, Any], micro_batches: int) -> dict[str, Any]:
     """Run ``micro_batches`` (rounded up to whole units) of one variant after a barrier; time it."""
     units = max(1, -(-micro_batches // spec["per_unit"]))
     dist.barrier()
@@ -165,7 +165,7 @@ class HeldBytesObserver:
         pass
 
 
-def held_or_saved(variant: PlainBP | DeepSpeedVariant | None, spec: dict[str, Any], micro_batches: int) -> dict:
+def held_or_saved(variant: Variant | None, spec: dict[str, Any], micro_batches: int) -> dict:
     """Train ``micro_batches`` more and report the most bytes held for backward on this rank.
 
     FDG: ``engine.held_bytes()`` at every tick end (saved activations, stage inputs, weight

@@ -7,7 +7,7 @@ import statistics
 from typing import Any
 
 from bench_models import MODELS
-from throughput_variants import BOUND, COMPUTE_KINDS, CORRECTED, split_key, split_objective
+from throughput_variants import BOUND, COMPUTE_KINDS, CORRECTED, HALVES, split_key, split_objective
 
 
 def _spread(values: list[float]) -> dict[str, float]:
@@ -90,6 +90,8 @@ def summarize(plan: dict[str, Any], ranks: list[dict[str, Any]], memory: dict[st
         ]
         if "corrections" in specs[name]:  # a staleness correction: its cost next to the same mode without it
             bases.append((f"ratio_vs_{CORRECTED}", CORRECTED))
+        if specs[name]["kind"] in ("fdg", "1f1b"):  # against what the cores allow FDG's stages without a pipeline
+            bases.append((f"ratio_vs_{HALVES}", HALVES))
         for key, base in bases:
             if base not in per_repeat:
                 continue
@@ -186,6 +188,7 @@ def markdown(report: dict[str, Any]) -> str:
             lines += ["", f"{', '.join(bound)}: ×BP and ×1F1B against the baselines bound to cores the same way."]
         lines += _rebalanced(result)
         lines += _recompute_bounds(result)
+        lines += _against_halves(result["variants"])
         lines += _corrections_table(result["variants"])
         loads = [load for row in result["variants"].values() for pair in row["load_avg_1min"] for load in pair]
         lines += ["", f"Load average (1 min) during the windows: {min(loads):.2f}–{max(loads):.2f}.", ""]
@@ -221,6 +224,17 @@ def _rebalanced(result: dict[str, Any]) -> list[str]:
             continue
         plan = evaluate_partition(profile, row["split"], split_objective(row["split_key"]))
         lines.append(f"- {name}: {rebalanced_advice(plan, measured)}")
+    return ["", *lines] if lines else []
+
+
+def _against_halves(rows: dict[str, dict[str, Any]]) -> list[str]:
+    """Per pipeline variant: its samples/s over the plain halves' (the machine's ceiling), paired per round."""
+    lines = [
+        f"- {name}: {_ratio(row, f'ratio_vs_{HALVES}')} × `{HALVES}` (FDG's stages in plain torch, both cores "
+        "busy, no engine, no exchange, no lock-step; paired per round)"
+        for name, row in rows.items()
+        if f"ratio_vs_{HALVES}" in row
+    ]
     return ["", *lines] if lines else []
 
 

@@ -58,6 +58,7 @@ def split_objective(key: str) -> Any:
     return Objective(activations="recomputed" if key.endswith("r") else "stored")
 
 
+HALVES = "halves"
 BOUND = "_bound"
 BOUND_OF = ("bp", "1f1b_m4", "fdg_current_stored")
 
@@ -71,6 +72,8 @@ def variants(gas_fdg: int) -> list[dict[str, Any]]:
         for w, a in MODES
     ]  # fmt: skip
     out.append(dict(name="dp2", kind="dp", stages=1, ranks=2, gas=1, per_unit=1))
+    # the machine's own ceiling, in the same processes and rounds: FDG's stages in plain torch (run when named)
+    out.append(dict(name=HALVES, kind="halves", stages=STAGES, ranks=STAGES, per_unit=1, optional=True))
     plain = next(spec for spec in out if spec["name"] == CORRECTED)
     out += [
         dict(plain, name=f"{CORRECTED}_{name}", corrections=keys, optional=True) for name, keys in CORRECTIONS.items()
@@ -114,6 +117,66 @@ class PlainBP:
         self.stats["forward_s"] += t1 - t0
         self.stats["backward_s"] += t2 - t1
         self.stats["step_s"] += t3 - t2
+
+
+class PlainHalves:
+    """FDG's stages without a pipeline: each rank trains its stage of the FDG stored split in plain torch.
+
+    Stage k < K-1 runs FDG's tick order: it back-propagates the forward of 2(K-1-k) ticks before with
+    a fixed gradient (its activations held in flight meanwhile), steps, and forwards the newest
+    micro-batch; the last stage trains on the activations the earlier layers give the fixed
+    micro-batches. Nothing is exchanged and no rank waits for another, so a window's samples/s is
+    what the two busy cores allow FDG's stages with no engine, no communication and no lock-step.
+    """
+
+    def __init__(self, model: str, parts: list[int]) -> None:
+        torch.manual_seed(0)
+        device = get_accelerator().current_device_name()
+        self.stage_id = dist.get_rank()
+        layers = build_layers(model)
+        start, stop = parts[self.stage_id], parts[self.stage_id + 1]
+        self.module = nn.Sequential(*layers[start:stop]).to(device)
+        self.last = self.stage_id == STAGES - 1
+        self.delay = 2 * (STAGES - 1 - self.stage_id)
+        self.loss_fn = loss_fn(model)
+        self.optimizer = torch.optim.SGD(self.module.parameters(), lr=LR, momentum=MOMENTUM)
+        earlier = nn.Sequential(*layers[:start]).to(device)
+        with torch.no_grad():  # what this stage receives for each fixed micro-batch
+            data = [(earlier(x.to(device)), y.to(device)) for x, y in fixed_data(model)]
+        self.data = itertools.cycle(data)
+        self.held: list[torch.Tensor] = []
+        self.grad: torch.Tensor | None = None
+        self.stats: dict[str, float] = {k: 0.0 for k in COMPUTE_KINDS}
+
+    def unit(self) -> None:
+        x, y = next(self.data)
+        t0 = time.perf_counter()
+        if self.last:
+            loss = self.loss_fn(self.module(x.detach().requires_grad_()), y)  # its input's gradient too, as sent
+            t1 = time.perf_counter()
+            loss.backward()
+        else:
+            t1 = t0
+            if len(self.held) == self.delay:
+                out = self.held.pop(0)
+                if self.grad is None:
+                    self.grad = torch.full_like(out, 1e-4)
+                out.backward(self.grad)
+        t2 = time.perf_counter()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
+        if not self.last:  # as the engine's stored forward: the weights are read live at backward time
+            with torch.autograd.graph.saved_tensors_hooks(_same, _same):
+                self.held.append(self.module(x))
+            self.stats["forward_s"] += time.perf_counter() - t3
+        self.stats["forward_s"] += t1 - t0
+        self.stats["backward_s"] += t2 - t1
+        self.stats["step_s"] += t3 - t2
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 class DeepSpeedVariant:
@@ -191,9 +254,14 @@ def _timed(fn: Callable[..., Any], stats: dict[str, float], kind: str) -> Callab
     return timed
 
 
-def build_variant(spec: dict[str, Any], model: str, splits: dict[str, list[int]]) -> PlainBP | DeepSpeedVariant | None:
+Variant = PlainBP | PlainHalves | DeepSpeedVariant
+
+
+def build_variant(spec: dict[str, Any], model: str, splits: dict[str, list[int]]) -> Variant | None:
     """This rank's part of ``spec`` (None: this rank sits the variant out)."""
     if spec["kind"] == "bp":
         return PlainBP(model) if dist.get_rank() == 0 else None
+    if spec["kind"] == "halves":
+        return PlainHalves(model, splits[split_key(spec)])
     parts = splits[split_key(spec)] if spec["stages"] > 1 else [0, len(model_layers(model))]
     return DeepSpeedVariant(spec, model, parts)

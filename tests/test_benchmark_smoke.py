@@ -114,6 +114,34 @@ def test_quick_run_writes_a_complete_report(tmp_path: Path) -> None:
     assert "Summarized again from the run's raw windows by " in (tmp_path / "throughput.md").read_text()
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(150)
+def test_the_plain_halves_run_fdgs_split_on_both_ranks_and_every_pipeline_is_compared_with_them(tmp_path: Path) -> None:
+    command = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "throughput.py"),
+        "--quick",
+        "--models=transformer_tiny",
+        "--repeats=1",
+        "--variants=bp,1f1b_m4,fdg_current_stored,halves",
+        f"--out={tmp_path}",
+    ]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=140)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads((tmp_path / "throughput.json").read_text())["models"]["transformer_tiny"]["variants"]
+    halves = rows["halves"]
+    assert halves["split"] == rows["fdg_current_stored"]["split"]  # FDG's stored split, one stage per rank
+    assert len(halves["stage_compute_s_per_micro_batch"]) == 2
+    assert all(c > 0 for c in halves["stage_compute_s_per_micro_batch"])
+    assert halves["stage_wait_s_per_micro_batch"] == [0.0, 0.0]  # no rank waits for another
+    markdown = (tmp_path / "throughput.md").read_text()
+    for name in ("1f1b_m4", "fdg_current_stored"):
+        assert rows[name]["ratio_vs_halves"]["median"] > 0, name
+        assert f"- {name}: {rows[name]['ratio_vs_halves']['median']:.2f} [" in markdown, name
+    assert "ratio_vs_halves" not in rows["bp"] and "ratio_vs_halves" not in halves
+
+
 @pytest.mark.timeout(150)
 def test_correction_cost_measures_every_correction_and_its_delta(tmp_path: Path) -> None:
     command = [
