@@ -74,6 +74,11 @@ def variants(gas_fdg: int) -> list[dict[str, Any]]:
     out.append(dict(name="dp2", kind="dp", stages=1, ranks=2, gas=1, per_unit=1))
     # the machine's own ceiling, in the same processes and rounds: FDG's stages in plain torch (run when named)
     out.append(dict(name=HALVES, kind="halves", stages=STAGES, ranks=STAGES, per_unit=1, optional=True))
+    # the same, plus FDG's exchange: each tick ends posting the boundary tensor to the neighbour, the next waits for it
+    out.append(
+        dict(name=HALVES + "_exchange", kind="halves", stages=STAGES, ranks=STAGES, per_unit=1, exchange=True,
+             optional=True)
+    )  # fmt: skip
     plain = next(spec for spec in out if spec["name"] == CORRECTED)
     out += [
         dict(plain, name=f"{CORRECTED}_{name}", corrections=keys, optional=True) for name, keys in CORRECTIONS.items()
@@ -129,7 +134,7 @@ class PlainHalves:
     what the two busy cores allow FDG's stages with no engine, no communication and no lock-step.
     """
 
-    def __init__(self, model: str, parts: list[int]) -> None:
+    def __init__(self, model: str, parts: list[int], exchange: bool = False) -> None:
         torch.manual_seed(0)
         device = get_accelerator().current_device_name()
         self.stage_id = dist.get_rank()
@@ -146,9 +151,18 @@ class PlainHalves:
         self.data = itertools.cycle(data)
         self.held: list[torch.Tensor] = []
         self.grad: torch.Tensor | None = None
-        self.stats: dict[str, float] = {k: 0.0 for k in COMPUTE_KINDS}
+        self.stats: dict[str, float] = {k: 0.0 for k in (*COMPUTE_KINDS, "wait_s")}
+        # exchange: the boundary activation's shape both ways (activation down, its gradient up), as FDG's tick
+        boundary = next(self.data)[0] if self.stage_id else earlier_boundary(layers, parts, data[0][0])
+        self.buffers = (boundary.clone(), torch.empty_like(boundary)) if exchange else None
+        self.works: list[Any] = []
 
     def unit(self) -> None:
+        if self.buffers is not None:
+            start = time.perf_counter()
+            for work in self.works:  # the neighbour's previous tick has posted
+                work.wait()
+            self.stats["wait_s"] += time.perf_counter() - start
         x, y = next(self.data)
         t0 = time.perf_counter()
         if self.last:
@@ -173,6 +187,18 @@ class PlainHalves:
         self.stats["forward_s"] += t1 - t0
         self.stats["backward_s"] += t2 - t1
         self.stats["step_s"] += t3 - t2
+        if self.buffers is not None:
+            peer = 1 - self.stage_id
+            send, recv = self.buffers
+            self.works = dist.batch_isend_irecv(
+                [dist.P2POp(dist.isend, send, peer), dist.P2POp(dist.irecv, recv, peer)]
+            )
+
+
+def earlier_boundary(layers: list[Any], parts: list[int], x: torch.Tensor) -> torch.Tensor:
+    """What the first stage sends: its layers' output on ``x`` (no autograd)."""
+    with torch.no_grad():
+        return nn.Sequential(*layers[: parts[1]])(x)
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:
@@ -262,6 +288,6 @@ def build_variant(spec: dict[str, Any], model: str, splits: dict[str, list[int]]
     if spec["kind"] == "bp":
         return PlainBP(model) if dist.get_rank() == 0 else None
     if spec["kind"] == "halves":
-        return PlainHalves(model, splits[split_key(spec)])
+        return PlainHalves(model, splits[split_key(spec)], exchange=spec.get("exchange", False))
     parts = splits[split_key(spec)] if spec["stages"] > 1 else [0, len(model_layers(model))]
     return DeepSpeedVariant(spec, model, parts)

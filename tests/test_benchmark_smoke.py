@@ -123,7 +123,7 @@ def test_the_plain_halves_run_fdgs_split_on_both_ranks_and_every_pipeline_is_com
         "--quick",
         "--models=transformer_tiny",
         "--repeats=1",
-        "--variants=bp,1f1b_m4,fdg_current_stored,halves",
+        "--variants=bp,1f1b_m4,fdg_current_stored,halves,halves_exchange",
         f"--out={tmp_path}",
     ]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
@@ -135,6 +135,9 @@ def test_the_plain_halves_run_fdgs_split_on_both_ranks_and_every_pipeline_is_com
     assert len(halves["stage_compute_s_per_micro_batch"]) == 2
     assert all(c > 0 for c in halves["stage_compute_s_per_micro_batch"])
     assert halves["stage_wait_s_per_micro_batch"] == [0.0, 0.0]  # no rank waits for another
+    exchange = rows["halves_exchange"]  # the same stages, plus FDG's exchange with the neighbour every tick
+    assert exchange["split"] == halves["split"] and all(c > 0 for c in exchange["stage_compute_s_per_micro_batch"])
+    assert sum(exchange["stage_wait_s_per_micro_batch"]) > 0
     markdown = (tmp_path / "throughput.md").read_text()
     for name in ("1f1b_m4", "fdg_current_stored"):
         assert rows[name]["ratio_vs_halves"]["median"] > 0, name
