@@ -132,6 +132,10 @@ class PlainHalves:
     micro-batch; the last stage trains on the activations the earlier layers give the fixed
     micro-batches. Nothing is exchanged and no rank waits for another, so a window's samples/s is
     what the two busy cores allow FDG's stages with no engine, no communication and no lock-step.
+
+    ``exchange``: each tick also ends posting a tensor of the boundary activation's shape to the
+    neighbour and receiving one (one ``batch_isend_irecv``, as the engine's tick), and the next tick
+    waits for both first (``wait_s``): FDG's exchange and lock-step without its engine.
     """
 
     def __init__(self, model: str, parts: list[int], exchange: bool = False) -> None:
