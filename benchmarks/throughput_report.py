@@ -95,7 +95,7 @@ def summarize(plan: dict[str, Any], ranks: list[dict[str, Any]], memory: dict[st
         for key, base in bases:
             if base not in per_repeat:
                 continue
-            paired = [per_repeat[name][r] / per_repeat[base][r] for r in per_repeat[name] if r in per_repeat[base]]
+            paired = _paired(per_repeat, name, base)
             row[key] = _spread(paired)
             ci = median_ci95(paired)
             if ci is not None:
@@ -119,9 +119,13 @@ def summarize(plan: dict[str, Any], ranks: list[dict[str, Any]], memory: dict[st
     for name, row in rows.items():
         stored = name.removesuffix("_recomputed") + "_stored"
         if name.endswith("_recomputed") and stored in rows:
-            paired = [per_repeat[name][r] / per_repeat[stored][r] for r in per_repeat[name] if r in per_repeat[stored]]
-            row["recompute_bound"] = recompute_bound(row, rows[stored], paired)
+            row["recompute_bound"] = recompute_bound(row, rows[stored], _paired(per_repeat, name, stored))
     return rows
+
+
+def _paired(per_repeat: dict[str, dict[int, float]], name: str, base: str) -> list[float]:
+    """``name``'s samples/s over ``base``'s in each round both ran."""
+    return [per_repeat[name][r] / per_repeat[base][r] for r in per_repeat[name] if r in per_repeat[base]]
 
 
 IDEAL_RECOMPUTE_BOUND = 0.875  # K = 2, a forward a third of a layer's work, layers divisible at will

@@ -35,17 +35,8 @@ VARIANTS = {
 @pytest.mark.distributed
 @pytest.mark.timeout(150)
 def test_quick_run_writes_a_complete_report(tmp_path: Path) -> None:
-    command = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "throughput.py"),
-        "--quick",
-        "--models=transformer_tiny",  # no batch norm, the fastest model
-        "--repeats=1",
-        f"--out={tmp_path}",
-    ]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=140)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # transformer_tiny: no batch norm, the fastest model
+    done = run_benchmark("throughput.py", "--quick", "--models=transformer_tiny", "--repeats=1", f"--out={tmp_path}")
     assert "command: DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 python benchmarks/throughput.py --quick" in done.stdout
 
     report = json.loads((tmp_path / "throughput.json").read_text())
@@ -103,11 +94,7 @@ def test_quick_run_writes_a_complete_report(tmp_path: Path) -> None:
     assert "recompute_bound" not in rows["fdg_current_stored"]
 
     # --render summarizes the raw windows again, with the same numbers, and says so.
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "throughput.py"), f"--render={tmp_path / 'throughput.json'}"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_benchmark("throughput.py", f"--render={tmp_path / 'throughput.json'}", timeout=60)
     again = json.loads((tmp_path / "throughput.json").read_text())
     assert again["summarized_by"] and again["command"] == report["command"]
     assert again["models"]["transformer_tiny"]["variants"] == rows
@@ -117,18 +104,8 @@ def test_quick_run_writes_a_complete_report(tmp_path: Path) -> None:
 @pytest.mark.distributed
 @pytest.mark.timeout(150)
 def test_the_plain_halves_run_fdgs_split_on_both_ranks_and_every_pipeline_is_compared_with_them(tmp_path: Path) -> None:
-    command = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "throughput.py"),
-        "--quick",
-        "--models=transformer_tiny",
-        "--repeats=1",
-        "--variants=bp,1f1b_m4,fdg_current_stored,halves,halves_exchange",
-        f"--out={tmp_path}",
-    ]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=140)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    variants = "--variants=bp,1f1b_m4,fdg_current_stored,halves,halves_exchange"
+    run_benchmark("throughput.py", "--quick", "--models=transformer_tiny", "--repeats=1", variants, f"--out={tmp_path}")
     rows = json.loads((tmp_path / "throughput.json").read_text())["models"]["transformer_tiny"]["variants"]
     halves = rows["halves"]
     assert halves["split"] == rows["fdg_current_stored"]["split"]  # FDG's stored split, one stage per rank
@@ -147,17 +124,7 @@ def test_the_plain_halves_run_fdgs_split_on_both_ranks_and_every_pipeline_is_com
 
 @pytest.mark.timeout(150)
 def test_correction_cost_measures_every_correction_and_its_delta(tmp_path: Path) -> None:
-    command = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "correction_cost.py"),
-        "--models=transformer_tiny",
-        "--repeats=2",
-        "--window=2",
-        f"--out={tmp_path}",
-    ]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=140)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_benchmark("correction_cost.py", "--models=transformer_tiny", "--repeats=2", "--window=2", f"--out={tmp_path}")
     result = json.loads((tmp_path / "correction_cost.json").read_text())["models"]["transformer_tiny"]
     rows = result["variants"]
     assert set(rows) == {"none", "delay_lr", "predict", "both"}
@@ -170,12 +137,18 @@ def test_correction_cost_measures_every_correction_and_its_delta(tmp_path: Path)
     assert "| predict |" in (tmp_path / "correction_cost.md").read_text()
 
 
+def run_benchmark(script: str, *args: str, timeout: float = 140) -> subprocess.CompletedProcess[str]:
+    """Run ``benchmarks/<script> args`` on the CPU accelerator with one thread; fail with its output's tail."""
+    command = [sys.executable, str(ROOT / "benchmarks" / script), *args]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
 def tiny_model_row(script: str, *args: str) -> tuple[str, list[str]]:
     """Run ``benchmarks/<script>`` on resnet8_tiny; its table row, and the row's cells after the model's name."""
-    command = [sys.executable, str(ROOT / "benchmarks" / script), "--models=resnet8_tiny", *args]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=140)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = run_benchmark(script, "--models=resnet8_tiny", *args)
     (row,) = [line for line in done.stdout.splitlines() if line.startswith("| resnet8_tiny |")]
     return row, [cell.strip() for cell in row.strip("|").split("|")[1:]]
 
@@ -237,12 +210,8 @@ def test_staleness_metric_reads_every_stage_back_from_its_wandb_run(tmp_path: Pa
 @pytest.mark.distributed
 @pytest.mark.timeout(150)
 def test_stage_alone_reports_each_splits_offset_and_share_errors(tmp_path: Path) -> None:
-    command = [sys.executable, str(ROOT / "benchmarks" / "stage_alone.py"), "--models=resnet8_tiny"]
-    command += ["--stages=3", "--activations=stored", "--ticks=4", "--rounds=2", "--profile-repeats=2"]
-    command += [f"--out={tmp_path}"]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=140)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    args = ["--stages=3", "--activations=stored", "--ticks=4", "--rounds=2", "--profile-repeats=2"]
+    run_benchmark("stage_alone.py", "--models=resnet8_tiny", *args, f"--out={tmp_path}")
     rows = json.loads((tmp_path / "stage_alone.json").read_text())["rows"]
     assert [r["stage"] for r in rows] == [0, 1, 2]
     predicted = sum(r["predicted_s"] for r in rows)
