@@ -12,9 +12,11 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {
@@ -104,7 +106,7 @@ def test_quick_run_writes_a_complete_report(tmp_path: Path) -> None:
 @pytest.mark.distributed
 @pytest.mark.timeout(150)
 def test_the_plain_halves_run_fdgs_split_on_both_ranks_and_every_pipeline_is_compared_with_them(tmp_path: Path) -> None:
-    variants = "--variants=bp,1f1b_m4,fdg_current_stored,halves,halves_exchange"
+    variants = "--variants=bp,1f1b_m4,fdg_current_stored,halves,halves_exchange,halves_shm"
     run_benchmark("throughput.py", "--quick", "--models=transformer_tiny", "--repeats=1", variants, f"--out={tmp_path}")
     rows = json.loads((tmp_path / "throughput.json").read_text())["models"]["transformer_tiny"]["variants"]
     halves = rows["halves"]
@@ -115,6 +117,8 @@ def test_the_plain_halves_run_fdgs_split_on_both_ranks_and_every_pipeline_is_com
     exchange = rows["halves_exchange"]  # the same stages, plus FDG's exchange with the neighbour every tick
     assert exchange["split"] == halves["split"] and all(c > 0 for c in exchange["stage_compute_s_per_micro_batch"])
     assert sum(exchange["stage_wait_s_per_micro_batch"]) > 0
+    shm = rows["halves_shm"]  # the same exchange through shared memory
+    assert shm["split"] == halves["split"] and all(c > 0 for c in shm["stage_compute_s_per_micro_batch"])
     markdown = (tmp_path / "throughput.md").read_text()
     for name in ("1f1b_m4", "fdg_current_stored"):
         assert rows[name]["ratio_vs_halves"]["median"] > 0, name
@@ -236,3 +240,33 @@ def test_freed_memory_times_both_allocator_settings_in_fresh_processes() -> None
     system_ms, retained_ms, ratio, system_faults, retained_faults, system_kernel, retained_kernel = cells
     assert all(float(cell.split()[0]) > 0 for cell in (system_ms, retained_ms, ratio)), row
     assert all(float(cell.split()[0]) >= 0 for cell in (system_faults, retained_faults, system_kernel, retained_kernel))
+
+
+def shared_memory_link(rank: int, world: int, ticks: int) -> tuple[list[list[float]], list[bool]]:
+    """Each rank sends a tensor that names its rank and tick, and receives the peer's of the tick before."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from throughput_variants import SharedMemoryLink
+
+    like = torch.zeros(3, 5)
+    link = SharedMemoryLink(like)
+    received = []
+    for tick in range(ticks):
+        into = torch.full_like(like, -1.0)
+        link.receive(into)  # nothing before the first tick
+        received.append(into.flatten().unique().tolist())
+        if tick % 3 == rank:  # one rank late now and then: the other must wait for it, not read a stale slot
+            time.sleep(0.05)
+        link.send(torch.full_like(like, 100.0 * rank + tick))
+    return received, [os.path.exists(path) for path in link.paths]
+
+
+@pytest.mark.distributed
+def test_the_shared_memory_link_delivers_each_tick_the_peers_message_of_the_tick_before(tmp_path: Path) -> None:
+    from dist_harness import run_ranks
+
+    ticks = 9
+    per_rank = run_ranks(shared_memory_link, 2, tmp_path, ticks, deadline_s=120)
+    for rank, (received, named) in enumerate(per_rank):
+        peer = 1 - rank
+        assert received == [[-1.0]] + [[100.0 * peer + tick] for tick in range(ticks - 1)]
+        assert named == [False, False]  # the files' names are gone once both ranks mapped them
