@@ -16,6 +16,9 @@ round, so drift on this shared machine falls on all variants alike):
     fdg_stashed_stored_{delay_lr,predict,both}
                         the staleness corrections (docs/staleness.md) on FDG stashed/stored, only when named in
                         --variants: what each costs next to fdg_stashed_stored
+    fdg_current_{stored,recomputed}_shm
+                        FDG with pipeline.fdg.transport "shm" (the neighbours' messages through shared memory,
+                        not gloo), only when named in --variants
 
 Every round gives each variant the same number of micro-batches of the same size. Inputs are
 synthetic, fixed tensors (data loading is excluded). Wall time is taken from the outside (the slowest

@@ -7,7 +7,7 @@ import statistics
 from typing import Any
 
 from bench_models import MODELS
-from throughput_variants import BOUND, COMPUTE_KINDS, CORRECTED, HALVES, split_key, split_objective
+from throughput_variants import BOUND, COMPUTE_KINDS, CORRECTED, HALVES, SHM, split_key, split_objective
 
 
 def _spread(values: list[float]) -> dict[str, float]:
@@ -117,8 +117,8 @@ def summarize(plan: dict[str, Any], ranks: list[dict[str, Any]], memory: dict[st
         predicted = plan.get("predicted", {}).get(split) if split is not None else None
         row["stage_predicted_s_per_micro_batch"] = predicted["predicted_s"] if predicted else None
     for name, row in rows.items():
-        stored = name.removesuffix("_recomputed") + "_stored"
-        if name.endswith("_recomputed") and stored in rows:
+        stored = name.replace("_recomputed", "_stored")  # fdg_current_recomputed[_shm] -> fdg_current_stored[_shm]
+        if name.removesuffix(SHM).endswith("_recomputed") and stored in rows:
             row["recompute_bound"] = recompute_bound(row, rows[stored], _paired(per_repeat, name, stored))
     return rows
 

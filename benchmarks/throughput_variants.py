@@ -60,6 +60,7 @@ def split_objective(key: str) -> Any:
 
 
 HALVES = "halves"
+SHM = "_shm"  # name suffix of the FDG variants whose neighbours exchange through shared memory
 BOUND = "_bound"
 BOUND_OF = ("bp", "1f1b_m4", "fdg_current_stored")
 
@@ -85,6 +86,12 @@ def variants(gas_fdg: int) -> list[dict[str, Any]]:
         dict(name=HALVES + "_shm", kind="halves", stages=STAGES, ranks=STAGES, per_unit=1, exchange="shm",
              optional=True)
     )  # fmt: skip
+    # FDG's per-tick messages through shared memory instead of gloo (pipeline.fdg.transport "shm"; run when named)
+    out += [
+        dict(spec, name=spec["name"] + SHM, transport="shm", optional=True)
+        for spec in list(out)
+        if spec["kind"] == "fdg" and spec["weights"] == "current"
+    ]
     plain = next(spec for spec in out if spec["name"] == CORRECTED)
     out += [
         dict(plain, name=f"{CORRECTED}_{name}", corrections=keys, optional=True) for name, keys in CORRECTIONS.items()
@@ -299,6 +306,8 @@ class DeepSpeedVariant:
         if spec["kind"] == "fdg":
             fdg = {"grad_shrink": GRAD_SHRINK, "weights": spec["weights"], "activations": spec["activations"]}
             fdg.update(spec.get("corrections", {}))
+            if "transport" in spec:
+                fdg["transport"] = spec["transport"]
             config["pipeline"] = {"schedule": "fdg", "fdg": fdg}
         self.engine, *_ = deepspeed.initialize(
             model=module,

@@ -29,6 +29,15 @@ the device check does; it synchronises every tick and is not for training. gloo 
 memory keep exactly the behaviour they always had. The STREAM path has not yet run on a GPU (no
 device was lent while it was written); docs/gpu.md says how to check it.
 
+Note [shared-memory transport] (in :mod:`fdg_schedule.shm_link`): with ``pipeline.fdg.transport:
+"shm"``, neighbours on one host exchange their per-tick messages (activations with their control
+word, gradients with their loss) through a shared-memory :class:`~fdg_schedule.shm_link.Link`
+instead of the process group, on the BLOCKING path. The link is set up inside the activation header
+exchange, which then also runs when a pair has no link yet (the first tick, and the first after a
+checkpoint is loaded); until then, and between neighbours on different hosts, messages travel as
+they always did. Both sides of a pair gain and lose the link at the same exchange, so they always
+agree on which way a message goes. Headers and tied gradients always travel through the group.
+
 Note [control words on the host]: the end-of-data word that travels with every activation, and
 the shape header, must be read on the host (they decide what the next instructions are). They are
 host-memory tensors on every path -- sent in the same batch as the data under gloo (or any
@@ -41,6 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import socket
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -52,6 +62,7 @@ from torch import Tensor
 
 from fdg_schedule.errors import FDGRuntimeError
 from fdg_schedule.guards import read_host
+from fdg_schedule.shm_link import Link, message_bytes
 from fdg_schedule.tensors import HOST
 from fdg_schedule.watchdog import InFlightSends, Watchdog
 
@@ -63,6 +74,7 @@ _DTYPES = [
 TAG = 0x0FD6  # FDG traffic never matches DeepSpeed's own (tag 0) point-to-point messages
 PEER_TAG = TAG + 1  # messages to other ranks than the neighbours (tied gradients): a stream of their own
 NO_END = -1  # the control word of an activation while data keeps coming
+_LINK_INTS = 2  # the header's last ints: a new shared-memory link's token and slot bytes (0, 0: none)
 
 Meta = list[tuple[torch.Size, torch.dtype]]
 
@@ -106,6 +118,27 @@ def host_group(backend: str, device: torch.device) -> Any:
     return _host_groups[key]
 
 
+def host_id() -> str:
+    """This host, as far as shared memory goes: its name and the kernel's boot id."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def same_host_neighbours(prev_rank: int | None, next_rank: int | None) -> tuple[bool, bool]:
+    """Whether the previous and the next stage run on this host (Note [shared-memory transport]).
+
+    Collective over the default group: every rank builds its engine, and so calls this, at the same point.
+    """
+    hosts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, host_id())
+    mine = hosts[dist.get_rank()]
+    return tuple(rank is not None and hosts[rank] == mine for rank in (prev_rank, next_rank))  # type: ignore[return-value]
+
+
 def meta_of(tensors: Sequence[Tensor]) -> Meta:
     return [(t.shape, t.dtype) for t in tensors]
 
@@ -139,6 +172,8 @@ class NeighbourExchange:
             mean the stages disagree on it (a wait with no receive posted).
         describe: names a stage in error messages, given its stage id and global rank.
         path: how to move and wait (default: :func:`choose_path` for the default group and ``device``).
+        shared_memory: (previous, next): exchange with that neighbour through a shared-memory link
+            (Note [shared-memory transport]); the neighbour must be on this host, the path BLOCKING.
     """
 
     def __init__(
@@ -152,8 +187,17 @@ class NeighbourExchange:
         plan: Callable[[], str] = lambda: "",
         describe: Callable[[int, int | None], str] = lambda stage, rank: f"stage {stage} (global rank {rank})",
         path: Path | None = None,
+        shared_memory: tuple[bool, bool] = (False, False),
     ) -> None:
         self.path = choose_path(dist.get_backend(), device) if path is None else path
+        if any(shared_memory) and self.path is not Path.BLOCKING:
+            raise FDGRuntimeError(
+                f'pipeline.fdg.transport "shm" moves tensors in host memory through a process group on the host; '
+                f"this stage runs on {device} with {dist.get_backend()} ({self.path.value} path): remove "
+                'pipeline.fdg.transport (or set it to "process_group")'
+            )
+        self.shared_memory = {"prev": shared_memory[0], "next": shared_memory[1]}
+        self.links: dict[str, Link | None] = {"prev": None, "next": None}
         self.wire = HOST if self.path is Path.STAGED else device  # where tensors travel from and arrive in
         self.host_group = host_group(dist.get_backend(), device)
         self.plan = plan
@@ -212,8 +256,8 @@ class NeighbourExchange:
             from_next = [torch.empty(s, dtype=d, device=self.wire) for s, d in recv_grad_meta]
             from_next.append(torch.empty(1, dtype=torch.float32, device=self.wire))
         if self.host_group is None:  # Note [control words on the host]: one batch per neighbour
-            prev_works = self._batch(self.prev_rank, self._prev, to_prev, from_prev + word_in)
-            next_works = self._batch(self.next_rank, self._next, to_next + word_out, from_next)
+            prev_works = self._via("prev", self._prev, to_prev, from_prev + word_in)
+            next_works = self._via("next", self._next, to_next + word_out, from_next)
         else:
             prev_works = self._batch(self.prev_rank, self._prev, to_prev, from_prev)
             prev_works += self._batch(self.prev_rank, self._prev, [], word_in, self.host_group)
@@ -225,6 +269,18 @@ class NeighbourExchange:
             self._grad = (next_works, from_next[:-1], from_next[-1])
         if peers:
             self._post_peers(peers)
+
+    def _via(self, side: str, name: str, sends: list[Tensor], recvs: list[Tensor]) -> list[Any]:
+        """The exchange with one neighbour: through its shared-memory link if the pair has one, else one batch."""
+        link = self.links[side]
+        if link is None:
+            return self._batch(self.prev_rank if side == "prev" else self.next_rank, name, sends, recvs)
+        if sends:
+            try:
+                link.send(sends, self.timeout)
+            except RuntimeError as err:
+                raise self._failed(f"reaching {name}", err) from err
+        return [LinkReceive(link, recvs)] if recvs else []
 
     def _post_peers(self, peers: Sequence[PeerMessage]) -> None:
         if self._peers is not None:
@@ -372,6 +428,7 @@ class NeighbourExchange:
     def restore_received(self, state: dict[str, Any] | None) -> None:
         """Undo :meth:`received` in a new process (or forget everything with None)."""
         state = state or {"activation": None, "grad": None, "sent_meta": None, "recv_meta": None}
+        self.close_links()  # both neighbours restore: the next header exchange sets up new ones
         self._sends, self._send_refs, self._in_flight = [], [], InFlightSends()
         self._peers = None
         self.sent_meta, self.recv_meta = state["sent_meta"], state["recv_meta"]
@@ -380,8 +437,13 @@ class NeighbourExchange:
         self._grad = None if grad is None else ([], list(grad[0]), grad[1])
 
     def _exchange_headers(self, activation: Sequence[Tensor] | None, recv_activation: bool) -> None:
-        send = activation is not None and (self.sent_meta is None or self.dynamic_shape)
-        recv = recv_activation and (self.recv_meta is None or self.dynamic_shape)
+        """Shapes and dtypes of the activation, once (every tick with dynamic shapes); and the
+        shared-memory link, where a pair of neighbours should have one and has none yet, or the
+        activation outgrew its slots (Note [shared-memory transport])."""
+        link_next = activation is not None and self.shared_memory["next"] and self._link_too_small(activation)
+        link_prev = recv_activation and self.shared_memory["prev"] and self.links["prev"] is None
+        send = activation is not None and (self.sent_meta is None or self.dynamic_shape or link_next)
+        recv = recv_activation and (self.recv_meta is None or self.dynamic_shape or link_prev)
         if activation is not None and not send:
             self._check_same_shapes(activation)
         if not (send or recv):
@@ -390,7 +452,20 @@ class NeighbourExchange:
         if send:
             assert activation is not None
             self.sent_meta = meta_of(activation)
-            ops.append(dist.P2POp(dist.isend, _encode(self.sent_meta), self.next_rank, self.host_group, TAG))
+            token = capacity = 0
+            if link_next:
+                self._close_link("next")
+                try:
+                    link = Link.create(self._activation_bytes(activation))
+                except OSError as err:
+                    raise FDGRuntimeError(
+                        f"{self.describe}: cannot set up the shared-memory link to {self._next} ({err}); free space in "
+                        '/dev/shm, or remove pipeline.fdg.transport "shm" from ds_config'
+                    ) from err
+                self.links["next"] = link
+                token, capacity = link.token, link.capacity
+            header_out = _encode(self.sent_meta, token, capacity)
+            ops.append(dist.P2POp(dist.isend, header_out, self.next_rank, self.host_group, TAG))
         header = torch.empty(_HEADER_INTS, dtype=torch.int64)  # Note [control words on the host]
         if recv:
             ops.append(dist.P2POp(dist.irecv, header, self.prev_rank, self.host_group, TAG))
@@ -399,7 +474,32 @@ class NeighbourExchange:
             works = [HostWork(w) for w in works]
         self._wait(works, f"the activation header from {self._prev}")
         if recv:
-            self.recv_meta = _decode(header)
+            self.recv_meta, token, capacity = _decode(header)
+            if token:
+                self._close_link("prev")
+                try:
+                    self.links["prev"] = Link.join(token, capacity, self.timeout)
+                except OSError as err:
+                    raise self._failed(f"joining the shared-memory link of {self._prev}", err) from err
+
+    def _activation_bytes(self, activation: Sequence[Tensor]) -> int:
+        """A slot's size: the activation and its control word (a gradient message is never larger)."""
+        return message_bytes([self._out(t) for t in activation] + [torch.empty(1, dtype=torch.int64)])
+
+    def _link_too_small(self, activation: Sequence[Tensor]) -> bool:
+        link = self.links["next"]
+        return link is None or (self.dynamic_shape and self._activation_bytes(activation) > link.capacity)
+
+    def _close_link(self, side: str) -> None:
+        link = self.links[side]
+        if link is not None:
+            link.close()
+        self.links[side] = None
+
+    def close_links(self) -> None:
+        """Close both shared-memory links (a neighbour waiting on one then fails at once, naming this stage)."""
+        for side in self.links:
+            self._close_link(side)
 
     def _check_same_shapes(self, activation: Sequence[Tensor]) -> None:
         meta = meta_of(activation)
@@ -450,6 +550,17 @@ class HostWork:
         return self.work.is_completed()
 
 
+class LinkReceive:
+    """A receive through a shared-memory link: waiting copies the neighbour's next message into ``into``."""
+
+    def __init__(self, link: Link, into: list[Tensor]) -> None:
+        self.link, self.into = link, into
+
+    def wait(self, timeout: timedelta) -> bool:
+        self.link.receive(self.into, timeout)
+        return True
+
+
 def split_works(works: list[Any], sends: int, recvs: int) -> tuple[list[Any], list[Any]]:
     """The works of a batch's sends and of its receives.
 
@@ -485,20 +596,21 @@ def _unwire(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t.view(torch.bool) if dtype == torch.bool else t
 
 
-def _encode(meta: Meta) -> Tensor:
+def _encode(meta: Meta, token: int = 0, capacity: int = 0) -> Tensor:
+    """The header: the activation's shapes and dtypes, then a new link's token and slot bytes (0, 0: none)."""
     ints = [len(meta)]
     for shape, dtype in meta:
         ints += [_DTYPES.index(dtype), len(shape), *shape]
-    if len(ints) > _HEADER_INTS:
+    if len(ints) > _HEADER_INTS - _LINK_INTS:
         raise FDGRuntimeError(f"activation header too long ({len(ints)} ints): send fewer or flatter tensors")
-    return torch.tensor(ints + [0] * (_HEADER_INTS - len(ints)), dtype=torch.int64)
+    return torch.tensor(ints + [0] * (_HEADER_INTS - _LINK_INTS - len(ints)) + [token, capacity], dtype=torch.int64)
 
 
-def _decode(header: Tensor) -> Meta:
+def _decode(header: Tensor) -> tuple[Meta, int, int]:
     ints = read_host(header)
     meta, i = [], 1
     for _ in range(ints[0]):
         dtype, ndim = _DTYPES[ints[i]], ints[i + 1]
         meta.append((torch.Size(ints[i + 2 : i + 2 + ndim]), dtype))
         i += 2 + ndim
-    return meta
+    return meta, ints[-2], ints[-1]

@@ -18,6 +18,7 @@ The public keys::
         "staleness_every": 100,       # measure ||w_fwd - w_bwd|| / ||w|| every N ticks; 0 = off
         "nonfinite": "error",         # "error" | "skip": a non-finite loss or gradient on a stage
         "timeout": 60,                # seconds a stage waits for a neighbour before failing
+        "transport": "process_group", # "process_group" | "shm": same-host neighbours through shared memory
         "check_every": 0,             # ticks between host reads of the non-finite flags; 0 = once per call
         "trace": null                 # {"start_tick": 0, "ticks": 64, "dir": "fdg_trace"}: a timeline
       }
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -38,6 +40,7 @@ SCHEDULES = ("1f1b", "fdg")
 WEIGHTS = ("current", "stashed")
 ACTIVATIONS = ("stored", "recomputed")
 NONFINITE = ("error", "skip")
+TRANSPORTS = ("process_group", "shm")
 PREDICT_HORIZONS = ("own", "first_stage")
 TRACE_KEYS = {"start_tick": 0, "ticks": 64, "dir": "fdg_trace"}
 
@@ -125,6 +128,12 @@ class FDGConfig:
     """Seconds a stage waits for a neighbour's message before it fails with an error naming the
     neighbour (a rank that died or stopped sending)."""
 
+    transport: str = "process_group"
+    """How a stage's per-tick messages reach its neighbours: ``"process_group"`` through DeepSpeed's
+    process group (gloo or NCCL); ``"shm"``: neighbours on the same host through shared memory, with
+    no transport thread (Note [shared-memory transport] in :mod:`fdg_schedule.shm_link`; Linux, host
+    memory and gloo only), neighbours on other hosts through the group as before. The math is the same."""
+
     check_every: int = 0
     """Ticks between host reads of the non-finite flags (Note [no host sync in a tick] in
     :mod:`fdg_schedule.guards`): 0 reads them once, at the end of each ``train_batch()`` / ``drain()``
@@ -209,6 +218,12 @@ class FDGConfig:
         if not self.timeout > 0:
             raise FDGConfigError(
                 f"timeout must be > 0 seconds, got {self.timeout!r} (pipeline.fdg.timeout in ds_config)"
+            )
+        _check_choice("transport", self.transport, TRANSPORTS)
+        if self.transport == "shm" and not sys.platform.startswith("linux"):
+            raise FDGConfigError(
+                f'transport "shm" needs Linux (/dev/shm and abstract Unix sockets); this is {sys.platform} '
+                '(pipeline.fdg.transport in ds_config): remove the key or set it to "process_group"'
             )
         _check_number("check_every", self.check_every, int)
         if self.check_every < 0:

@@ -21,7 +21,7 @@ FDG_KEYS = (
     "grad_shrink", "weights", "activations", "accumulate", "delay_lr_ticks", "predict_decay", "delay_momentum",
     "delay_momentum_peak_lr", "predict_horizon", "delay_momentum_raise",
     "staleness_every",
-    "check_every", "nonfinite",
+    "check_every", "nonfinite", "transport",
 )  # fmt: skip
 
 
@@ -226,9 +226,16 @@ def train(rank: int, world: int, cases: list[dict[str, Any]], import_fdg: bool =
                 "in_flight": getattr(engine, "in_flight", lambda: None)(),
                 "grad_norm": engine.get_global_grad_norm(),
                 "running_timers": [n for n in engine.engine_timers.active_timers() if engine.timers(n).started_],
+                "links": _links(engine),
             }
         )
     return out
+
+
+def _links(engine: Any) -> list[str]:
+    """The sides on which an FDG stage has a shared-memory link (Note [shared-memory transport])."""
+    exchange = getattr(engine, "_exchange", None)
+    return [] if exchange is None else sorted(side for side, link in exchange.links.items() if link is not None)
 
 
 # -- collective tracing -------------------------------------------------------------------------

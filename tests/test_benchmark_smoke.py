@@ -106,7 +106,8 @@ def test_quick_run_writes_a_complete_report(tmp_path: Path) -> None:
 @pytest.mark.distributed
 @pytest.mark.timeout(150)
 def test_the_plain_halves_run_fdgs_split_on_both_ranks_and_every_pipeline_is_compared_with_them(tmp_path: Path) -> None:
-    variants = "--variants=bp,1f1b_m4,fdg_current_stored,halves,halves_exchange,halves_shm"
+    variants = "--variants=bp,1f1b_m4,fdg_current_stored,halves,halves_exchange,halves_shm,fdg_current_stored_shm"
+    variants += ",fdg_current_recomputed_shm"
     run_benchmark("throughput.py", "--quick", "--models=transformer_tiny", "--repeats=1", variants, f"--out={tmp_path}")
     rows = json.loads((tmp_path / "throughput.json").read_text())["models"]["transformer_tiny"]["variants"]
     halves = rows["halves"]
@@ -119,8 +120,11 @@ def test_the_plain_halves_run_fdgs_split_on_both_ranks_and_every_pipeline_is_com
     assert sum(exchange["stage_wait_s_per_micro_batch"]) > 0
     shm = rows["halves_shm"]  # the same exchange through shared memory
     assert shm["split"] == halves["split"] and all(c > 0 for c in shm["stage_compute_s_per_micro_batch"])
+    # FDG with the shared-memory transport: FDG's split; the recomputed mode's bound against its stored mode
+    assert rows["fdg_current_stored_shm"]["split"] == halves["split"]
+    assert rows["fdg_current_recomputed_shm"]["recompute_bound"]["measured"] > 0
     markdown = (tmp_path / "throughput.md").read_text()
-    for name in ("1f1b_m4", "fdg_current_stored"):
+    for name in ("1f1b_m4", "fdg_current_stored", "fdg_current_stored_shm"):
         assert rows[name]["ratio_vs_halves"]["median"] > 0, name
         assert f"- {name}: {rows[name]['ratio_vs_halves']['median']:.2f} [" in markdown, name
     assert "ratio_vs_halves" not in rows["bp"] and "ratio_vs_halves" not in halves

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -164,3 +165,84 @@ def test_a_coalesced_batch_work_stands_for_its_sends_and_receives() -> None:
     assert split_works(["s1", "s2", "r1"], 2, 1) == (["s1", "s2"], ["r1"])  # gloo: one work per operation
     assert split_works(["all"], 2, 1) == (["all"], ["all"])  # NCCL: one work for the batch
     assert split_works(["all"], 0, 2) == ([], ["all"])
+
+
+# -- the shared-memory transport (Note [shared-memory transport]) ---------------------------------
+
+
+def _pair(rank: int, shm: bool, timeout_s: float = 30):
+    from fdg_schedule.comm import NeighbourExchange
+
+    return NeighbourExchange(
+        prev_rank=None if rank == 0 else 0,
+        next_rank=1 if rank == 0 else None,
+        device=torch.device("cpu"),
+        dynamic_shape=False,
+        stage_id=rank,
+        timeout_s=timeout_s,
+        shared_memory=(rank == 1 and shm, rank == 0 and shm),
+    )
+
+
+def exchange_ticks(rank: int, world: int, shm: bool, ticks: int) -> dict:
+    """Stage 0 sends a tuple activation every tick; stage 1 answers each with gradients and a loss."""
+    comm = _pair(rank, shm)
+    float_meta = [(torch.Size([2, 3]), torch.float32)]
+    got = []
+    if rank == 0:
+        for tick in range(ticks):
+            if tick:
+                got.append(comm.wait_grad())
+            activation = (torch.full((2, 3), float(tick)), torch.tensor([tick % 2 == 0, True]), torch.tensor([tick, 8]))
+            comm.post(activation, None, None, recv_activation=False, recv_grad_meta=float_meta)
+        got.append(comm.wait_grad())
+    else:
+        comm.post(None, None, None, recv_activation=True, recv_grad_meta=None)
+        for tick in range(ticks):
+            tensors, end = comm.wait_activation()
+            got.append((tensors, end))
+            grads = (tensors[0] * 10 + 1,)
+            comm.post(None, grads, torch.tensor(tick + 0.5), recv_activation=tick < ticks - 1, recv_grad_meta=None)
+    comm.complete()
+    link = comm.links["next" if rank == 0 else "prev"]
+    files_left = [] if link is None else [p for p in link._paths if os.path.exists(p)]
+    return {"got": got, "linked": link is not None, "files_left": files_left}
+
+
+@pytest.mark.parametrize("shm", [False, True], ids=["process_group", "shm"])
+def test_every_tick_arrives_intact_through_either_transport(tmp_path, shm: bool) -> None:
+    ticks = 7  # more messages than the link has slots: the ring wraps around
+    stage0, stage1 = run_ranks(exchange_ticks, 2, tmp_path, shm, ticks, deadline_s=120)
+    assert stage0["linked"] == stage1["linked"] == shm
+    assert stage0["files_left"] == stage1["files_left"] == []  # nothing left in /dev/shm
+    for tick, ((a, flags, ints), end) in enumerate(stage1["got"]):
+        assert end == -1
+        assert torch.equal(a, torch.full((2, 3), float(tick)))
+        assert flags.dtype == torch.bool and flags.tolist() == [tick % 2 == 0, True]
+        assert ints.dtype == torch.int64 and ints.tolist() == [tick, 8]
+    for tick, (grads, loss) in enumerate(stage0["got"]):
+        assert torch.equal(grads[0], torch.full((2, 3), 10.0 * tick + 1)) and loss.item() == tick + 0.5
+
+
+def dies_after_the_first_activation(rank: int, world: int) -> dict:
+    comm = _pair(rank, shm=True, timeout_s=60)
+    meta = [(torch.Size([2]), torch.float32)]
+    if rank == 1:
+        comm.post(None, None, None, recv_activation=True, recv_grad_meta=None)
+        comm.wait_activation()
+        os._exit(3)  # killed before it sends the gradient
+    comm.post((torch.ones(2),), None, None, recv_activation=False, recv_grad_meta=meta)
+    start = time.monotonic()
+    try:
+        comm.wait_grad()
+    except Exception as err:  # noqa: BLE001  (what the stage would raise)
+        return {"error": f"{type(err).__name__}: {err}", "after_s": time.monotonic() - start}
+    return {"error": None, "after_s": time.monotonic() - start}
+
+
+def test_a_neighbour_that_dies_fails_the_wait_at_once_naming_it(tmp_path) -> None:
+    stage0, _ = run_ranks(dies_after_the_first_activation, 2, tmp_path, deadline_s=120, expect_exit={1: 3})
+    assert stage0["error"] is not None and stage0["error"].startswith("FDGRuntimeError")
+    assert "gave up waiting for the gradient from stage 1 (global rank 1)" in stage0["error"]
+    assert "closed the shared-memory link: its process ended" in stage0["error"]
+    assert stage0["after_s"] < 30  # long before the 60 s timeout

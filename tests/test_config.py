@@ -33,6 +33,8 @@ def test_staleness_corrections_are_off_by_default_and_read_from_the_block() -> N
     first = {"predict_decay": 0.0, "predict_horizon": "first_stage"}
     assert parse(_ds(first)) == FDGConfig(predict_decay=0.0, predict_horizon="first_stage")
     assert default.delay_momentum is False
+    assert default.transport == "process_group"
+    assert parse(_ds({"transport": "shm"})) == FDGConfig(transport="shm")
     assert parse(_ds({"delay_momentum": True})) == FDGConfig(delay_momentum=True)
     assert default.delay_momentum_peak_lr is None
     both = {"delay_momentum": True, "delay_momentum_peak_lr": 0.1}
@@ -121,6 +123,10 @@ def test_no_fdg_means_stock_deepspeed(pipeline) -> None:
         (_ds({"staleness_every": 1.5}), "staleness_every must be an integer, got float 1.5 (pipeline.fdg"),
         (_ds({"nonfinite": "ignore"}), "nonfinite must be one of ['error', 'skip'], got 'ignore'"),
         (_ds({"timeout": 0}), "timeout must be > 0 seconds, got 0 (pipeline.fdg.timeout"),
+        (
+            _ds({"transport": "tcp"}),
+            "transport must be one of ['process_group', 'shm'], got 'tcp' (pipeline.fdg.transport in ds_config)",
+        ),
         (_ds({"timeout": "60"}), "timeout must be a number, got str '60'"),
         (_ds({"check_every": -1}), "check_every must be an integer >= 0, got -1 (pipeline.fdg.check_every"),
         (_ds({"check_every": 2.5}), "check_every must be an integer, got float 2.5"),

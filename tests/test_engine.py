@@ -94,6 +94,10 @@ def check_against_reference(results: list[list[dict[str, Any]]], cases: list[dic
     for i, case in enumerate(cases):
         per_rank = [r[i] for r in results]
         assert {r["engine"] for r in per_rank} == {"FDGPipelineEngine"}
+        for r in per_rank:  # Note [shared-memory transport]: a link to each neighbour on this host, none otherwise
+            stage, last = r["stage_id"], case["stages"] - 1
+            expected = ["next"] * (stage < last) + ["prev"] * (stage > 0) if case.get("transport") == "shm" else []
+            assert r["links"] == sorted(expected), (i, stage)
         parts = per_rank[0]["parts"]
         ref_states, ref_losses = reference(case, parts)
         stages = len(parts) - 1
@@ -238,6 +242,22 @@ def _two_stages_all_modes(flops_file: str) -> list[dict[str, Any]]:
             "activations": "recomputed",
             **BOTH,
         },  # fmt: skip
+        # the per-tick messages through shared memory (Note [shared-memory transport]): the same math
+        *(
+            {
+                "stages": 2,
+                "n": 64,
+                "gas": 3,
+                "calls": 4,
+                "drain": True,
+                "grad_shrink": 0.5,
+                "weights": w,
+                "activations": a,
+                "optimizer": opt,
+                "transport": "shm",
+            }
+            for w, a, opt in (("current", "stored", "sgd"), ("stashed", "recomputed", "adam"))
+        ),  # fmt: skip
         # t counts every tick since the start, across drains (not the segment's tick)
         {
             "stages": 2,
@@ -321,6 +341,21 @@ def test_three_stages_all_modes_tick_by_tick(tmp_path) -> None:
         {"stages": 3, "n": 64, "gas": 2, "calls": 4, "wall_clock": True, "grad_shrink": 0.5, "drain": True},
         # accumulate 3: h = 4/3 and 2/3 steps, a partial accumulation stepped by the drain
         {"stages": 3, "n": 64, "gas": 2, "calls": 5, "accumulate": 3, "grad_shrink": 0.5, "drain": True, **BOTH},
+        # a middle stage with a shared-memory link on each side
+        *(
+            {
+                "stages": 3,
+                "n": 64,
+                "gas": 1,
+                "calls": 9,
+                "drain": True,
+                "grad_shrink": 0.5,
+                "weights": w,
+                "activations": a,
+                "transport": "shm",
+            }
+            for w, a in (("current", "stored"), ("stashed", "recomputed"))
+        ),  # fmt: skip
     ]
     results = run_ranks(engine_workers.train, 3, tmp_path, cases, deadline_s=300)
     check_against_reference(results, cases)
@@ -335,6 +370,7 @@ def _data_parallel_cases() -> list[dict[str, Any]]:
     cases += [{**base, "weights": "stashed", "activations": "stored", "accumulate": 2, **BOTH}]
     cases += [{**base, "weights": "stashed", "activations": "recomputed", "optimizer": "adam", **FIRST_STAGE}]
     cases += [{**base, "weights": "stashed", "activations": "stored", "optimizer": "adam", **RAISED}]
+    cases += [{**base, "weights": "current", "activations": "stored", "transport": "shm"}]
     return cases
 
 
