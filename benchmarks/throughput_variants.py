@@ -10,9 +10,9 @@ use DeepSpeed's default ``partition_method="parameters"`` split instead, for the
 from __future__ import annotations
 
 import itertools
-import os
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -21,7 +21,10 @@ from bench_models import MODELS, build_layers, fixed_data, loss_fn, model_layers
 from deepspeed.accelerator import get_accelerator
 from torch import nn
 
+from fdg_schedule.shm_link import Link, message_bytes
+
 STAGES = 2  # this machine has 2 cores: one per stage
+TIMEOUT = timedelta(seconds=120)  # the plain halves' waits on each other
 MODES = [("current", "stored"), ("current", "recomputed"), ("stashed", "stored"), ("stashed", "recomputed")]
 GAS_1F1B = (2, 4, 8)
 LR, MOMENTUM, GRAD_SHRINK = 0.01, 0.9, 0.5
@@ -149,7 +152,8 @@ class PlainHalves:
     ``exchange``: each tick also ends posting a tensor of the boundary activation's shape to the
     neighbour and receiving one (one ``batch_isend_irecv``, as the engine's tick), and the next tick
     waits for both first (``wait_s``): FDG's exchange and lock-step without its engine. ``"shm"``:
-    the same messages through :class:`SharedMemoryLink` (no transport thread, one copy each way).
+    the same messages through the library's shared-memory link (``pipeline.fdg.transport: "shm"``: no transport
+    thread, one copy each way).
     """
 
     def __init__(self, model: str, parts: list[int], exchange: bool | str = False) -> None:
@@ -174,15 +178,16 @@ class PlainHalves:
         boundary = next(self.data)[0] if self.stage_id else earlier_boundary(layers, parts, data[0][0])
         self.buffers = (boundary.clone(), torch.empty_like(boundary)) if exchange else None
         self.works: list[Any] = []
-        self.link = SharedMemoryLink(boundary) if exchange == "shm" else None
+        self.link = shared_memory_link(boundary) if exchange == "shm" else None
+        self.ticks = 0
 
     def unit(self) -> None:
         if self.buffers is not None:
             start = time.perf_counter()
             for work in self.works:  # the neighbour's previous tick has posted
                 work.wait()
-            if self.link is not None:
-                self.link.receive(self.buffers[1])
+            if self.link is not None and self.ticks:  # the neighbour's previous tick has sent
+                self.link.receive([self.buffers[1]], TIMEOUT)
             self.stats["wait_s"] += time.perf_counter() - start
         x, y = next(self.data)
         t0 = time.perf_counter()
@@ -211,63 +216,27 @@ class PlainHalves:
         if self.buffers is not None:
             peer = 1 - self.stage_id
             send, recv = self.buffers
+            self.ticks += 1
             if self.link is not None:
-                self.link.send(send)
+                self.link.send([send], TIMEOUT)
                 return
             self.works = dist.batch_isend_irecv(
                 [dist.P2POp(dist.isend, send, peer), dist.P2POp(dist.irecv, recv, peer)]
             )
 
 
-class SharedMemoryLink:
-    """One message per tick each way between the two ranks through files in /dev/shm (benchmark only).
-
-    Each rank writes its message into one of two slots of its own mapped file (tick t in slot t % 2)
-    and then bumps the slot's sequence word; the peer polls that word, then copies the message out.
-    Two slots suffice: a rank overwrites slot t % 2 at tick t + 2 only after it has received the
-    peer's tick t + 1, which the peer sends after it has copied tick t out. Relies on x86's ordered
-    stores (the data lands before the word); no timeout, no failure detection: not for the engine.
-    """
-
-    def __init__(self, like: torch.Tensor) -> None:
-        rank = dist.get_rank()
-        self.nbytes = like.numel() * like.element_size()
-        self.step = -(-self.nbytes // 64) * 64 + 64  # a slot: the message, padded, then a 64-byte word line
-        self.sent = self.received = 0
-        token = torch.tensor([os.getpid()])
-        dist.broadcast(token, 0)  # a name of this pair's own: rank 0's process id
-        name = f"/dev/shm/fdg_bench_link_{int(token)}_{{}}"
-        self.paths = [name.format(r) for r in range(2)]
-        mine = torch.from_file(name.format(rank), shared=True, size=2 * self.step, dtype=torch.uint8)
-        dist.barrier()  # both files exist
-        theirs = torch.from_file(name.format(1 - rank), shared=True, size=2 * self.step, dtype=torch.uint8)
-        dist.barrier()  # both mapped: the names can go, the mappings stay
-        os.unlink(name.format(rank))
-        self.out = self._slots(mine, like)
-        self.inbox = self._slots(theirs, like)
-
-    def _slots(self, flat: torch.Tensor, like: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(message, sequence word) of each slot, as views of the mapped bytes."""
-        slots = []
-        for i in range(2):
-            at = i * self.step
-            data = flat[at : at + self.nbytes].view(like.dtype).view(like.shape)
-            slots.append((data, flat[at + self.step - 64 : at + self.step - 56].view(torch.int64)))
-        return slots
-
-    def send(self, t: torch.Tensor) -> None:
-        data, word = self.out[self.sent % 2]
-        data.copy_(t)
-        self.sent += 1
-        word[0] = self.sent
-
-    def receive(self, into: torch.Tensor) -> None:
-        if self.received < self.sent:  # the peer's message of the tick before (none before the first tick)
-            data, word = self.inbox[self.received % 2]
-            while int(word[0]) <= self.received:
-                time.sleep(20e-6)
-            into.copy_(data)
-            self.received += 1
+def shared_memory_link(like: torch.Tensor) -> Link:
+    """The library's shared-memory link between the two ranks (Note [shared-memory transport]), slots the size of
+    ``like``: rank 0 creates it, rank 1 joins it with the token rank 0 broadcasts."""
+    if dist.get_rank() == 0:
+        link = Link.create(message_bytes([like]))
+        setup = torch.tensor([link.token, link.capacity])
+    else:
+        setup = torch.zeros(2, dtype=torch.int64)
+    dist.broadcast(setup, 0)
+    if dist.get_rank() == 0:
+        return link
+    return Link.join(int(setup[0]), int(setup[1]), TIMEOUT)
 
 
 def earlier_boundary(layers: list[Any], parts: list[int], x: torch.Tensor) -> torch.Tensor:

@@ -438,7 +438,7 @@ def failure(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
     saboteur = Saboteur(case["trigger"], case["how"], case.get("ranks"), case.get("hang_s", 30.0))
     layers.insert(8, saboteur)  # on the last stage, before the output layer
     model = PipelineModule(layers=layers, num_stages=2, loss_fn=toy.loss_fn, partition_method="uniform")
-    cfg = ds_config({"gas": 2, "grad_shrink": 0.5})
+    cfg = ds_config({"gas": 2, "grad_shrink": 0.5, "transport": case.get("transport", "process_group")})
     cfg["pipeline"]["fdg"].update(timeout=case.get("timeout", 60), nonfinite=case.get("nonfinite", "error"))
     engine, *_ = deepspeed.initialize(model=model, config=cfg, optimizer=make_optimizer({}),
                                       model_parameters=model.parameters())  # fmt: skip

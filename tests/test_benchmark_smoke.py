@@ -248,29 +248,34 @@ def test_freed_memory_times_both_allocator_settings_in_fresh_processes() -> None
 
 def shared_memory_link(rank: int, world: int, ticks: int) -> tuple[list[list[float]], list[bool]]:
     """Each rank sends a tensor that names its rank and tick, and receives the peer's of the tick before."""
+    from datetime import timedelta
+
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from throughput_variants import SharedMemoryLink
+    from throughput_variants import shared_memory_link as link_between_the_halves
+
+    from fdg_schedule.shm_link import Direction, ring_path
 
     like = torch.zeros(3, 5)
-    link = SharedMemoryLink(like)
+    link = link_between_the_halves(like)
     received = []
     for tick in range(ticks):
         into = torch.full_like(like, -1.0)
-        link.receive(into)  # nothing before the first tick
+        if tick:
+            link.receive([into], timedelta(seconds=30))
         received.append(into.flatten().unique().tolist())
         if tick % 3 == rank:  # one rank late now and then: the other must wait for it, not read a stale slot
             time.sleep(0.05)
-        link.send(torch.full_like(like, 100.0 * rank + tick))
-    return received, [os.path.exists(path) for path in link.paths]
+        link.send([torch.full_like(like, 100.0 * rank + tick)], timedelta(seconds=30))
+    return received, [os.path.exists(ring_path(link.token, d)) for d in Direction]
 
 
 @pytest.mark.distributed
-def test_the_shared_memory_link_delivers_each_tick_the_peers_message_of_the_tick_before(tmp_path: Path) -> None:
+def test_the_plain_halves_exchange_through_the_librarys_shared_memory_link(tmp_path: Path) -> None:
     from dist_harness import run_ranks
 
-    ticks = 9
+    ticks = 9  # more than the link's slots
     per_rank = run_ranks(shared_memory_link, 2, tmp_path, ticks, deadline_s=120)
     for rank, (received, named) in enumerate(per_rank):
         peer = 1 - rank
         assert received == [[-1.0]] + [[100.0 * peer + tick] for tick in range(ticks - 1)]
-        assert named == [False, False]  # the files' names are gone once both ranks mapped them
+        assert named == [False, False]  # the ring files' names are gone once both ranks mapped them

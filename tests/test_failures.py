@@ -14,10 +14,14 @@ from dist_harness import run_ranks, run_ranks_calls
 from fdg_schedule import FDGConfig, fdg_reference, ticks
 
 pytestmark = pytest.mark.distributed
+# The neighbours' messages through the process group (gloo), then through shared memory (a link whose socket
+# closes when its process ends: Note [shared-memory transport])
+TRANSPORTS = pytest.mark.parametrize("transport", ["process_group", "shm"])
 
 
-def test_a_rank_killed_mid_run_makes_the_other_exit_with_an_error(tmp_path) -> None:
-    case = {"trigger": 5, "how": "die", "timeout": 20}
+@TRANSPORTS
+def test_a_rank_killed_mid_run_makes_the_other_exit_with_an_error(tmp_path, transport: str) -> None:
+    case = {"trigger": 5, "how": "die", "timeout": 20, "transport": transport}
     stage0, _ = run_ranks(engine_workers.failure, 2, tmp_path, case, deadline_s=120, expect_exit={1: 3})
     # Whether the death shows first on the gradient receive or on a send depends on timing.
     assert (
@@ -26,9 +30,10 @@ def test_a_rank_killed_mid_run_makes_the_other_exit_with_an_error(tmp_path) -> N
     assert stage0["seconds"] < 20 + 10
 
 
-def test_a_rank_that_stops_sending_is_reported_within_the_timeout(tmp_path) -> None:
+@TRANSPORTS
+def test_a_rank_that_stops_sending_is_reported_within_the_timeout(tmp_path, transport: str) -> None:
     # Stage 1 sleeps longer than the timeout plus the bound below: stage 0 passes only by giving up while it sleeps.
-    case = {"trigger": 5, "how": "hang", "timeout": 4, "hang_s": 4 + 10 + 2}
+    case = {"trigger": 5, "how": "hang", "timeout": 4, "hang_s": 4 + 10 + 2, "transport": transport}
     stage0, stage1 = run_ranks(engine_workers.failure, 2, tmp_path, case, deadline_s=120)
     assert (
         stage0["error"].startswith("stage 0 (global rank 0): gave up") and "stage 1 (global rank 1)" in stage0["error"]
@@ -38,8 +43,9 @@ def test_a_rank_that_stops_sending_is_reported_within_the_timeout(tmp_path) -> N
     assert "stage 1 (global rank 1): gave up" in stage1["error"]  # and stage 1 does not hang either
 
 
-def test_a_rank_that_raises_brings_the_other_down(tmp_path) -> None:
-    case = {"trigger": 5, "how": "raise", "timeout": 10}
+@TRANSPORTS
+def test_a_rank_that_raises_brings_the_other_down(tmp_path, transport: str) -> None:
+    case = {"trigger": 5, "how": "raise", "timeout": 10, "transport": transport}
     stage0, stage1 = run_ranks(engine_workers.failure, 2, tmp_path, case, deadline_s=120)
     assert "boom in a layer of stage 1" in stage1["error"]
     assert "stage 1 (global rank 1)" in stage0["error"] and stage0["seconds"] < 10 + 10
