@@ -19,7 +19,10 @@ shm / gloo per round. Prints one Markdown table; ``--out`` also writes it and th
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
+import platform
 import resource
 import statistics
 import sys
@@ -134,11 +137,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=None, help="a directory for transport_cost.md and .json")
     args = parser.parse_args(argv)
     sizes = [float(s) for s in args.sizes.split(",")]
+    from throughput import engine_version  # the commit the engine ran at
+
     from fdg_schedule.launch import run
 
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     per_rank = run(all_rounds, 2, sizes, args.rounds, args.ticks, deadline_s=1800)
     rows = summarize(per_rank, sizes)
-    text = markdown(rows, args.ticks, args.rounds)
+    engine = engine_version()
+    text = f"Measured {date} on {platform.node()}, {os.cpu_count()} CPUs, engine {engine}.\n\n"
+    text += markdown(rows, args.ticks, args.rounds)
     print(text)
     if args.out:
         out = Path(args.out)
@@ -146,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
         given = " ".join(sys.argv[1:] if argv is None else argv)
         command = f"DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 PYTHONPATH=$PWD python benchmarks/transport_cost.py {given}"
         (out / "transport_cost.md").write_text(f"    {command}\n\n{text}\n")
-        report = {"command": command, "rows": rows, "raw": per_rank}
+        report = {"command": command, "date": date, "engine": engine, "rows": rows, "raw": per_rank}
         (out / "transport_cost.json").write_text(json.dumps(report, indent=1) + "\n")
 
 

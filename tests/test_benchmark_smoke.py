@@ -279,3 +279,17 @@ def test_the_plain_halves_exchange_through_the_librarys_shared_memory_link(tmp_p
         peer = 1 - rank
         assert received == [[-1.0]] + [[100.0 * peer + tick] for tick in range(ticks - 1)]
         assert named == [False, False]  # the ring files' names are gone once both ranks mapped them
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(150)
+def test_transport_cost_times_both_transports_per_size(tmp_path: Path) -> None:
+    done = run_benchmark("transport_cost.py", "--sizes=0.01,0.1", "--rounds=2", "--ticks=3", f"--out={tmp_path}")
+    report = json.loads((tmp_path / "transport_cost.json").read_text())
+    assert [row["mib"] for row in report["rows"]] == [0.01, 0.1]
+    for row in report["rows"]:
+        for transport in ("process_group", "shm"):
+            assert row[transport]["wall_ms"] > 0 and len(row[transport]["cpu_ms"]) == 2
+        assert row["shm_over_gloo_wall_ms"] > 0 and row["shm_over_gloo_cpu_ms"] > 0
+    assert len(report["raw"]) == 2 and len(report["raw"][0]) == 2 * 2 * 2  # rounds x sizes x transports
+    assert "| 0.1 MiB |" in done.stdout
