@@ -454,6 +454,7 @@ class NeighbourExchange:
             self.sent_meta = meta_of(activation)
             token = capacity = 0
             if link_next:
+                self._check_nothing_pending(self._grad, "a gradient receive")
                 self._close_link("next")
                 try:
                     link = Link.create(self._activation_bytes(activation))
@@ -476,11 +477,22 @@ class NeighbourExchange:
         if recv:
             self.recv_meta, token, capacity = _decode(header)
             if token:
+                self._check_nothing_pending(self._activation, "an activation receive")
                 self._close_link("prev")
                 try:
                     self.links["prev"] = Link.join(token, capacity, self.timeout)
                 except OSError as err:
                     raise self._failed(f"joining the shared-memory link of {self._prev}", err) from err
+
+    def _check_nothing_pending(self, posted: tuple[Any, ...] | None, what: str) -> None:
+        """Note [shared-memory transport]: a pair changes links only between messages. The neighbours post
+        matching sends and receives at the same tick's exchange, so when the header arrives every receive
+        posted before it has been waited for; one still pending would be matched on the other link."""
+        if posted is not None and posted[0]:
+            raise FDGRuntimeError(
+                f"{self.describe}: {what} is still pending while the shared-memory link changes; the stages' "
+                f"exchanges are out of step (a bug; please report it with both stages' logs)\n{self.plan()}"
+            )
 
     def _activation_bytes(self, activation: Sequence[Tensor]) -> int:
         """A slot's size: the activation and its control word (a gradient message is never larger)."""

@@ -199,13 +199,11 @@ class Link:
     def _post(self, kind: Kind, direction: Direction, seq: int, nbytes: int) -> None:
         sock = self._sock
         assert sock is not None, "every send and receive waits (and so connects) before it posts a record"
-        try:
+        # A neighbour whose process has ended leaves a record unread, which is no error in itself (a neighbour
+        # that finished its last call exits while this stage frees its last slot). Whatever this stage waits
+        # for next on the link fails, reading the closed socket.
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             sock.sendall(_RECORD.pack(kind, direction, seq, nbytes))
-        except (BrokenPipeError, ConnectionResetError):
-            # The neighbour's process has ended: a record it will never read is no error in itself (a
-            # neighbour that finished its last call exits while this stage frees its last slot). Whatever
-            # this stage waits for next on the link fails, reading the closed socket.
-            pass
 
     def _wait_until(self, done: Callable[[], bool], timeout: timedelta, what: str) -> None:
         """Read records until ``done()`` holds; LinkError past the timeout or when the peer closed the link."""

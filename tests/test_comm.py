@@ -246,3 +246,86 @@ def test_a_neighbour_that_dies_fails_the_wait_at_once_naming_it(tmp_path) -> Non
     assert "gave up waiting for the gradient from stage 1 (global rank 1)" in stage0["error"]
     assert "closed the shared-memory link: its process ended" in stage0["error"]
     assert stage0["after_s"] < 30  # long before the 60 s timeout
+
+
+def growing_activations(rank: int, world: int, sizes: list[int]) -> dict:
+    """dynamic_shape=True through shared memory, in the engine's order at K = 2: an activation that outgrows
+    the link's slots gets a new link. Stage 0 back-propagates micro-batch t - 2 at tick t; stage 1 forwards
+    and back-propagates micro-batch t - 1; both drain at the end."""
+    from fdg_schedule.comm import NeighbourExchange
+
+    comm = NeighbourExchange(
+        prev_rank=None if rank == 0 else 0, next_rank=1 if rank == 0 else None, device=torch.device("cpu"),
+        dynamic_shape=True, stage_id=rank, timeout_s=30, shared_memory=(rank == 1, rank == 0),
+    )  # fmt: skip
+    got, tokens, n = [], [], len(sizes)
+    if rank == 0:
+        for tick in range(n + 2):
+            if tick >= 2:
+                got.append(comm.wait_grad()[0][0])
+            activation = (torch.full((sizes[tick],), float(tick)),) if tick < n else None
+            backward_next = 0 <= tick - 1 < n  # micro-batch tick - 1, back-propagated next tick
+            meta = [(torch.Size([sizes[tick - 1]]), torch.float32)] if backward_next else None
+            comm.post(activation, None, None, recv_activation=False, recv_grad_meta=meta)
+            if activation is not None:
+                tokens.append(comm.links["next"].token)
+    else:
+        for tick in range(n + 1):
+            grads = None
+            if tick >= 1:
+                (a,), _ = comm.wait_activation()
+                got.append(a)
+                grads = (a + 1,)
+            comm.post(None, grads, torch.tensor(0.0) if grads else None, recv_activation=tick < n, recv_grad_meta=None)
+            if tick < n:
+                tokens.append(comm.links["prev"].token)
+    comm.complete()
+    return {"got": got, "tokens": tokens}
+
+
+def test_an_activation_that_outgrows_its_slots_gets_a_new_link(tmp_path) -> None:
+    sizes = [1000, 800, 1000, 60000, 2000, 60000]  # grows at tick 3 only (the slots keep the largest size)
+    stage0, stage1 = run_ranks(growing_activations, 2, tmp_path, sizes, deadline_s=120)
+    for tick, n in enumerate(sizes):
+        assert torch.equal(stage1["got"][tick], torch.full((n,), float(tick)))
+        assert torch.equal(stage0["got"][tick], torch.full((n,), tick + 1.0))
+    first, second = stage0["tokens"][0], stage0["tokens"][3]
+    assert stage0["tokens"] == [first] * 3 + [second] * 3 and first != second
+    assert stage1["tokens"] == stage0["tokens"]  # the downstream stage joined each link the upstream made
+
+
+def test_the_shared_memory_transport_on_an_accelerator_path_is_an_error_naming_the_key(one_rank_group: None) -> None:
+    from fdg_schedule.comm import NeighbourExchange, Path
+    from fdg_schedule.errors import FDGRuntimeError
+
+    with pytest.raises(FDGRuntimeError, match='pipeline.fdg.transport "shm" moves tensors in host memory') as err:
+        NeighbourExchange(None, 1, torch.device("cpu"), False, stage_id=0, timeout_s=5, path=Path.STAGED,
+                          shared_memory=(False, True))  # fmt: skip
+    assert '(or set it to "process_group")' in str(err.value)
+
+
+def out_of_step(rank: int, world: int) -> str | None:
+    """Stage 0 leaves a gradient receive pending while its activation outgrows the link: an error, not a hang."""
+    from fdg_schedule.comm import NeighbourExchange
+
+    comm = NeighbourExchange(
+        prev_rank=None if rank == 0 else 0, next_rank=1 if rank == 0 else None, device=torch.device("cpu"),
+        dynamic_shape=True, stage_id=rank, timeout_s=5, shared_memory=(rank == 1, rank == 0),
+    )  # fmt: skip
+    try:
+        if rank == 0:
+            comm.post((torch.zeros(10),), None, None, False, [(torch.Size([10]), torch.float32)])
+            comm.post((torch.zeros(100000),), None, None, False, None)  # the gradient receive never waited for
+        else:
+            comm.post(None, None, None, recv_activation=True, recv_grad_meta=None)
+            comm.wait_activation()
+            comm.post(None, None, None, recv_activation=True, recv_grad_meta=None)
+    except Exception as err:  # noqa: BLE001  (what the stage would raise)
+        return str(err)
+    return None
+
+
+def test_a_link_change_with_a_receive_pending_is_an_error_not_a_hang(tmp_path) -> None:
+    stage0, stage1 = run_ranks(out_of_step, 2, tmp_path, deadline_s=120)
+    assert stage0 is not None and "a gradient receive is still pending while the shared-memory link changes" in stage0
+    assert stage1 is not None and "stage 1 (global rank 1): gave up" in stage1  # its neighbour stopped: no hang
