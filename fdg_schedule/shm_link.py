@@ -40,7 +40,7 @@ from datetime import timedelta
 import torch
 from torch import Tensor
 
-SLOTS = 4  # messages a direction may hold unread; FDG's schedule keeps at most two in flight
+SLOTS = 4  # unread messages a direction holds before its sender waits (FDG sends one a tick, read the next tick)
 _RECORD = struct.Struct("<qqqq")  # kind, direction, sequence number, bytes
 _ALIGN = 64
 
@@ -101,19 +101,23 @@ class Link:
     @classmethod
     def create(cls, capacity: int) -> Link:
         """The upstream's side: new ring files and a listening socket under a fresh token."""
-        link = cls(secrets.randbits(63), _padded(capacity), upstream=True)
-        for direction in Direction:
-            path = ring_path(link.token, direction)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            link._paths.append(path)
-            try:
-                os.ftruncate(fd, SLOTS * link.capacity)
-                link._map(direction, fd)
-            finally:
-                os.close(fd)
-        link._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        link._listener.bind(_socket_name(link.token))
-        link._listener.listen(1)
+        link = cls(1 + secrets.randbits(62), _padded(capacity), upstream=True)  # 0 means "no link" in a header
+        try:
+            for direction in Direction:
+                path = ring_path(link.token, direction)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                link._paths.append(path)
+                try:
+                    os.ftruncate(fd, SLOTS * link.capacity)
+                    link._map(direction, fd)
+                finally:
+                    os.close(fd)
+            link._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            link._listener.bind(_socket_name(link.token))
+            link._listener.listen(1)
+        except OSError:
+            link.close()  # no file left behind
+            raise
         return link
 
     @classmethod
@@ -190,6 +194,8 @@ class Link:
                 self._sock, _ = self._listener.accept()
             except TimeoutError as err:
                 raise LinkError("never connected to this stage's shared-memory link") from err
+            except OSError as err:
+                raise LinkError(f"could not be accepted on this stage's shared-memory link ({err})") from err
             self._sock.settimeout(None)
             self._listener.close()
             self._listener = None
