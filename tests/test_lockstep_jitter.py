@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from lockstep_jitter import lockstep  # noqa: E402
+from lockstep_jitter import lockstep, replay  # noqa: E402
 
 
 def rank_trace(work_ms: list[list[float]], tick_ends_ms: list[float]) -> list[dict]:
@@ -58,3 +58,27 @@ def test_the_script_traces_a_recipe_run_and_prints_the_table(tmp_path: Path) -> 
     row = done.stdout.strip().splitlines()[-1]
     assert row.startswith("| 5 |"), done.stdout  # ticks 5 to 9: tick 4 has no traced tick before it
     assert json.loads((tmp_path / "config.json").read_text())["pipeline"]["fdg"]["trace"]["ticks"] == 6
+
+
+def spans_trace(ticks: list[list[tuple[str, float]]]) -> list[dict]:
+    """One rank's trace from (kind, ms) spans per tick, laid end to end (the replay reads only their order)."""
+    events: list[dict] = []
+    now = 0.0
+    for tick, spans in enumerate(ticks):
+        for cat, ms in spans:
+            events.append({"ph": "X", "cat": cat, "ts": 1e3 * now, "dur": 1e3 * ms, "args": {"tick": tick}})
+            now += ms
+        events.append({"ph": "i", "cat": "tick", "ts": 1e3 * now, "args": {"tick": tick}})
+    return events
+
+
+def test_the_replay_in_the_engines_order_and_with_the_gradient_sent_before_the_step() -> None:
+    # stage 0 computes 12, 8, 12, ... ms; stage 1 10 ms, of which its backward ends at 6 (then reduce, step, exchange)
+    stage0 = spans_trace([[("backward", 7.0), ("forward", 5.0 if t % 2 == 0 else 1.0)] for t in range(41)])
+    tick1 = [("forward", 2.0), ("backward", 4.0), ("reduce", 1.0), ("step", 3.0), ("exchange", 0.0)]
+    stage1 = spans_trace([tick1] * 41)
+    result = replay([stage0, stage1])
+    # the engine: every tick waits for the slower stage's previous tick, max(12, 10) then max(8, 10): 11 ms a tick
+    assert result["engine_order_ms"] == pytest.approx(11.0)
+    # the gradient leaves stage 1 at 6 ms: stage 0's 12 ms tick overlaps the rest of stage 1's, 10 ms a tick
+    assert result["gradient_before_step_ms"] == pytest.approx(10.0)
