@@ -227,16 +227,11 @@ class PlainHalves:
 
 def shared_memory_link(like: torch.Tensor) -> Link:
     """The library's shared-memory link between the two ranks (Note [shared-memory transport]), slots the size of
-    ``like``: rank 0 creates it, rank 1 joins it with the token rank 0 broadcasts."""
-    if dist.get_rank() == 0:
-        link = Link.create(message_bytes([like]))
-        setup = torch.tensor([link.token, link.capacity])
-    else:
-        setup = torch.zeros(2, dtype=torch.int64)
+    ``like``: rank 0 creates it, rank 1 joins it with the token and slot size rank 0 broadcasts."""
+    created = Link.create(message_bytes([like])) if dist.get_rank() == 0 else None
+    setup = torch.zeros(2, dtype=torch.int64) if created is None else torch.tensor([created.token, created.capacity])
     dist.broadcast(setup, 0)
-    if dist.get_rank() == 0:
-        return link
-    return Link.join(int(setup[0]), int(setup[1]), TIMEOUT)
+    return created or Link.join(int(setup[0]), int(setup[1]), TIMEOUT)
 
 
 def earlier_boundary(layers: list[Any], parts: list[int], x: torch.Tensor) -> torch.Tensor:

@@ -55,8 +55,9 @@ def test_the_script_traces_a_recipe_run_and_prints_the_table(tmp_path: Path) -> 
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
     done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=230)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]  # with the launcher's log tail
-    row = done.stdout.strip().splitlines()[-1]
-    assert row.startswith("| 5 |"), done.stdout  # ticks 5 to 9: tick 4 has no traced tick before it
+    lines = done.stdout.strip().splitlines()
+    assert lines[-3].startswith("| 5 |"), done.stdout  # ticks 5 to 9: tick 4 has no traced tick before it
+    assert lines[-1].startswith("Replayed from the traced work: "), done.stdout  # then the what-if
     assert json.loads((tmp_path / "config.json").read_text())["pipeline"]["fdg"]["trace"]["ticks"] == 6
 
 
