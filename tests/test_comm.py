@@ -329,3 +329,17 @@ def test_a_link_change_with_a_receive_pending_is_an_error_not_a_hang(tmp_path) -
     stage0, stage1 = run_ranks(out_of_step, 2, tmp_path, deadline_s=120)
     assert stage0 is not None and "a gradient receive is still pending while the shared-memory link changes" in stage0
     assert stage1 is not None and "stage 1 (global rank 1): gave up" in stage1  # its neighbour stopped: no hang
+
+
+def neighbours_on_hosts(rank: int, world: int, hosts: list[str]) -> tuple[bool, bool]:
+    """Which neighbours ``same_host_neighbours`` finds on this rank's host, with ``hosts[r]`` as rank r's host."""
+    from fdg_schedule import comm
+
+    comm.host_id = lambda: hosts[rank]  # type: ignore[assignment]  (each rank its own process)
+    return comm.same_host_neighbours(rank - 1 if rank else None, rank + 1 if rank < world - 1 else None)
+
+
+def test_only_neighbours_on_the_same_host_get_a_shared_memory_link(tmp_path) -> None:
+    # K = 3 over two hosts: stages 0 and 1 share one, stage 2 is on the other (it keeps the process group)
+    found = run_ranks(neighbours_on_hosts, 3, tmp_path, ["a", "a", "b"], deadline_s=120)
+    assert found == [(False, True), (True, False), (False, False)]
