@@ -44,10 +44,9 @@ def ticks_of_exchange(rank: int, transport: str, mib: float, ticks: int) -> dict
 
     from fdg_schedule.comm import NeighbourExchange
 
-    shm = transport == "shm"
     comm = NeighbourExchange(
         prev_rank=None if rank == 0 else 0, next_rank=1 if rank == 0 else None, device=torch.device("cpu"),
-        dynamic_shape=False, stage_id=rank, timeout_s=120, shared_memory=(rank == 1 and shm, rank == 0 and shm),
+        dynamic_shape=False, stage_id=rank, timeout_s=120, transport=transport,
     )  # fmt: skip
     numel = int(mib * 2**20 / 4)
     message = torch.randn(numel)
@@ -105,7 +104,7 @@ def summarize(per_rank: list[list[dict[str, Any]]], sizes: list[float]) -> list[
             pairs = []
             for rank in per_rank:
                 by = {(r["round"], r["transport"]): r[key] for r in rank if r["mib"] == mib}
-                pairs += [by[(n, "shm")] / by[(n, "process_group")] for n, _ in by if _ == "shm"]
+                pairs += [by[(n, "shm")] / by[(n, "process_group")] for n, transport in by if transport == "shm"]
             row[f"shm_over_gloo_{key}"] = statistics.median(pairs)
     return rows
 

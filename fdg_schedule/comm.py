@@ -172,8 +172,9 @@ class NeighbourExchange:
             mean the stages disagree on it (a wait with no receive posted).
         describe: names a stage in error messages, given its stage id and global rank.
         path: how to move and wait (default: :func:`choose_path` for the default group and ``device``).
-        shared_memory: (previous, next): exchange with that neighbour through a shared-memory link
-            (Note [shared-memory transport]); the neighbour must be on this host, the path BLOCKING.
+        transport: ``pipeline.fdg.transport``. ``"shm"``: exchange with each neighbour on this host
+            through a shared-memory link (Note [shared-memory transport]); the path must be BLOCKING.
+            Finding the neighbours' hosts is collective: every rank builds its exchange at the same point.
     """
 
     def __init__(
@@ -187,16 +188,17 @@ class NeighbourExchange:
         plan: Callable[[], str] = lambda: "",
         describe: Callable[[int, int | None], str] = lambda stage, rank: f"stage {stage} (global rank {rank})",
         path: Path | None = None,
-        shared_memory: tuple[bool, bool] = (False, False),
+        transport: str = "process_group",
     ) -> None:
         self.path = choose_path(dist.get_backend(), device) if path is None else path
-        if any(shared_memory) and self.path is not Path.BLOCKING:
+        if transport == "shm" and self.path is not Path.BLOCKING:  # refused before any rank waits
             raise FDGRuntimeError(
                 f'pipeline.fdg.transport "shm" moves tensors in host memory through a process group on the host; '
                 f"this stage runs on {device} with {dist.get_backend()} ({self.path.value} path): remove "
                 'pipeline.fdg.transport (or set it to "process_group")'
             )
-        self.shared_memory = {"prev": shared_memory[0], "next": shared_memory[1]}
+        same_host = same_host_neighbours(prev_rank, next_rank) if transport == "shm" else (False, False)
+        self.shared_memory = {"prev": same_host[0], "next": same_host[1]}
         self.links: dict[str, Link | None] = {"prev": None, "next": None}
         self.wire = HOST if self.path is Path.STAGED else device  # where tensors travel from and arrive in
         self.host_group = host_group(dist.get_backend(), device)

@@ -26,7 +26,7 @@ from deepspeed.runtime.pipe.schedule import PipeInstruction, ReduceGrads
 from torch import Tensor
 
 from fdg_schedule import dispatch, grid, guards, observe, optim, schedule, ticks, tied
-from fdg_schedule.comm import NO_END, NeighbourExchange, meta_of, same_host_neighbours
+from fdg_schedule.comm import NO_END, NeighbourExchange, meta_of
 from fdg_schedule.config import FDGConfig
 from fdg_schedule.delayed import DelayedBackward
 from fdg_schedule.engine_checkpoints import FDGCheckpoints
@@ -63,12 +63,9 @@ class FDGPipelineEngine(FDGCheckpoints):
         self.fdg_config = fdg_config
         optim.decouple_from_other_stages(self.optimizer)
         rank = lambda stage: self.grid.stage_to_global(stage) if 0 <= stage < self.num_stages else None  # noqa: E731
-        prev, next_ = rank(self.stage_id - 1), rank(self.stage_id + 1)
-        shm = fdg_config.transport == "shm"
         self._exchange = NeighbourExchange(
-            prev, next_, self.device, self.dynamic_shape, self.stage_id, timeout_s=fdg_config.timeout,
-            plan=self._plan, describe=self._describe,
-            shared_memory=same_host_neighbours(prev, next_) if shm else (False, False),
+            rank(self.stage_id - 1), rank(self.stage_id + 1), self.device, self.dynamic_shape, self.stage_id,
+            timeout_s=fdg_config.timeout, plan=self._plan, describe=self._describe, transport=fdg_config.transport,
         )  # fmt: skip
         self._replicas = Replicas(self.grid, self.stage_id, fdg_config.timeout, self._where())
         delayed = not self.is_last_stage()

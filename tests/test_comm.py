@@ -180,7 +180,7 @@ def _pair(rank: int, shm: bool, timeout_s: float = 30):
         dynamic_shape=False,
         stage_id=rank,
         timeout_s=timeout_s,
-        shared_memory=(rank == 1 and shm, rank == 0 and shm),
+        transport="shm" if shm else "process_group",
     )
 
 
@@ -256,7 +256,7 @@ def growing_activations(rank: int, world: int, sizes: list[int]) -> dict:
 
     comm = NeighbourExchange(
         prev_rank=None if rank == 0 else 0, next_rank=1 if rank == 0 else None, device=torch.device("cpu"),
-        dynamic_shape=True, stage_id=rank, timeout_s=30, shared_memory=(rank == 1, rank == 0),
+        dynamic_shape=True, stage_id=rank, timeout_s=30, transport="shm",
     )  # fmt: skip
     got, tokens, n = [], [], len(sizes)
     if rank == 0:
@@ -300,7 +300,7 @@ def test_the_shared_memory_transport_on_an_accelerator_path_is_an_error_naming_t
 
     with pytest.raises(FDGRuntimeError, match='pipeline.fdg.transport "shm" moves tensors in host memory') as err:
         NeighbourExchange(None, 1, torch.device("cpu"), False, stage_id=0, timeout_s=5, path=Path.STAGED,
-                          shared_memory=(False, True))  # fmt: skip
+                          transport="shm")  # fmt: skip
     assert '(or set it to "process_group")' in str(err.value)
 
 
@@ -310,7 +310,7 @@ def out_of_step(rank: int, world: int) -> str | None:
 
     comm = NeighbourExchange(
         prev_rank=None if rank == 0 else 0, next_rank=1 if rank == 0 else None, device=torch.device("cpu"),
-        dynamic_shape=True, stage_id=rank, timeout_s=5, shared_memory=(rank == 1, rank == 0),
+        dynamic_shape=True, stage_id=rank, timeout_s=5, transport="shm",
     )  # fmt: skip
     try:
         if rank == 0:
