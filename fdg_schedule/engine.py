@@ -61,7 +61,7 @@ class FDGPipelineEngine(FDGCheckpoints):
             kwargs["model_parameters"] = tied.take_out(ties, kwargs.get("optimizer"), model_parameters, kwargs["model"])
         super().__init__(*args, **kwargs)
         self.fdg_config = fdg_config
-        optim.decouple_from_other_stages(self.optimizer)
+        optim.decouple_from_other_stages(self.optimizer, self.basic_optimizer)
         rank = lambda stage: self.grid.stage_to_global(stage) if 0 <= stage < self.num_stages else None  # noqa: E731
         self._exchange = NeighbourExchange(
             rank(self.stage_id - 1), rank(self.stage_id + 1), self.device, self.dynamic_shape, self.stage_id,

@@ -20,6 +20,18 @@ parameters' ``.grad`` (fp32 and ZeRO-1; ZeRO's ``grad_accum`` when it accumulate
 and, under bf16, in the wrapper's fp32 gradient buffers. :func:`capture_accumulated` copies all of
 them for the checkpoint and :func:`restore_accumulated` puts them back, so the resumed stage steps
 on exactly the backward passes the uninterrupted one does.
+
+Note [FusedAdam's step on the CPU]: DeepSpeed builds ``FusedAdam`` for an ``"Adam"`` / ``"AdamW"``
+config (and for Muon's Adam half). Its CPU kernel keeps beta1**t and beta2**t in one object per
+process and mode, shared by every FusedAdam instance: a call at step t multiplies the kept powers by
+beta once when the previous call (of any instance) was at t - 1, and computes ``pow(beta, t)`` otherwise.
+Its result then depends on the order of the process's calls, not only on the optimizer's own state.
+Under FDG a stage's optimizer and the tied optimizers of its copies (Note [tied layers across stages])
+step in an order that differs from stage to stage, so two owners stepped one copy with differently
+rounded bias corrections and the copies drifted apart; a resumed process (whose first call takes
+``pow``) did not continue a run bit for bit. :func:`pure_steps` makes every call take ``pow(beta, t)``:
+right before it, one call on an empty tensor at step t + 2 moves the kept step where neither "t - 1"
+nor "t" matches. The CUDA kernel computes the powers from t in every call and is left as it is.
 """
 
 from __future__ import annotations
@@ -33,13 +45,42 @@ from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from torch import Tensor, nn
 
 
-def decouple_from_other_stages(optimizer: Any) -> None:
-    """Make a DeepSpeed optimizer wrapper's norms and overflow checks stage-local (no cross-stage all-reduce)."""
+def decouple_from_other_stages(optimizer: Any, basic: Any = None) -> None:
+    """Make a DeepSpeed optimizer wrapper's norms and overflow checks stage-local (no cross-stage all-reduce),
+    and the steps of the optimizer it wraps, ``basic``, a function of its own state (:func:`pure_steps`)."""
     if isinstance(optimizer, BF16_Optimizer):
         optimizer.mpu = None
     if isinstance(optimizer, DeepSpeedZeroOptimizer):
         optimizer.model_parallel_group = None
         optimizer.model_parallel_rank = 0
+    if basic is not None:
+        pure_steps(basic)
+
+
+def pure_steps(optimizer: Any) -> None:
+    """Note [FusedAdam's step on the CPU]: every step of ``optimizer`` (and of Muon's Adam half) on CPU tensors
+    computes beta**t from its own step count t, whatever other optimizers in the process stepped before."""
+    from deepspeed.ops.adam import FusedAdam
+
+    for opt in (optimizer, getattr(optimizer, "aux_optimizer", None)):
+        if not isinstance(opt, FusedAdam) or getattr(opt.multi_tensor_adam, "pure", False):
+            continue
+        devices = {p.device.type for group in opt.param_groups for p in group["params"]}
+        if devices <= {"cpu"}:
+            opt.multi_tensor_adam = _powers_from_step(opt.multi_tensor_adam)
+
+
+def _powers_from_step(op: Any) -> Any:
+    """The CPU ``multi_tensor_adam`` op, each call preceded by one on an empty tensor at step t + 2."""
+    empty = torch.empty(0)
+
+    def call(chunk_size: int, noop: Tensor, lists: list[list[Tensor]], lr: float, beta1: float, beta2: float,
+             eps: float, step: int, *rest: Any) -> Any:  # fmt: skip
+        op(chunk_size, noop, [[empty], [empty], [empty], [empty]], lr, beta1, beta2, eps, step + 2, *rest)
+        return op(chunk_size, noop, lists, lr, beta1, beta2, eps, step, *rest)
+
+    call.pure = True  # type: ignore[attr-defined]
+    return call
 
 
 def reduce_is_identity(engine: Any) -> bool:

@@ -58,7 +58,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import math
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -66,7 +68,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from fdg_schedule import flat_state
+from fdg_schedule import flat_state, optim
 from fdg_schedule.comm import PeerMessage
 from fdg_schedule.config import FDGConfigError
 from fdg_schedule.guards import read_host
@@ -213,17 +215,43 @@ def take_out(ties: Sequence[Tie], optimizer: Any, model_parameters: Any, module:
 def build_optimizer(
     basic: torch.optim.Optimizer, params: list[Tensor], settings: dict[str, Any], where: str
 ) -> torch.optim.Optimizer:
-    """An optimizer of ``basic``'s class and defaults over ``params`` (the tied copies or their fp32 masters),
-    with ``settings`` (those of the param group the copies were taken out of) over the defaults."""
+    """An optimizer of ``basic``'s class and construction over ``params`` (the tied copies or their fp32 masters),
+    with ``settings`` (those of the param group the copies were taken out of) over the defaults: a step of it
+    is the step ``basic`` takes on a parameter of that group (Note [tied layers across stages])."""
     kind = type(basic)
     try:
-        return kind([{**settings, "params": params}], **basic.defaults)
+        optimizer = kind([{**settings, "params": params}], **constructor_arguments(basic))
     except Exception as err:  # noqa: BLE001 - any constructor that does not take (params, **defaults)
         raise FDGConfigError(
             f"{where}: tied layers across stages need an optimizer of the stage's class for the tied parameters, "
             f"but {kind.__module__}.{kind.__qualname__}(params, **defaults) failed: {err}; use a torch-style "
             "optimizer whose constructor takes its defaults as keyword arguments, or untie the layers"
         ) from err
+    optim.pure_steps(optimizer)  # Note [FusedAdam's step on the CPU]
+    return optimizer
+
+
+def constructor_arguments(basic: torch.optim.Optimizer) -> dict[str, Any]:
+    """The keyword arguments that build another optimizer stepping as ``basic`` does: its defaults that its
+    constructor takes (torch's AdamW keeps ``decoupled_weight_decay`` there but does not take it), and the
+    settings DeepSpeed's optimizers keep outside them (FusedAdam's ``adam_w_mode``; Muon's Adam half)."""
+    kind = type(basic)
+    signature = inspect.signature(kind.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.values()):
+        arguments = dict(basic.defaults)
+    else:
+        arguments = {k: v for k, v in basic.defaults.items() if k in signature}
+    from deepspeed.ops.adam import FusedAdam
+
+    if isinstance(basic, FusedAdam):
+        arguments.update(adam_w_mode=bool(basic.adam_w_mode), set_grad_none=basic.set_grad_none)
+    muon = sys.modules.get("deepspeed.runtime.zero.muon.muon_optimizer")  # imported when DeepSpeed built Muon
+    if muon is not None and isinstance(basic, muon.MuonWithAuxAdam):
+        aux = basic.aux_optimizer
+        arguments.update(adam_w_mode=basic.adam_w_mode, fallback_to_inline=aux is None)
+        if aux is not None:
+            arguments.update(adam_optimizer=type(aux), adam_optimizer_kwargs=constructor_arguments(aux))
+    return arguments
 
 
 def flat_layouts(wrapper: Any) -> list[flat_state.FlatGroup] | None:

@@ -100,7 +100,10 @@ def build(case: dict[str, Any], world: int, import_fdg: bool = True):
         )
     if case.get("ds_optimizer"):
         ds_cfg = ds_config(case)
-        ds_cfg["optimizer"] = {"type": "SGD", "params": {"lr": case.get("lr", 0.1), "momentum": 0.9}}
+        if case["ds_optimizer"] is True:
+            ds_cfg["optimizer"] = {"type": "SGD", "params": {"lr": case.get("lr", 0.1), "momentum": 0.9}}
+        else:  # another type DeepSpeed builds ("Adam": FusedAdam on the CPU)
+            ds_cfg["optimizer"] = {"type": case["ds_optimizer"], "params": {"lr": case.get("lr", 0.1) * 0.1}}
         engine, *_ = initialize(model=model, config=ds_cfg, model_parameters=model.parameters(), **kwargs)
     else:
         params: Any = model.parameters()
