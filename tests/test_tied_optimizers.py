@@ -20,8 +20,8 @@ from fdg_schedule import optim, tied
 
 pytestmark = pytest.mark.distributed
 
-# Every optimizer DeepSpeed builds from its config on this machine, and torch optimizers given to it.
-# ("Lion" builds FusedLion, which has no CPU kernel in DeepSpeed 0.19.8: it cannot run here.)
+# Every optimizer DeepSpeed builds from its config on this machine, and torch optimizers given to it. ("Lion"
+# builds FusedLion, which has no CPU kernel in DeepSpeed 0.19.8; with the optimizer offloaded, DeepSpeedCPULion.)
 OPTIMIZERS: list[dict[str, Any]] = [
     {"optimizer": "SGD"},
     {"optimizer": "Adam"},
@@ -52,7 +52,10 @@ def _cases(stages: int, variants: dict[str, dict[str, Any]]) -> list[dict[str, A
     ]
 
 
-THREE_STAGES = _cases(3, VARIANTS)
+OFFLOADED = [
+    {"optimizer": o, "stages": 3, "zero": 1, "offload": True, "variant": "ZeRO-1 offload"} for o in ("Lion", "Adam")
+]
+THREE_STAGES = _cases(3, VARIANTS) + OFFLOADED
 FOUR_RANKS = _cases(4, {"K = 4": {}}) + _cases(2, {"DP 2 x PP 2": {}, "DP 2 x PP 2, ZeRO-1": {"zero": 1}})
 
 

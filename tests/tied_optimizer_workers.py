@@ -82,6 +82,8 @@ def _train_one(case: dict[str, Any], world: int) -> dict[str, Any]:
         config["bf16"] = {"enabled": True}
     if case.get("zero"):
         config["zero_optimization"] = {"stage": 1}
+        if case.get("offload"):
+            config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     client = None if block is not None else client_optimizer(case)
     engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters(), optimizer=client)
     dp = world // case["stages"]
