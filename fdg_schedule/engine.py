@@ -70,11 +70,11 @@ class FDGPipelineEngine(FDGCheckpoints):
         self._replicas = Replicas(self.grid, self.stage_id, fdg_config.timeout, self._where())
         delayed = not self.is_last_stage()
         self._delayed = DelayedBackward(self.module, fdg_config, delayed=delayed)
-        self._tied = tied.TiedSync(
-            ties, self.stage_id, self.basic_optimizer, self.optimizer,
-            self.grid.get_data_parallel_group(), self.dp_world_size, self._replicas.collective, self._where(),
-        )  # fmt: skip
         self._tie_keys = list(tied.owners(self.module))  # every rank's, also where it holds no copy
+        self._tied = tied.TiedSync(
+            ties, self.stage_id, self.basic_optimizer, self.optimizer, self.grid.get_data_parallel_group(),
+            self.dp_world_size, self._replicas.collective, self._where(), across=bool(self._tie_keys),
+        )  # fmt: skip
         self._own_params = self._tied.without(self.module.parameters())  # stepped by the stage's optimizer
         params, every = self._delayed.params, fdg_config.staleness_every
         corrected = self._tied.without(params)  # tied copies are never predicted nor lr-scaled

@@ -362,6 +362,8 @@ class TiedSync:
         dp_group / dp_size: the stage's data-parallel group, over which each contribution is averaged.
         collective: a context bounding a collective of the data-parallel group (``Replicas.collective``).
         where: names the stage in errors.
+        across: the model has parameters tied across stages (on any stage): a stage holding no copy still
+            builds a tied optimizer once, so that an optimizer FDG cannot build one from fails on every rank.
     """
 
     def __init__(
@@ -374,14 +376,18 @@ class TiedSync:
         dp_size: int = 1,
         collective: Callable[[str], contextlib.AbstractContextManager[Any]] | None = None,
         where: str = "",
+        across: bool = False,
     ) -> None:
         self.copies: list[_Copy] = []
-        if ties:
+        if ties or across:
             if basic is None:
                 raise FDGConfigError(
                     f"{where}: tied layers across stages need an optimizer; pass one to deepspeed.initialize"
                 )
             self.copies = [_Copy(t, stage_id, basic, where) for t in ties]
+            if not ties:  # before any rank waits on another: the owners raise this too
+                probe = nn.Parameter(torch.zeros(1))
+                build_optimizer(basic, [probe], hyperparameters(basic.param_groups[0]), where)
         self.dp_group, self.dp_size = dp_group, dp_size
         self.collective = collective or (lambda what: contextlib.nullcontext())
         # Note [tied optimizer state in checkpoints]: the copies' state goes in the stage optimizer's file

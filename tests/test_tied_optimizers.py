@@ -91,6 +91,15 @@ def test_copies_bit_identical_at_four_stages_and_data_parallel(tmp_path) -> None
     check_copies_equal(list(zip(*results)), FOUR_RANKS)
 
 
+def test_an_optimizer_fdg_cannot_rebuild_is_refused_on_every_rank(tmp_path) -> None:
+    """A client optimizer whose constructor needs more than its defaults: every rank raises the same error at
+    initialize, the middle stage (which holds no copy) too, well before the 60 s a neighbour would wait."""
+    case = {"optimizer": "client_rigid", "stages": 3}
+    [errors] = run_ranks_each(workers.refused, 3, tmp_path, [(case,)], deadline_s=50)
+    assert all("tied layers across stages need an optimizer of the stage's class" in e for e in errors), errors
+    assert all("Rigid(params, **defaults) failed" in e and "untie the layers" in e for e in errors), errors
+
+
 # -- the pieces, without a process group --------------------------------------------------------------------
 
 

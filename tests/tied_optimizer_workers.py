@@ -50,7 +50,17 @@ def optimizer_block(case: dict[str, Any]) -> dict[str, Any] | None:
     return {"type": name, "params": params}
 
 
+class Rigid(torch.optim.SGD):
+    """An optimizer whose constructor needs an argument its ``defaults`` do not hold: FDG cannot build a tied
+    optimizer from it."""
+
+    def __init__(self, params: Any, scale: float) -> None:
+        super().__init__(params, lr=0.01 * scale)
+
+
 def client_optimizer(case: dict[str, Any]) -> Any:
+    if case["optimizer"] == "client_rigid":
+        return lambda params: Rigid(params, 2.0)
     kind = {"client_adam": torch.optim.Adam, "client_adamw": torch.optim.AdamW, "client_sgd": torch.optim.SGD}
     extra = {"momentum": 0.9, "nesterov": True} if case["optimizer"] == "client_sgd" else {"weight_decay": 0.1}
     return lambda params: kind[case["optimizer"]](params, lr=0.01, **extra)
@@ -61,6 +71,17 @@ def train(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, 
     import fdg_schedule  # noqa: F401  (selects the engine from the config)
 
     return [_train_one(case, world) for case in cases]
+
+
+def refused(rank: int, world: int, case: dict[str, Any]) -> str:
+    """The error ``deepspeed.initialize`` raises on this rank for ``case`` ("" if none)."""
+    from fdg_schedule import FDGConfigError
+
+    try:
+        _train_one(case, world)
+    except FDGConfigError as err:
+        return str(err)
+    return ""
 
 
 def _train_one(case: dict[str, Any], world: int) -> dict[str, Any]:
