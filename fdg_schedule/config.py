@@ -15,6 +15,8 @@ The public keys::
         "delay_momentum": false,      # momentum mu of stage k taken as mu ** (1 + h_k) in its steps
         "delay_momentum_peak_lr": null,  # rho > 0: mu ** (1 + h_k * min(1, lr / rho)) instead; null = off
         "delay_momentum_raise": null, # c > 0: mu of stage k taken as mu ** (1 / (1 + c * h_k)); null = off
+        "corrections": null,          # "auto": the six keys above chosen per stage (Note [the auto rule]);
+                                      # "none": none of them; null: the explicit keys
         "staleness_every": 100,       # measure ||w_fwd - w_bwd|| / ||w|| every N ticks; 0 = off
         "nonfinite": "error",         # "error" | "skip": a non-finite loss or gradient on a stage
         "timeout": 60,                # seconds a stage waits for a neighbour before failing
@@ -43,6 +45,12 @@ NONFINITE = ("error", "skip")
 TRANSPORTS = ("process_group", "shm")
 PREDICT_HORIZONS = ("own", "first_stage")
 TRACE_KEYS = {"start_tick": 0, "ticks": 64, "dir": "fdg_trace"}
+CORRECTIONS = ("none", "auto")
+# The staleness-correction keys ``corrections`` decides (Note [the auto rule] in fdg_schedule.auto_corrections).
+CORRECTION_KEYS = (
+    "delay_lr_ticks", "predict_decay", "predict_horizon", "delay_momentum", "delay_momentum_peak_lr",
+    "delay_momentum_raise",
+)  # fmt: skip
 
 
 class FDGConfigError(ValueError):
@@ -113,6 +121,13 @@ class FDGConfig:
     prediction extrapolates). The last stage (h = 0) keeps mu. Cannot be combined with ``delay_momentum``.
     An extension of issue 11's corrections, added on the GPT-2 (AdamW) evidence in docs/staleness.md.
     None: off."""
+
+    corrections: str | None = None
+    """``"auto"``: the staleness-correction keys (``delay_lr_ticks``, ``predict_decay``, ``predict_horizon``,
+    ``delay_momentum``, ``delay_momentum_peak_lr``, ``delay_momentum_raise``) are chosen at
+    ``deepspeed.initialize`` for each stage from its optimizer, K, ``accumulate`` and the LR scheduler (Note
+    [the auto rule] in :mod:`fdg_schedule.auto_corrections`); ``"none"``: none of them (the paper's FDG);
+    None: the keys as given. With ``"auto"`` or ``"none"`` the block sets none of those keys itself."""
 
     staleness_every: int = 100
     """N: every N ticks each delayed stage measures its staleness, the relative distance
@@ -207,6 +222,14 @@ class FDGConfig:
                     f"delay_momentum_raise is {self.delay_momentum_raise!r} and delay_momentum is true (pipeline.fdg "
                     "in ds_config): one lowers the delayed stages' momentum, the other raises it; keep one of them"
                 )
+        if self.corrections is not None:
+            _check_choice("corrections", self.corrections, CORRECTIONS)
+        moved = [k for k in CORRECTION_KEYS if getattr(self, k) != getattr(FDGConfig, k)]
+        if self.corrections == "none" and moved:
+            raise FDGConfigError(
+                f'pipeline.fdg.corrections is "none" but {moved} are set (pipeline.fdg in ds_config): "none" is FDG '
+                "without staleness corrections; remove those keys, or remove corrections to use them"
+            )
         _check_number("staleness_every", self.staleness_every, int, "; e.g. 100, or 0 for off")
         if self.staleness_every < 0:
             raise FDGConfigError(
@@ -244,6 +267,12 @@ class FDGConfig:
         unknown = sorted(set(block) - set(known))
         if unknown:
             raise FDGConfigError(f"unknown key(s) {unknown} in pipeline.fdg of ds_config; known keys: {known}")
+        explicit, mode = [key for key in CORRECTION_KEYS if key in block], block.get("corrections")
+        if mode in CORRECTIONS and explicit:
+            raise FDGConfigError(
+                f"pipeline.fdg.corrections is {mode!r} and pipeline.fdg sets {explicit} too (ds_config): "
+                f'"{mode}" decides those keys itself; remove {explicit}, or remove corrections to set the keys yourself'
+            )
         return cls(**block)
 
 

@@ -25,7 +25,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.schedule import PipeInstruction, ReduceGrads
 from torch import Tensor
 
-from fdg_schedule import dispatch, grid, guards, observe, optim, schedule, ticks, tied
+from fdg_schedule import auto_corrections, dispatch, grid, guards, observe, optim, schedule, ticks, tied
 from fdg_schedule.comm import NO_END, NeighbourExchange, meta_of
 from fdg_schedule.config import FDGConfig
 from fdg_schedule.delayed import DelayedBackward
@@ -60,7 +60,7 @@ class FDGPipelineEngine(FDGCheckpoints):
             model_parameters = kwargs.get("model_parameters")
             kwargs["model_parameters"] = tied.take_out(ties, kwargs.get("optimizer"), model_parameters, kwargs["model"])
         super().__init__(*args, **kwargs)
-        self.fdg_config = fdg_config
+        self.fdg_config = fdg_config = auto_corrections.for_engine(fdg_config, self)  # Note [the auto rule]
         optim.decouple_from_other_stages(self.optimizer, self.basic_optimizer)
         rank = lambda stage: self.grid.stage_to_global(stage) if 0 <= stage < self.num_stages else None  # noqa: E731
         self._exchange = NeighbourExchange(

@@ -12,11 +12,12 @@ import functools
 import os
 from typing import Any
 
+import torch
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.utils import logger
 
-from fdg_schedule import checkpoint, optim, ticks
+from fdg_schedule import auto_corrections, checkpoint, optim, ticks
 from fdg_schedule.config import FDGConfig, FDGConfigError
 from fdg_schedule.delayed import DelayedBackward
 from fdg_schedule.guards import NonFiniteWatch
@@ -61,6 +62,7 @@ class FDGCheckpoints(PipelineEngine):
         tag = str(tag if tag is not None else f"global_step{self.global_steps}")
         path = checkpoint.state_path(save_dir, tag, self.stage_id, self.grid.data_parallel_id)
         captured = self.fdg_state.capture()
+        captured["corrections_auto"] = auto_corrections.recorded(self.fdg_config)  # Note [the auto rule]
         if self.fdg_config.accumulate > 1:  # Note [a partial accumulation in a checkpoint]
             captured["accumulated"] = optim.capture_accumulated(self.optimizer, self._delayed.params)
         checkpoint.save(path, self._identity(), captured)
@@ -89,6 +91,8 @@ class FDGCheckpoints(PipelineEngine):
         by layer) when optimizer and scheduler state are not requested.
         """
         resolved = checkpoint.resolve_tag(load_dir, tag)
+        if resolved is not None and not load_module_only:  # before DeepSpeed's load: "auto" must choose alike
+            self._check_auto_choice(load_dir, resolved)
         # Note [tied optimizer state in checkpoints]; Note [tied copies in flat optimizer files]
         wrapped = self.optimizer is not self.basic_optimizer and not self._tied.in_flat_file
         if self._tie_keys and wrapped and load_optimizer_states and not load_module_only and resolved is not None:
@@ -134,6 +138,14 @@ class FDGCheckpoints(PipelineEngine):
             "zero_optimization.round_robin_gradients), so it cannot be loaded exactly; call load_checkpoint(..., "
             "load_optimizer_states=False) to load the weights and LR scheduler (optimizer state starts fresh)"
         )
+
+    def _check_auto_choice(self, load_dir: str, tag: str) -> None:
+        """Note [the auto rule]: a checkpoint saved under ``corrections: "auto"`` resumes only where "auto" chooses
+        the same keys (this rank's stage file; another layout's has none to compare)."""
+        path = checkpoint.state_path(load_dir, tag, self.stage_id, self.grid.data_parallel_id)
+        if os.path.exists(path):
+            saved = torch.load(path, weights_only=False, mmap=True, map_location="cpu").get("corrections_auto")
+            auto_corrections.check_resume(saved, self.fdg_config, self._where())
 
     def _bf16_without_zero(self) -> bool:
         """Note [bf16 optimizer state]: DeepSpeed 0.19.8 saves the state of its bf16 wrapper without ZeRO

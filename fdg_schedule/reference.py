@@ -74,7 +74,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from fdg_schedule import ticks
+from fdg_schedule import auto_corrections, ticks
 from fdg_schedule.config import FDGConfig
 
 Activation = Tensor | tuple[Tensor, ...]
@@ -146,6 +146,9 @@ def fdg_reference(
     state = state if state is not None else ReferenceState()
     K, n = len(stages), len(micro_batches)
     _build_ties(stages, optimizers, ties, state)
+    # corrections "auto": each stage's keys from its optimizer and scheduler (Note [the auto rule])
+    per_stage = schedulers if len(schedulers) == K else [schedulers[0] if schedulers else None] * K
+    configs = [auto_corrections.resolve(config, optimizers[k], per_stage[k], K)[0] for k in range(K)]
     tied_names = {k: {name for t in ties for s, name in t if s == k} for k in range(K)}
     in_flight: list[dict[int, _InFlight]] = [{} for _ in stages]
     activation_msg: dict[int, tuple[int, tuple[Tensor, ...]]] = {}  # stage -> (micro-batch, tensors)
@@ -159,7 +162,7 @@ def fdg_reference(
         contributions: dict[tuple[int, int], Tensor] = {}  # (tie, stage) -> c_s(t)
         for k, stage in enumerate(stages):
             last = k == K - 1
-            corrections = _Corrections(stage, k, K, t, config, state, tied_names[k])
+            corrections = _Corrections(stage, k, K, t, configs[k], state, tied_names[k])
             bwd = ticks.backward_micro_batch(tick, K, k, n)
             if not last and bwd is not None:
                 received_bwd, grads = grad_msg[k]

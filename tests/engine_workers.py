@@ -21,7 +21,7 @@ FDG_KEYS = (
     "grad_shrink", "weights", "activations", "accumulate", "delay_lr_ticks", "predict_decay", "delay_momentum",
     "delay_momentum_peak_lr", "predict_horizon", "delay_momentum_raise",
     "staleness_every",
-    "check_every", "nonfinite", "transport",
+    "check_every", "nonfinite", "transport", "corrections",
 )  # fmt: skip
 
 
@@ -49,6 +49,8 @@ def ds_config(case: dict[str, Any]) -> dict[str, Any]:
         cfg["steps_per_print"] = 1
     if case.get("flops_file"):  # DeepSpeed's flops profiler, at one tick
         cfg["flops_profiler"] = {"enabled": True, "profile_step": 4, "output_file": case["flops_file"]}
+    if case.get("cosine_steps"):  # DeepSpeed's WarmupCosineLR: a run of that many scheduler steps
+        cfg["scheduler"] = {"type": "WarmupCosineLR", "params": {"total_num_steps": case["cosine_steps"]}}
     if case.get("warmup"):
         cfg["scheduler"] = {
             "type": "WarmupLR",
@@ -61,6 +63,8 @@ def make_optimizer(case: dict[str, Any]):
     lr = case.get("lr", 0.1)
     if case.get("optimizer", "sgd") == "adam":
         return lambda params: torch.optim.Adam(params, lr=lr * 0.1)
+    if case.get("optimizer") == "adamw":
+        return lambda params: torch.optim.AdamW(params, lr=lr * 0.1, weight_decay=0.01)
     return lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9)
 
 
@@ -626,3 +630,18 @@ def _recorded_calls(engine: Any, it: Any, calls: int) -> dict[str, Any]:
             setattr(torch.Tensor, name, fn)
         comm.read_host = sanctioned
     return {"seen": seen, "control_words": control_words, "ticks": engine.global_steps - ticks_before}
+
+
+def auto_resume_refused(rank: int, world: int, saved: dict[str, Any], loaded: dict[str, Any], root: str) -> str:
+    """Train ``saved`` one call and save; build ``loaded`` and load that checkpoint: the error it raises ("" if none)."""
+    import fdg_schedule
+
+    engine, _, data = build(saved, world)
+    engine.train_batch(iter(data))
+    engine.save_checkpoint(root)
+    engine, _, _ = build(loaded, world)
+    try:
+        engine.load_checkpoint(root)
+    except fdg_schedule.FDGConfigError as err:
+        return str(err)
+    return ""

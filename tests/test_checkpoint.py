@@ -66,6 +66,8 @@ def _k2_every_mode() -> list[dict[str, Any]]:
         # DeepSpeed's FusedAdam (an "Adam" config), resumed at a step whose beta**t it rounded otherwise before
         # Note [FusedAdam's step on the CPU]
         {**base, "grad_shrink": 0.5, "ds_optimizer": "Adam", "gas": 4, "calls_before": 1},
+        # corrections "auto" (AdamW, K = 2: the look-ahead's delta and the raised beta1), its choice in the file
+        {**base, "corrections": "auto", "optimizer": "adamw", "weights": "stashed"},
     ]
     return cases
 

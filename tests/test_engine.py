@@ -54,7 +54,9 @@ def reference(case: dict[str, Any], parts: list[int]) -> tuple[list[dict[str, to
         if tick in snap_at:
             states.append({k: v.detach().clone() for s in stages for k, v in s.state_dict().items()})
 
-    config = FDGConfig(**{k: case[k] for k in engine_workers.FDG_KEYS if k in case})
+    # corrections "auto": the reference gets the keys the rule should choose, written out (Note [the auto rule])
+    keys = {k: case[k] for k in engine_workers.FDG_KEYS if k in case and k != "corrections"}
+    config = FDGConfig(**keys, **case.get("auto_chooses", {}))
     if case.get("drain_each_call"):  # a segment per call; the tick count and delta go on (ReferenceState)
         carried, data = ReferenceState(), toy.micro_batches(case["n"], 4 * dp)
         for call in range(case["calls"]):
@@ -357,8 +359,22 @@ def test_three_stages_all_modes_tick_by_tick(tmp_path) -> None:
             for w, a in (("current", "stored"), ("stashed", "recomputed"))
         ),  # fmt: skip
     ]
+    cases += AUTO_THREE_STAGES
     results = run_ranks(engine_workers.train, 3, tmp_path, cases, deadline_s=300)
     check_against_reference(results, cases)
+
+
+# corrections "auto" at K = 3 (Note [the auto rule]), against the reference given the keys the rule chooses: SGD
+# with momentum lowers the delayed stages' momentum up to the peak lr (WarmupLR's max, 0.1, reached at tick 5);
+# AdamW predicts to stage 0's update and raises beta1, with T = 2**62 ticks (no run length in WarmupLR or without).
+AUTO_THREE_STAGES = [
+    {"stages": 3, "n": 64, "gas": 1, "calls": 9, "drain": True, "corrections": "auto", "weights": "stashed",
+     "warmup": 5, "lr": 0.1, "auto_chooses": {"delay_momentum": True, "delay_momentum_peak_lr": 0.1}},
+    {"stages": 3, "n": 64, "gas": 1, "calls": 9, "drain": True, "corrections": "auto", "weights": "stashed",
+     "optimizer": "adamw", "activations": "recomputed",
+     "auto_chooses": {"predict_decay": 0.0, "predict_horizon": "first_stage", "delay_momentum_raise": 1.0,
+                      "delay_lr_ticks": 2**62}},
+]  # fmt: skip
 
 
 def _data_parallel_cases() -> list[dict[str, Any]]:

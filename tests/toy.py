@@ -204,10 +204,12 @@ def tied_reference(parts: list[int], three_owners: bool = False) -> tuple[list[T
 
 
 def reference_optimizers(stages: Sequence[nn.Module], case: dict[str, Any]) -> tuple[list[Any], list[Any]]:
-    """The reference's per-stage optimizers (SGD, or Adam at lr/10) and WarmupLR schedulers, as a case asks."""
+    """The reference's per-stage optimizers (SGD, or Adam / AdamW at lr/10) and WarmupLR schedulers, as a case asks."""
     lr = case.get("lr", 0.1)
     if case.get("optimizer", "sgd") == "adam":
         opts: list[Any] = [torch.optim.Adam(s.parameters(), lr=lr * 0.1) for s in stages]
+    elif case.get("optimizer") == "adamw":
+        opts = [torch.optim.AdamW(s.parameters(), lr=lr * 0.1, weight_decay=0.01) for s in stages]
     else:
         opts = [torch.optim.SGD(s.parameters(), lr=lr, momentum=0.9) for s in stages]
     schedulers: list[Any] = []

@@ -1,0 +1,185 @@
+"""``pipeline.fdg.corrections`` (Note [the auto rule] in fdg_schedule/auto_corrections.py): the keys "auto" picks
+per optimizer family, K, accumulate and scheduler; the config's errors; the reference resolving "auto" itself;
+a resume that would choose otherwise refused on every rank."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import engine_workers
+import pytest
+import torch
+import toy
+from deepspeed.runtime.lr_schedules import OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
+from dist_harness import run_ranks_calls
+
+from fdg_schedule import FDGConfig, fdg_reference
+from fdg_schedule.auto_corrections import FOREVER, check_resume, choose, recorded, resolve, schedule_of
+from fdg_schedule.config import FDGConfigError
+
+ADAM_KEYS = {"delay_momentum_raise": 1.0, "predict_decay": 0.0, "predict_horizon": "first_stage"}
+
+
+def _params() -> list[torch.nn.Parameter]:
+    return [torch.nn.Parameter(torch.zeros(3, 2)), torch.nn.Parameter(torch.zeros(2))]
+
+
+def _choice(optimizer: Any, stages: int, scheduler: Any = None, accumulate: int = 1, weights: str = "stashed"):
+    return choose(optimizer, stages, accumulate, weights, schedule_of(scheduler, optimizer))
+
+
+@pytest.mark.parametrize("stages", [3, 4, 8])
+def test_sgd_with_momentum_lowers_the_delayed_momentum_up_to_the_peak_lr_at_three_stages_and_more(stages) -> None:
+    sgd = torch.optim.SGD(_params(), lr=0.1, momentum=0.9, weight_decay=5e-4)
+    choice = _choice(sgd, stages)
+    assert choice.family == "momentum"
+    assert choice.keys == {"delay_momentum": True, "delay_momentum_peak_lr": 0.1}
+    assert not choice.warning
+
+
+def test_sgd_with_momentum_at_two_stages_gets_no_correction() -> None:
+    sgd = torch.optim.SGD(_params(), lr=0.1, momentum=0.9)
+    assert _choice(sgd, 2).keys == {} and _choice(sgd, 2).family == "momentum"
+
+
+def test_the_peak_lr_is_read_from_the_scheduler() -> None:
+    """rho: DeepSpeed's WarmupLR / WarmupDecayLR max lr (the groups start at the min), WarmupCosineLR's base lrs,
+    OneCycle's max, torch's base lrs; the largest over the param groups."""
+
+    def sgd(lr: float = 0.05) -> torch.optim.SGD:
+        return torch.optim.SGD([{"params": _params()[:1]}, {"params": _params()[1:], "lr": lr / 2}], lr=lr,
+                               momentum=0.9)  # fmt: skip
+
+    opt = sgd()
+    assert _choice(opt, 4, WarmupLR(opt, warmup_min_lr=0.0, warmup_max_lr=0.3)).keys["delay_momentum_peak_lr"] == 0.3
+    opt = sgd()
+    decay = WarmupDecayLR(opt, total_num_steps=100, warmup_max_lr=0.2)
+    assert _choice(opt, 4, decay).keys["delay_momentum_peak_lr"] == 0.2
+    opt = sgd()
+    assert _choice(opt, 4, WarmupCosineLR(opt, total_num_steps=100)).keys["delay_momentum_peak_lr"] == 0.05
+    opt = sgd()
+    cycle = OneCycle(opt, cycle_min_lr=0.01, cycle_max_lr=0.4, cycle_first_step_size=10, cycle_momentum=False)
+    assert _choice(opt, 4, cycle).keys["delay_momentum_peak_lr"] == 0.4
+    opt = sgd()
+    multistep = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[5], gamma=0.1)
+    assert _choice(opt, 4, multistep).keys["delay_momentum_peak_lr"] == 0.05
+    assert _choice(sgd(0.07), 4).keys["delay_momentum_peak_lr"] == 0.07  # no scheduler: the groups' largest lr
+
+
+@pytest.mark.parametrize("kind", [torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam])
+def test_adam_family_predicts_to_stage_0_and_raises_beta1_and_at_three_stages_slows_the_delayed_lr(kind) -> None:
+    opt = kind(_params(), lr=1e-3)
+    assert _choice(opt, 2).keys == ADAM_KEYS and _choice(opt, 2).family == "betas"
+    # no run length: T = 2**62 ticks, a constant tau ** -1
+    assert _choice(opt, 3).keys == {**ADAM_KEYS, "delay_lr_ticks": FOREVER}
+    # a run of 100 scheduler steps, one per 2 ticks: T = twice its 200 ticks
+    cosine = WarmupCosineLR(opt, total_num_steps=100)
+    assert _choice(opt, 4, cosine, accumulate=2).keys == {**ADAM_KEYS, "delay_lr_ticks": 400}
+    for scheduler, steps in [
+        (torch.optim.lr_scheduler.CosineAnnealingLR(kind(_params(), lr=1e-3), T_max=50), 50),
+        (torch.optim.lr_scheduler.OneCycleLR(kind(_params(), lr=1e-3), max_lr=1e-3, total_steps=70), 70),
+        (WarmupDecayLR(kind(_params(), lr=1e-3), total_num_steps=30), 30),
+    ]:
+        assert _choice(scheduler.optimizer, 4, scheduler).keys["delay_lr_ticks"] == 2 * steps
+    # a ramp's length is not the run's
+    linear = torch.optim.lr_scheduler.LinearLR(kind(_params(), lr=1e-3), total_iters=10)
+    assert _choice(linear.optimizer, 4, linear).keys["delay_lr_ticks"] == FOREVER
+
+
+def test_deepspeeds_fused_adam_is_adam_family() -> None:
+    from deepspeed.ops.adam import FusedAdam
+
+    assert _choice(FusedAdam(_params(), lr=1e-3), 4).keys == {**ADAM_KEYS, "delay_lr_ticks": FOREVER}
+
+
+@pytest.mark.parametrize(
+    "build, why",
+    [
+        (lambda ps: torch.optim.SGD(ps, lr=0.1), "neither momentum > 0"),
+        (lambda ps: torch.optim.Adagrad(ps, lr=0.1), "neither momentum > 0"),
+        (lambda ps: torch.optim.SGD([{"params": ps[:1], "momentum": 0.9}, {"params": ps[1:]}], lr=0.1), "neither"),
+        (lambda ps: torch.optim.Muon(ps[:1], lr=0.02), "no evidence for Muon"),
+    ],
+    ids=["sgd-without-momentum", "adagrad", "one-group-without-momentum", "muon"],
+)
+def test_an_optimizer_the_rule_does_not_cover_gets_no_correction_and_a_warning(build, why: str) -> None:
+    choice = _choice(build(_params()), 4)
+    assert choice.family == "uncovered" and choice.keys == {}
+    assert why in choice.why and "does not cover" in choice.warning
+
+
+def test_current_weights_keep_the_keys_and_the_log_line_says_the_tested_form_is_stashed() -> None:
+    adam, sgd = torch.optim.AdamW(_params(), lr=1e-3), torch.optim.SGD(_params(), lr=0.1, momentum=0.9)
+    for opt, stages in [(adam, 2), (adam, 4), (sgd, 4)]:
+        choice = _choice(opt, stages, weights="current")
+        assert choice.keys == _choice(opt, stages).keys
+        assert 'measured with weights "stashed"' in choice.warning and choice.warning in choice.line()
+    assert not _choice(sgd, 2, weights="current").warning  # nothing applied, nothing to say
+    assert _choice(adam, 1).keys == {} and _choice(adam, 1).family == "undelayed"
+
+
+def test_resolve_fills_the_keys_and_leaves_other_configs_alone() -> None:
+    opt = torch.optim.SGD(_params(), lr=0.1, momentum=0.9)
+    plain = FDGConfig(grad_shrink=0.5, delay_momentum=True)
+    assert resolve(plain, opt, None, 4) == (plain, None)
+    config, choice = resolve(FDGConfig(corrections="auto", weights="stashed"), opt, None, 4)
+    assert choice is not None and config.corrections == "auto"
+    assert (config.delay_momentum, config.delay_momentum_peak_lr) == (True, 0.1)
+    assert recorded(config) == {"delay_lr_ticks": 0, "predict_decay": None, "predict_horizon": "own",
+                                "delay_momentum": True, "delay_momentum_peak_lr": 0.1,
+                                "delay_momentum_raise": None}  # fmt: skip
+    with pytest.raises(FDGConfigError, match="no optimizer to read"):
+        resolve(FDGConfig(corrections="auto"), None, None, 4)
+
+
+@pytest.mark.parametrize(
+    "block, message",
+    [
+        ({"corrections": "auto", "delay_momentum": True}, r"corrections is 'auto' and pipeline.fdg sets \['delay_mom"),
+        ({"corrections": "none", "predict_decay": 0.5}, r"corrections is 'none' and pipeline.fdg sets \['predict_d"),
+        ({"corrections": "Auto"}, r"corrections must be one of \['none', 'auto'\], got 'Auto'"),
+    ],
+)
+def test_bad_corrections_blocks_name_the_keys_and_the_fix(block: dict[str, Any], message: str) -> None:
+    with pytest.raises(FDGConfigError, match=message):
+        FDGConfig.from_dict(block)
+    with pytest.raises(FDGConfigError, match='"none" is FDG without staleness corrections'):
+        FDGConfig(corrections="none", delay_lr_ticks=10)
+    assert FDGConfig.from_dict({"corrections": "none"}) == FDGConfig(corrections="none")
+
+
+def test_a_resume_that_would_choose_otherwise_is_an_error() -> None:
+    opt = torch.optim.AdamW(_params(), lr=1e-3)
+    before, _ = resolve(FDGConfig(corrections="auto"), opt, WarmupCosineLR(opt, total_num_steps=100), 4)
+    after, _ = resolve(FDGConfig(corrections="auto"), opt, WarmupCosineLR(opt, total_num_steps=300), 4)
+    check_resume(recorded(before), before, "stage 0")  # the same choice
+    check_resume(None, after, "stage 0")  # a checkpoint without "auto"
+    with pytest.raises(FDGConfigError, match=r"chose \{delay_lr_ticks: 600\} .* trained with \{delay_lr_ticks: 200\}"):
+        check_resume(recorded(before), after, "stage 0")
+
+
+def test_the_reference_resolves_auto_per_stage_as_the_explicit_keys() -> None:
+    """fdg_reference with corrections "auto" trains exactly as with the keys the rule chose, written out."""
+    finals = []
+    for config in (
+        FDGConfig(corrections="auto", weights="stashed"),
+        FDGConfig(weights="stashed", delay_momentum=True, delay_momentum_peak_lr=0.1),
+        FDGConfig(weights="stashed"),
+    ):
+        stages = toy.reference_stages([0, 3, 6, 9])
+        opts = [torch.optim.SGD(s.parameters(), lr=0.1, momentum=0.9) for s in stages]
+        fdg_reference(stages, opts, toy.micro_batches(12, 4), toy.loss_fn, config, drain=True)
+        finals.append([p.detach().clone() for s in stages for p in s.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(finals[0], finals[1]))
+    assert not all(torch.equal(a, c) for a, c in zip(finals[0], finals[2]))  # the keys changed the training
+
+
+@pytest.mark.distributed
+def test_resume_with_another_auto_choice_is_refused_on_every_rank(tmp_path) -> None:
+    """Saved under "auto" with a 100-step cosine schedule (T = 200 ticks), loaded with a 300-step one: every rank
+    raises before DeepSpeed's load."""
+    base = {"stages": 3, "n": 48, "gas": 3, "optimizer": "adamw", "corrections": "auto", "weights": "stashed"}
+    saved, loaded = {**base, "cosine_steps": 100}, {**base, "cosine_steps": 300}
+    calls = [(engine_workers.auto_resume_refused, (saved, loaded, str(tmp_path / "ckpt")))]
+    [errors] = run_ranks_calls(3, tmp_path, calls, deadline_s=120)
+    assert all("chose {delay_lr_ticks: 600}" in e and "trained with {delay_lr_ticks: 200}" in e for e in errors), errors
