@@ -633,7 +633,7 @@ def _recorded_calls(engine: Any, it: Any, calls: int) -> dict[str, Any]:
 
 
 def auto_resume_refused(rank: int, world: int, saved: dict[str, Any], loaded: dict[str, Any], root: str) -> str:
-    """Train ``saved`` one call and save; build ``loaded`` and load that checkpoint: the error it raises ("" if none)."""
+    """Train ``saved`` one call and save; build ``loaded`` and load that checkpoint: the error raised ("" if none)."""
     import fdg_schedule
 
     engine, _, data = build(saved, world)
