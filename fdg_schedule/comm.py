@@ -20,6 +20,9 @@ from the process group's backend and the stage's device:
     STAGED     gloo, an accelerator   through host memory     host waits, copies back     work.wait(timeout)
     STREAM     nccl                   as they are (device)    the compute stream waits    a watchdog thread
 
+The backend is the one the process group uses for the stage's device type: a default group
+``"cpu:gloo,cuda:nccl"`` moves CUDA tensors through NCCL (:func:`backend_for`).
+
 STREAM is what a GPU job runs: ``work.wait()`` without a timeout orders the compute stream after
 the transfer and returns at once, so the host keeps queuing kernels; the failure timeout is kept by
 :class:`~fdg_schedule.watchdog.Watchdog` (Note [a timeout without a blocking wait]) and send
@@ -28,6 +31,20 @@ STAGED exists so that several ranks can share one GPU (NCCL refuses two ranks on
 the device check does; it synchronises every tick and is not for training. gloo jobs on host
 memory keep exactly the behaviour they always had. The STREAM path has not yet run on a GPU (no
 device was lent while it was written); docs/gpu.md says how to check it.
+
+Note [one communicator per link]: NCCL runs the operations of one communicator in order on one
+stream, and a batch completes only when every send and receive in it has. Were both neighbours'
+batches posted in the default group, a stage's batch with its next neighbour would wait for its batch
+with its previous one, which waits for the previous stage's batch with *its* previous one, and so on:
+every stage's transfers would wait for stage 0's, the lock step FDG exists to remove. Under STREAM each
+pair of neighbouring stages therefore has a process group of its own (:func:`link_groups`), so a
+stage's two links are two communicators on two streams, each ordered only with the stage it joins.
+Building them is collective, and so is a communicator's first operation: a ``batch_isend_irecv`` that
+is a group's first operation needs every rank of the group, but at tick 0 of K >= 3 only stages 0 and 1
+post. So when the exchange is built, every rank takes part in one all-ranks operation on the default
+group (its communicator also carries the tied-gradient messages, :meth:`NeighbourExchange.post`'s
+``peers``) and in one operation on each of its links, in one global order: each communicator exists
+before the first tick, whether or not the process group was bound to a device when it was created.
 
 Note [shared-memory transport] (in :mod:`fdg_schedule.shm_link`): with ``pipeline.fdg.transport:
 "shm"``, neighbours on one host exchange their per-tick messages (activations with their control
@@ -64,7 +81,7 @@ from fdg_schedule.errors import FDGRuntimeError
 from fdg_schedule.guards import read_host
 from fdg_schedule.shm_link import Link, message_bytes
 from fdg_schedule.tensors import HOST
-from fdg_schedule.watchdog import InFlightSends, Watchdog
+from fdg_schedule.watchdog import InFlightSends, StreamWork, Watchdog, stream_mark
 
 _HEADER_INTS = 256
 _DTYPES = [
@@ -87,21 +104,33 @@ class Path(enum.Enum):
     STREAM = "stream"
 
 
+def backend_for(backend: str, device_type: str) -> str:
+    """The backend a process group (``dist.get_backend()``) uses for tensors of ``device_type``:
+    ``"nccl"`` for ``"cuda"`` in ``"cpu:gloo,cuda:nccl"``; a single name stands for every device type."""
+    if ":" not in backend:
+        return backend
+    per_device = dict(part.split(":", 1) for part in backend.split(","))
+    return per_device.get(device_type, "")
+
+
 def choose_path(backend: str, device: torch.device) -> Path:
     """The exchange path for a process group ``backend`` and the stage's ``device`` (Note [three ways to wait])."""
-    if backend == "nccl":
+    used = backend_for(backend, device.type)
+    if used == "nccl":
         return Path.STREAM
-    if backend == "gloo" and device.type != HOST.type:
+    if used == "gloo" and device.type != HOST.type:
         return Path.STAGED
     return Path.BLOCKING
 
 
 _host_groups: dict[int, Any] = {}
+_link_groups: dict[tuple[int, int, int], Any] = {}  # (id of the default group, rank, next rank) -> its group
+_warmed: set[tuple[int, ...]] = set()  # communicators whose first operation has run (Note [one communicator per link])
 
 
 def needs_host_group(backend: str, device: torch.device) -> bool:
     """Whether control words need a gloo group of their own: the data goes through a backend on an accelerator."""
-    return backend != "gloo" and device.type != HOST.type
+    return backend_for(backend, device.type) != "gloo" and device.type != HOST.type
 
 
 def host_group(backend: str, device: torch.device) -> Any:
@@ -116,6 +145,31 @@ def host_group(backend: str, device: torch.device) -> Any:
     if key not in _host_groups:
         _host_groups[key] = dist.new_group(backend="gloo")
     return _host_groups[key]
+
+
+def link_groups(prev_rank: int | None, next_rank: int | None, device: torch.device, host: Any) -> dict[str, Any]:
+    """This stage's process groups with its previous and next neighbour (None at the ends), each with its
+    first operation run (Note [one communicator per link]).
+
+    Collective over the default group: every rank builds its exchange, and so calls this, at the same
+    point. ``host``: the group the ranks' links are gathered in (the control words' gloo group, or None).
+    """
+    world, rank = id(dist.group.WORLD), dist.get_rank()
+    nexts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(nexts, next_rank, group=host)  # every rank's next stage: every link of the job
+    links = sorted((r, n) for r, n in enumerate(nexts) if n is not None)
+    for link in links:  # new_group is collective: every rank creates every group, in one order
+        if (world, *link) not in _link_groups:
+            _link_groups[(world, *link)] = dist.new_group(ranks=list(link))
+    first = [((world,), None)] + [((world, *link), _link_groups[(world, *link)]) for link in links if rank in link]
+    for key, group in first:  # the default group (all ranks), then this rank's links in the job's order
+        if key not in _warmed:
+            dist.all_reduce(torch.zeros(1, device=device), group=group)
+            _warmed.add(key)
+    return {
+        "prev": None if prev_rank is None else _link_groups[(world, prev_rank, rank)],
+        "next": None if next_rank is None else _link_groups[(world, rank, next_rank)],
+    }
 
 
 def host_id() -> str:
@@ -175,6 +229,10 @@ class NeighbourExchange:
         transport: ``pipeline.fdg.transport``. ``"shm"``: exchange with each neighbour on this host
             through a shared-memory link (Note [shared-memory transport]); the path must be BLOCKING.
             Finding the neighbours' hosts is collective: every rank builds its exchange at the same point.
+        mark: under STREAM, called right after each post: whether the stream has reached it since
+            (:func:`~fdg_schedule.watchdog.stream_mark`, Note [a timeout without a blocking wait]).
+
+    Under STREAM, building it is collective (Note [one communicator per link]).
     """
 
     def __init__(
@@ -189,6 +247,7 @@ class NeighbourExchange:
         describe: Callable[[int, int | None], str] = lambda stage, rank: f"stage {stage} (global rank {rank})",
         path: Path | None = None,
         transport: str = "process_group",
+        mark: Callable[[], Callable[[], bool]] = stream_mark,
     ) -> None:
         self.path = choose_path(dist.get_backend(), device) if path is None else path
         if transport == "shm" and self.path is not Path.BLOCKING:  # refused before any rank waits
@@ -202,6 +261,10 @@ class NeighbourExchange:
         self.links: dict[str, Link | None] = {"prev": None, "next": None}
         self.wire = HOST if self.path is Path.STAGED else device  # where tensors travel from and arrive in
         self.host_group = host_group(dist.get_backend(), device)
+        self.groups: dict[str, Any] = {"prev": None, "next": None}  # the default group, but under STREAM:
+        if self.path is Path.STREAM:  # Note [one communicator per link]
+            self.groups = link_groups(prev_rank, next_rank, device, self.host_group)
+        self._mark = mark
         self.plan = plan
         self.prev_rank, self.next_rank = prev_rank, next_rank
         self.device, self.dynamic_shape = device, dynamic_shape
@@ -235,8 +298,9 @@ class NeighbourExchange:
         One ``batch_isend_irecv`` per neighbour. An activation travels with a control word: ``end``
         is the number of micro-batches of the segment when the data ran out, sent instead of an
         activation in a dummy of the last activation's shapes (Note [end of data]). ``peers``: more
-        messages to other ranks (tied gradients), posted in one more batch after the neighbours'
-        (one group under NCCL: no cycle with the neighbour batches); :meth:`wait_peers` waits for them.
+        messages to other ranks (tied gradients), posted in one more batch after the neighbours' (in the
+        default group; under NCCL its own communicator, Note [one communicator per link]);
+        :meth:`wait_peers` waits for them.
         """
         if end != NO_END:
             activation = self._dummy_activation()
@@ -261,9 +325,9 @@ class NeighbourExchange:
             prev_works = self._via("prev", self._prev, to_prev, from_prev + word_in)
             next_works = self._via("next", self._next, to_next + word_out, from_next)
         else:
-            prev_works = self._batch(self.prev_rank, self._prev, to_prev, from_prev)
+            prev_works = self._via("prev", self._prev, to_prev, from_prev)
             prev_works += self._batch(self.prev_rank, self._prev, [], word_in, self.host_group)
-            next_works = self._batch(self.next_rank, self._next, to_next, from_next)
+            next_works = self._via("next", self._next, to_next, from_next)
             self._batch(self.next_rank, self._next, word_out, [], self.host_group)
         if recv_activation:
             self._activation = (prev_works, from_prev + word_in)
@@ -273,10 +337,12 @@ class NeighbourExchange:
             self._post_peers(peers)
 
     def _via(self, side: str, name: str, sends: list[Tensor], recvs: list[Tensor]) -> list[Any]:
-        """The exchange with one neighbour: through its shared-memory link if the pair has one, else one batch."""
+        """The exchange with one neighbour: through its shared-memory link if the pair has one, else one batch
+        (in the pair's own group under STREAM, Note [one communicator per link])."""
         link = self.links[side]
         if link is None:
-            return self._batch(self.prev_rank if side == "prev" else self.next_rank, name, sends, recvs)
+            peer = self.prev_rank if side == "prev" else self.next_rank
+            return self._batch(peer, name, sends, recvs, self.groups[side])
         if sends:
             try:
                 link.send(sends, self.timeout)
@@ -321,11 +387,14 @@ class NeighbourExchange:
                 own.copy_(_unwire(wire, own.dtype))
 
     def _out(self, t: Tensor) -> Tensor:
-        """``t`` as it travels: contiguous, bool as bytes, in host memory on the STAGED path."""
-        return _wire(t).to(self.wire)
+        """``t`` as it travels: contiguous, bool as bytes, in host memory on the STAGED path (a copy the host
+        waits for: gloo reads it from there)."""
+        t = _wire(t)
+        return t if t.device == self.wire else t.to(self.wire)
 
     def _in(self, t: Tensor) -> Tensor:
-        return t.to(self.device)
+        """A received tensor on the stage's device: from host memory (STAGED) without a host synchronisation."""
+        return t.to(self.device, non_blocking=True)
 
     def _dummy_activation(self) -> tuple[Tensor, ...]:
         if self.sent_meta is None:
@@ -353,11 +422,15 @@ class NeighbourExchange:
             works: list[Any] = list(dist.batch_isend_irecv(ops))
         except RuntimeError as err:
             raise self._failed(f"reaching {name}", err) from err
-        if group is not None:  # Note [control words on the host]: waited on the host
+        host = group is not None and group is self.host_group
+        if host:  # Note [control words on the host]: waited on the host
             works = [HostWork(w) for w in works]
+        elif self.watchdog is not None:  # the clock of its timeout starts when the stream gets here
+            reached = self._mark()
+            works = [StreamWork(w, reached) for w in works]
         send_works, recv_works = split_works(works, len(sends), len(recvs))
         tensors = [t for _, t in sends]
-        if self.watchdog is not None and group is None:  # stream-ordered: nobody waits for these sends
+        if self.watchdog is not None and not host:  # stream-ordered: nobody waits for these sends
             self.watchdog.watch(send_works, f"{name} to take what this stage sent")
             self._in_flight.keep(send_works, tensors)
         else:

@@ -3,10 +3,14 @@
 Note [a timeout without a blocking wait]: under NCCL a stage's compute stream waits for a receive
 (``work.wait()`` orders the stream after the transfer and returns at once), so no host wait can
 time out when a neighbour dies. Instead every such transfer is handed to a :class:`Watchdog` with
-a deadline (``pipeline.fdg.timeout`` from when it was waited on or posted). A daemon thread polls
-``work.is_completed()`` (a query, never a wait); when a deadline passes it records an
-:class:`~fdg_schedule.errors.FDGRuntimeError` naming the neighbour, logs it, and the main thread
-raises it at its next exchange call. A main thread that never returns there (stuck in a device
+a deadline: ``pipeline.fdg.timeout`` from when the stream reaches the transfer, not from when the
+host posted it (the host runs ahead of its stream by up to a whole queue of ticks; a deadline from
+the post would fail a healthy neighbour whenever ticks are long). The exchange records an
+accelerator event on the compute stream right after each post (:func:`stream_mark`) and wraps the
+work in a :class:`StreamWork`; the deadline starts when that event is first seen complete. A daemon
+thread polls ``work.is_completed()`` and the events (queries, never waits); when a deadline passes
+it records an :class:`~fdg_schedule.errors.FDGRuntimeError` naming the neighbour, logs it, and the
+main thread raises it at its next exchange call. A main thread that never returns there (stuck in a device
 synchronisation behind the transfer that will not come) is ended after a grace period with exit
 code :data:`EXIT_CODE`, the message already in its log: a failed neighbour ends every rank, never
 a hang. This path cannot run on the CPU-only machines the test suite runs on (NCCL needs GPUs);
@@ -22,6 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import logger
 from torch import Tensor
 
@@ -34,6 +39,38 @@ class Work(Protocol):
     def is_completed(self) -> bool: ...
 
 
+def stream_mark() -> Callable[[], bool]:
+    """Whether the current stream has reached this point: an accelerator event recorded now, queried (never waited)."""
+    event_class = get_accelerator().Event  # DeepSpeed's accelerator API: torch.cuda.Event, ...; None on the CPU
+    if event_class is None:  # no stream: the host is where the transfer starts
+        return lambda: True
+    event = event_class()
+    event.record()  # on the current stream, right after the post
+    return event.query
+
+
+class StreamWork:
+    """A stream-ordered transfer with the mark of the point its stream reaches it (Note [a timeout without a
+    blocking wait]): ``wait()`` orders the current stream after it, ``started()`` says whether its clock runs."""
+
+    def __init__(self, work: Any, reached: Callable[[], bool]) -> None:
+        self.work, self.reached = work, reached
+
+    def wait(self) -> Any:
+        return self.work.wait()
+
+    def is_completed(self) -> bool:
+        return bool(self.work.is_completed())
+
+    def started(self) -> bool:
+        return bool(self.reached())
+
+
+def _started(works: Sequence[Work]) -> bool:
+    """Whether the stream has reached every one of ``works`` (a work without a mark: from the start)."""
+    return all(w.started() for w in works if isinstance(w, StreamWork))
+
+
 def _exit(error: FDGRuntimeError) -> None:
     logger.error(f"{error}; the main thread did not return to the exchange: exiting with code {EXIT_CODE}")
     os._exit(EXIT_CODE)
@@ -43,7 +80,8 @@ class Watchdog:
     """Fails the stage when a watched transfer is not complete by its deadline.
 
     Args:
-        timeout_s: seconds from :meth:`watch` to the deadline.
+        timeout_s: seconds from when the stream reaches a watched transfer (from :meth:`watch` for a
+            work without a mark) to its deadline.
         describe: this stage, for the message (``"stage 1 (global rank 1)"``).
         on_stuck: called with the error when the main thread has not raised it ``grace_s`` after
             the deadline (default: log and exit the process).
@@ -62,17 +100,19 @@ class Watchdog:
         self.grace_s = min(timeout_s, 30.0) if grace_s is None else grace_s
         self.failure: FDGRuntimeError | None = None
         self._reported = threading.Event()
-        self._watched: list[tuple[list[Work], float, str]] = []
+        self._watched: list[tuple[list[Work], float | None, str]] = []  # works, deadline (None: not reached), what
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._closed = threading.Event()
 
     def watch(self, works: Sequence[Work], what: str) -> None:
-        """Fail unless every one of ``works`` completes within the timeout; ``what`` names the transfer."""
+        """Fail unless every one of ``works`` completes within the timeout of the stream reaching it; ``what``
+        names the transfer."""
         if not works:
             return
+        deadline = time.monotonic() + self.timeout_s if _started(works) else None
         with self._lock:
-            self._watched.append((list(works), time.monotonic() + self.timeout_s, what))
+            self._watched.append((list(works), deadline, what))
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="fdg-watchdog", daemon=True)
             self._thread.start()
@@ -93,8 +133,9 @@ class Watchdog:
         now = time.monotonic()
         with self._lock:
             pending = [(w, d, what) for w, d, what in self._watched if not all(x.is_completed() for x in w)]
-            self._watched = pending
-            late = [what for _, deadline, what in pending if deadline <= now]
+            started = [d if d is not None or not _started(w) else now + self.timeout_s for w, d, _ in pending]
+            self._watched = [(w, deadline, what) for (w, _, what), deadline in zip(pending, started)]
+            late = [what for _, deadline, what in self._watched if deadline is not None and deadline <= now]
         if late and self.failure is None:
             self.failure = FDGRuntimeError(
                 f"{self.describe}: gave up waiting for {late[0]} (timeout {self.timeout_s:g} s): that rank failed, "

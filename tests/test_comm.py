@@ -72,6 +72,10 @@ def test_a_wait_with_no_receive_posted_prints_every_stages_plan(one_rank_group: 
         ("gloo", "cuda", "staged"),  # several ranks on one GPU: gloo moves host memory
         ("nccl", "cuda", "stream"),
         ("ccl", "xpu", "blocking"),  # a backend this package does not know: host waits, as on gloo
+        # a default group with a backend per device type (init_process_group() without a backend): the device's
+        ("cpu:gloo,cuda:nccl", "cuda", "stream"),
+        ("cpu:gloo,cuda:nccl", "cpu", "blocking"),
+        ("cpu:gloo,cuda:gloo", "cuda", "staged"),
     ],
 )
 def test_the_path_follows_backend_and_device(backend: str, device: str, path: str) -> None:
@@ -79,7 +83,7 @@ def test_the_path_follows_backend_and_device(backend: str, device: str, path: st
 
     assert choose_path(backend, torch.device(device)).value == path
     # control words beside the data unless the data goes through a backend on an accelerator
-    assert needs_host_group(backend, torch.device(device)) == (backend != "gloo" and device != "cpu")
+    assert needs_host_group(backend, torch.device(device)) == (path == "stream" or backend == "ccl")
 
 
 class FakeWork:
@@ -127,6 +131,78 @@ def test_watchdog_leaves_a_main_thread_that_raised_alone() -> None:
         dog.raise_if_failed()  # the main thread got the error: the process is not ended under it
     time.sleep(0.7)
     assert stuck == []
+
+
+def test_the_timeout_of_a_stream_ordered_transfer_runs_from_when_the_stream_reaches_it() -> None:
+    """Note [a timeout without a blocking wait]: the host posts ahead of its stream; the clock starts at the stream."""
+    from fdg_schedule.watchdog import StreamWork, Watchdog
+
+    reached, stuck = [False], []
+    dog = Watchdog(0.1, "stage 1 (global rank 1)", on_stuck=stuck.append, poll_s=60, grace_s=60)  # polled here
+    dog.watch([StreamWork(FakeWork(), lambda: reached[0])], "the gradient from stage 2 (global rank 2)")
+    time.sleep(0.3)
+    dog.poll()
+    assert dog.failure is None  # posted 0.3 s ago, three timeouts, but its stream has not got there yet
+    reached[0] = True
+    dog.poll()  # the stream got there: the clock starts now
+    assert dog.failure is None
+    time.sleep(0.3)
+    dog.poll()
+    assert "gave up waiting for the gradient from stage 2 (global rank 2) (timeout 0.1 s)" in str(dog.failure)
+    dog.close()
+    assert stuck == []
+
+
+class FakeP2POp:
+    """What ``dist.P2POp`` was asked for (the stage's links are faked, so no real group can be checked)."""
+
+    def __init__(self, op, tensor, peer, group=None, tag=0) -> None:
+        self.op, self.peer, self.group = op.__name__, peer, group
+
+
+class FakeBatchWork(FakeWork):
+    def wait(self, timeout=None) -> bool:
+        return True
+
+
+def test_under_stream_each_link_gets_its_own_group_ready_before_the_first_tick(one_rank_group, monkeypatch) -> None:
+    """Note [one communicator per link]: stage 1 of K = 3 (global ranks 0, 1, 2), faked around a one-rank group.
+    Two exchanges are built (two engines in one process): the groups are made, and first used, once."""
+    import torch.distributed as dist
+
+    from fdg_schedule import comm
+    from fdg_schedule.watchdog import StreamWork
+
+    made, first_ops, posted = [], [], []
+    monkeypatch.setattr(comm, "_link_groups", {})
+    monkeypatch.setattr(comm, "_warmed", set())
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 3)
+    monkeypatch.setattr(
+        dist, "all_gather_object", lambda out, obj, group=None: out.__setitem__(slice(None), [1, 2, None])
+    )
+    monkeypatch.setattr(dist, "new_group", lambda ranks: made.append(tuple(ranks)) or f"link{tuple(ranks)}")
+    monkeypatch.setattr(dist, "all_reduce", lambda t, group=None: first_ops.append(group))
+    monkeypatch.setattr(dist, "P2POp", FakeP2POp)
+    monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: posted.append(ops) or [FakeBatchWork() for _ in ops])
+    reached = [False]
+    for _ in range(2):
+        exchange = comm.NeighbourExchange(0, 2, torch.device("cpu"), False, stage_id=1, timeout_s=60,
+                                          path=comm.Path.STREAM, mark=lambda: lambda: reached[0])  # fmt: skip
+    assert made == [(0, 1), (1, 2)]
+    assert first_ops == [None, "link(0, 1)", "link(1, 2)"]  # the default group (every rank), then each link
+    assert exchange.groups == {"prev": "link(0, 1)", "next": "link(1, 2)"}
+    meta = [(torch.Size([2]), torch.float32)]
+    exchange.sent_meta = exchange.recv_meta = meta  # the headers went before
+    exchange.post((torch.ones(2),), (torch.ones(2),), torch.tensor(0.5), recv_activation=True, recv_grad_meta=meta)
+    groups = {(op.op, op.peer): op.group for batch in posted for op in batch}
+    assert groups == {("isend", 0): "link(0, 1)", ("irecv", 0): "link(0, 1)",  # gradient up, activation in
+                      ("isend", 2): "link(1, 2)", ("irecv", 2): "link(1, 2)"}  # fmt: skip
+    works = exchange._activation[0]
+    assert all(isinstance(w, StreamWork) for w in works) and not any(w.started() for w in works)
+    reached[0] = True  # the stream got to the post
+    assert all(w.started() for w in works)
+    exchange.watchdog.close()
 
 
 def test_send_buffers_live_until_their_transfer_completes() -> None:
