@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import glob
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -115,15 +116,34 @@ def save(path: str, expected: dict[str, Any], captured: dict[str, Any]) -> None:
     atomic_save({"format": FORMAT, **expected, **captured}, path)
 
 
+def placement(device: torch.device) -> Callable[[Any, str], Any]:
+    """Note [host tensors stay on the host]: ``torch.load``'s ``map_location`` for this stage's state.
+
+    A tensor saved from host memory loads into host memory, one saved on any device onto ``device``.
+    What a stage keeps on the host lives there on purpose and is read there without a device sync:
+    the exchange's control word (``read_host`` refuses anything else), torch optimizers' ``step``
+    counters (a tied optimizer's, read with ``.item()`` every tied step) and the RNG states; mapped
+    onto the GPU they would cost a host sync at every read, or fail. The restore moves what
+    computes on the device (a stage's in-flight inputs and held tensors) there itself, so a
+    checkpoint saved on the host resumes on a device too.
+    """
+
+    def place(storage: Any, location: str) -> Any:
+        return storage if location == "cpu" else storage.to(device=device)
+
+    return place
+
+
 def load(
     load_dir: str, tag: str, stage_id: int, dp_id: int, expected: dict[str, Any], log: bool, device: torch.device
 ) -> dict | None:
-    """This rank's saved state, its tensors on ``device``, if it can continue in this job, else None.
+    """This rank's saved state if it can continue in this job, else None: what was saved on a device on
+    ``device``, what was saved in host memory there (Note [host tensors stay on the host], :func:`placement`).
 
     ``log``: say how many in-flight micro-batches are dropped (this rank's; stage 0 holds the most).
     """
     path = state_path(load_dir, tag, stage_id, dp_id)
-    state = torch.load(path, map_location=device, weights_only=False) if os.path.exists(path) else None
+    state = torch.load(path, map_location=placement(device), weights_only=False) if os.path.exists(path) else None
     if state is None:
         reason: str | None = "it holds no FDG state for this stage (a 1F1B checkpoint or another layout)"
     else:
@@ -156,6 +176,7 @@ def carried(load_dir: str, tag: str, stage_id: int, stages: int) -> tuple[int, l
     path = own if os.path.exists(own) else first
     if not os.path.exists(path):
         return 0, None
-    state = torch.load(path, weights_only=False, mmap=True)
+    # host memory: only the tick and delta are read, and another stage's tensors may name another device
+    state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
     delta = state.get("delta") if path == own and state.get("stages") == stages else None
     return int(state.get("tick", 0)), delta

@@ -179,4 +179,4 @@ class FDGCheckpoints(PipelineEngine):
             optim.restore_accumulated(self.optimizer, self._delayed.params, saved["accumulated"], self.device)
         needs_grad = not self.is_first_stage() or self._reentrant_activation_checkpointing()
         rebuild = lambda held, inputs: self._delayed.rebuild(held, functools.partial(self._stage_forward, inputs))
-        self.fdg_state.restore(saved, rebuild, needs_grad)
+        self.fdg_state.restore(saved, rebuild, needs_grad, self.device)

@@ -39,6 +39,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from fdg_schedule import rng, ticks
@@ -46,7 +47,7 @@ from fdg_schedule.comm import Meta, NeighbourExchange
 from fdg_schedule.config import FDGConfig
 from fdg_schedule.delayed import Held
 from fdg_schedule.staleness import Corrections, StalenessMeter
-from fdg_schedule.tensors import detached, leaves, nbytes, on_cpu
+from fdg_schedule.tensors import detached, leaves, nbytes, on_cpu, to_device
 from fdg_schedule.tied import TiedSync
 
 Message = tuple[tuple[Tensor, ...], Tensor]  # gradients and the loss carried with them
@@ -170,10 +171,18 @@ class StageState:
             "rng": rng_state(),
         }
 
-    def restore(self, saved: dict[str, Any], rebuild: Callable[[Held, Any], Any], needs_grad: bool) -> None:
+    def restore(
+        self,
+        saved: dict[str, Any],
+        rebuild: Callable[[Held, Any], Any],
+        needs_grad: bool,
+        device: torch.device | None = None,
+    ) -> None:
         """Undo :meth:`capture` in a new process; the buffers must have their slots reserved.
 
-        ``saved`` was loaded onto this stage's device; RNG states go back to the CPU, where torch keeps them.
+        ``saved`` was loaded as :func:`fdg_schedule.checkpoint.load` places it (Note [host tensors stay on
+        the host]); the in-flight inputs, held tensors and labels go to ``device`` (where the stage computes;
+        None: where they are), RNG states to the CPU, where torch keeps them.
 
         ``rebuild(held, inputs)`` rebuilds a stored forward's outputs (Note [rebuilding a stored graph]);
         ``needs_grad``: the stage inputs are leaves that require gradients. The RNG state is set last.
@@ -184,17 +193,26 @@ class StageState:
         self.tied.restore(saved.get("tied"))
         self.segment_tick = saved["segment_tick"]
         for buffer_id, record in sorted(saved["in_flight"].items()):
-            inputs = leaves(record["inputs"], needs_grad)
+            inputs = leaves(_on(device, record["inputs"]), needs_grad)
             self.buffers["inputs"][buffer_id] = inputs
             self.sent_meta[buffer_id] = record["sent_meta"]
-            held = Held(weights=record["weights"], rng_state=on_cpu(record["rng_state"]), saved=record["saved"])
+            weights, rng_state = _on(device, record["weights"]), on_cpu(record["rng_state"])
+            held = Held(weights=weights, rng_state=rng_state, saved=_on(device, record["saved"]))
             self.held[buffer_id] = held
             self.buffers["outputs"][buffer_id] = rebuild(held, inputs)
         self.exchange.restore_received(saved["received"])
-        self.labels_in_flight.extend(saved["labels_in_flight"])
+        self.labels_in_flight.extend(_on(device, labels) for labels in saved["labels_in_flight"])
         self.micro_batches_read = saved["micro_batches_read"]
         self.segment_limit = saved.get("segment_limit")
         set_rng_state(on_cpu(saved["rng"]))
+
+
+def _on(device: torch.device | None, x: Any) -> Any:
+    """``x`` (a tensor, or tensors in a tuple or list) on ``device``; as it is when ``device`` is None."""
+    if device is None or x is None:
+        return x
+    moved = to_device(x, device)
+    return list(moved) if isinstance(x, list) else moved
 
 
 def rng_state() -> dict[str, Any]:

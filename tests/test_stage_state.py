@@ -104,15 +104,58 @@ def test_reset_forgets_the_work_in_flight(one_rank_group: None) -> None:
     assert all(b is None for buffers in state.buffers.values() for b in buffers)
 
 
-def test_a_checkpoint_loads_onto_the_engine_device(one_rank_group: None, tmp_path) -> None:
+def test_a_checkpoint_keeps_host_tensors_on_the_host_and_the_work_in_flight_goes_to_the_device(
+    one_rank_group: None, tmp_path
+) -> None:
+    """Note [host tensors stay on the host] (checkpoint.py): what a stage keeps in host memory -- the control word
+    of an activation received for the next tick, a tied optimizer's step counter, the RNG state -- loads there
+    (read_host refuses a device tensor; a step on the GPU costs a host sync per step); the in-flight inputs and
+    held tensors go to the stage's device (here the meta device stands in for a GPU), also from a host save."""
     config = FDGConfig(weights="stashed")
     state, delayed = _state(_stage(), config)
     inputs = torch.randn(2, 4)
     state.buffers["outputs"][0], state.held[0] = delayed.forward(lambda: delayed.module(inputs))
-    state.buffers["inputs"][0] = inputs
+    state.buffers["inputs"][0], state.sent_meta[0] = inputs, [(torch.Size([2, 3]), torch.float32)]
+    captured = state.capture()
+    meta = [(torch.Size([2]), torch.float32)]  # an activation that arrived for the next tick, with its control word
+    captured["received"] = {"activation": [torch.ones(2), torch.tensor([-1])], "grad": None, "sent_meta": None,
+                            "recv_meta": meta}  # fmt: skip
+    captured["tied"] = [{"optimizer": {"state": {0: {"step": torch.tensor(3.0)}}, "param_groups": []}}]
     expected = checkpoint.identity(2, 1, config)
-    checkpoint.save(checkpoint.state_path(str(tmp_path), "t", 0, 0), expected, state.capture())
-    loaded = checkpoint.load(str(tmp_path), "t", 0, 0, expected, log=True, device=torch.device("meta"))
+    checkpoint.save(checkpoint.state_path(str(tmp_path), "t", 0, 0), expected, captured)
+    device = torch.device("meta")
+    loaded = checkpoint.load(str(tmp_path), "t", 0, 0, expected, log=True, device=device)
     assert loaded is not None
-    record = loaded["in_flight"][0]
-    assert {t.device.type for t in (record["inputs"], *record["weights"], *record["saved"])} == {"meta"}
+    step = loaded["tied"][0]["optimizer"]["state"][0]["step"]
+    assert step.device.type == "cpu" and step.item() == 3.0
+    assert loaded["received"]["activation"][1].device.type == "cpu"
+    loaded["tied"] = None
+    restored, _ = _state(_stage(), config)
+    restored.restore(loaded, lambda held, inputs: None, needs_grad=False, device=device)
+    held = restored.held[0]
+    assert {t.device.type for t in (restored.buffers["inputs"][0], *held.weights, *held.saved)} == {"meta"}
+    assert held.rng_state[0].device.type == "cpu"
+    received, end = restored.exchange.wait_activation()
+    assert end == -1 and torch.equal(received[0], torch.ones(2))
+
+
+def test_a_resumed_tick_count_reads_another_stages_file_into_host_memory(tmp_path, monkeypatch) -> None:
+    """checkpoint.carried reads stage 0's file when this stage has none: on the host, whatever device stage 0 had."""
+    config = FDGConfig()
+    checkpoint.save(checkpoint.state_path(str(tmp_path), "t", 0, 0), checkpoint.identity(3, 1, config), {"tick": 7})
+    load, seen = torch.load, []
+    monkeypatch.setattr(
+        checkpoint.torch, "load", lambda *a, **kw: seen.append(kw.get("map_location")) or load(*a, **kw)
+    )
+    assert checkpoint.carried(str(tmp_path), "t", 2, 3) == (7, None)
+    assert seen == ["cpu"]
+
+
+def test_the_placement_puts_storages_saved_on_any_device_on_this_stages_device() -> None:
+    class Storage:  # the storage torch.load hands the placement (CUDA cannot run here)
+        def to(self, device: torch.device) -> tuple[str, torch.device]:
+            return ("moved", device)
+
+    place, storage = checkpoint.placement(torch.device("cuda", 1)), Storage()
+    assert place(storage, "cuda:3") == ("moved", torch.device("cuda", 1))  # saved on another rank's GPU
+    assert place(storage, "cpu") is storage
