@@ -36,6 +36,7 @@ from deepspeed.runtime.utils import set_random_seed
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
+from fdg_schedule import auto_corrections
 from fdg_schedule import ticks as tick_math
 from fdg_schedule.config import FDGConfig
 from fdg_schedule.reference import ReferenceState, fdg_reference
@@ -58,6 +59,10 @@ parser.add_argument(
     "--delay-lr-epochs", type=float, default=None, help="pipeline.fdg.delay_lr_ticks in epochs of ticks"
 )
 parser.add_argument("--final-full-test", action="store_true", help="after training, also test on the whole test set")
+parser.add_argument(
+    "--validation", type=int, default=0, help="after training, also test on this many training-set images outside "
+    "--train-subset, without augmentation (a validation split; Fashion-MNIST / MNIST)"
+)  # fmt: skip
 parser.add_argument("--seed", type=int, default=0)
 args = parser.parse_args()
 
@@ -80,6 +85,11 @@ parts = resnet.stage_parts(args.model, args.stages, args.partition)
 stages = resnet.build_stages(args.model, parts, data.num_classes, data.in_channels, base_seed=args.seed)
 set_random_seed(args.seed)
 optimizers = [torch.optim.SGD(s.parameters(), **optimizer["params"]) for s in stages]
+# corrections "auto" decides here, from the optimizer as deepspeed.initialize gives it to the engine (the config's
+# lr; the recipe sets each epoch's lr afterwards); fdg_reference keeps a resolved config (Note [the auto rule])
+fdg, choice = auto_corrections.resolve(fdg, optimizers[0], None, args.stages)
+if choice is not None:
+    print(choice.line(), flush=True)
 train_set = vision_data.subset(data.train, args.train_subset, args.seed)
 test_set = vision_data.subset(data.test, args.test_subset, args.seed)
 sampler = DistributedSampler(train_set, num_replicas=1, rank=0, shuffle=True, seed=args.seed, drop_last=True)
@@ -253,6 +263,10 @@ test_acc, test_loss = last_test
 if args.final_full_test:
     full_acc, full_loss = evaluate(data.test)
     print(f"full test set: test_acc {full_acc:.2%} test_loss {full_loss:.6f} ({len(data.test)} images)")
+if args.validation:  # the training images after the subset's, in the subset's order, without augmentation
+    held_out = vision_data.held_out(args.dataset, args.data_dir, args.train_subset, args.validation, args.seed)
+    val_acc, val_loss = evaluate(held_out)
+    print(f"validation: test_acc {val_acc:.2%} test_loss {val_loss:.6f} ({len(held_out)} images)")
 print(
     f"final: test_acc {test_acc:.2%} test_loss {test_loss:.4f} | "
     f"{ticks * micro_batch / max(train_time, 1e-9):.1f} samples/s | wall {time.time() - wall_start:.1f} s | "

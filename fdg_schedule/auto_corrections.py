@@ -156,8 +156,9 @@ def choose(optimizer: Any, stages: int, accumulate: int, weights: str, schedule:
 
 
 def resolve(config: FDGConfig, optimizer: Any, scheduler: Any, stages: int) -> tuple[FDGConfig, Choice | None]:
-    """``config`` with the keys ``"auto"`` chose for a stage with ``optimizer`` (unchanged unless it asks for it)."""
-    if config.corrections != "auto":
+    """``config`` with the keys ``"auto"`` chose for a stage with ``optimizer`` (unchanged unless it asks for it and
+    has not been resolved yet: the choice is made once, at initialize, and kept)."""
+    if config.corrections != "auto" or config._resolved:
         return config, None
     if optimizer is None:
         raise FDGConfigError(
@@ -165,7 +166,7 @@ def resolve(config: FDGConfig, optimizer: Any, scheduler: Any, stages: int) -> t
             'deepspeed.initialize (or an "optimizer" block), or set corrections to "none"'
         )
     choice = choose(optimizer, stages, config.accumulate, config.weights, schedule_of(scheduler, optimizer))
-    return dataclasses.replace(config, **choice.keys), choice
+    return dataclasses.replace(config, _resolved=True, **choice.keys), choice
 
 
 def for_engine(config: FDGConfig, engine: Any) -> FDGConfig:

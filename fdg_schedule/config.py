@@ -129,6 +129,10 @@ class FDGConfig:
     [the auto rule] in :mod:`fdg_schedule.auto_corrections`); ``"none"``: none of them (the paper's FDG);
     None: the keys as given. With ``"auto"`` or ``"none"`` the block sets none of those keys itself."""
 
+    _resolved: bool = dataclasses.field(default=False, repr=False)
+    """Internal: ``corrections: "auto"`` has filled in its keys (:func:`fdg_schedule.auto_corrections.resolve`);
+    resolving again keeps them. Not a ``pipeline.fdg`` key."""
+
     staleness_every: int = 100
     """N: every N ticks each delayed stage measures its staleness, the relative distance
     ``||w_fwd - w_bwd|| / ||w_bwd||`` between the weights the forward of the micro-batch entering it
@@ -263,7 +267,7 @@ class FDGConfig:
         block = {} if block is None else block
         if not isinstance(block, Mapping):
             raise FDGConfigError(f"pipeline.fdg must be a JSON object, got {type(block).__name__} {block!r}")
-        known = [f.name for f in dataclasses.fields(cls)]
+        known = [f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")]
         unknown = sorted(set(block) - set(known))
         if unknown:
             raise FDGConfigError(f"unknown key(s) {unknown} in pipeline.fdg of ds_config; known keys: {known}")

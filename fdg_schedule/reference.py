@@ -146,7 +146,8 @@ def fdg_reference(
     state = state if state is not None else ReferenceState()
     K, n = len(stages), len(micro_batches)
     _build_ties(stages, optimizers, ties, state)
-    # corrections "auto": each stage's keys from its optimizer and scheduler (Note [the auto rule])
+    # corrections "auto": each stage's keys from its optimizer and scheduler (Note [the auto rule]); a config
+    # resolved before (at the run's "initialize") keeps its keys
     per_stage = schedulers if len(schedulers) == K else [schedulers[0] if schedulers else None] * K
     configs = [auto_corrections.resolve(config, optimizers[k], per_stage[k], K)[0] for k in range(K)]
     tied_names = {k: {name for t in ties for s, name in t if s == k} for k in range(K)}

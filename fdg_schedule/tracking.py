@@ -131,7 +131,7 @@ def _global_rank() -> int:
 def run_config(engine: StageView, ds_config: Mapping[str, Any]) -> dict[str, Any]:
     """What goes into each stage's W&B run config: the FDG settings and the stage's place."""
     return {
-        "fdg": dataclasses.asdict(engine.fdg_config),
+        "fdg": {k: v for k, v in dataclasses.asdict(engine.fdg_config).items() if not k.startswith("_")},
         "stages": engine.num_stages,
         "stage_id": engine.stage_id,
         "dp_id": engine.grid.data_parallel_id,

@@ -183,3 +183,21 @@ def test_resume_with_another_auto_choice_is_refused_on_every_rank(tmp_path) -> N
     calls = [(engine_workers.auto_resume_refused, (saved, loaded, str(tmp_path / "ckpt")))]
     [errors] = run_ranks_calls(3, tmp_path, calls, deadline_s=120)
     assert all("chose {delay_lr_ticks: 600}" in e and "trained with {delay_lr_ticks: 200}" in e for e in errors), errors
+
+
+def test_the_choice_goes_into_each_stages_wandb_config() -> None:
+    """tracking.run_config (what each stage's W&B run is given): "auto" and the keys it chose, no internal field."""
+    from types import SimpleNamespace
+
+    from fdg_schedule import tracking
+
+    opt = torch.optim.AdamW(_params(), lr=1e-3)
+    config, _ = resolve(FDGConfig(corrections="auto", weights="stashed"), opt, WarmupCosineLR(opt, 50), 4)
+    engine = SimpleNamespace(
+        fdg_config=config, num_stages=4, stage_id=1, grid=SimpleNamespace(data_parallel_id=0), dp_world_size=1,
+        global_rank=1, train_micro_batch_size_per_gpu=lambda: 8, gradient_accumulation_steps=lambda: 4,
+    )  # fmt: skip
+    fdg = tracking.run_config(engine, {})["fdg"]
+    assert fdg["corrections"] == "auto" and fdg["delay_lr_ticks"] == 100 and fdg["delay_momentum_raise"] == 1.0
+    assert fdg["predict_decay"] == 0.0 and fdg["predict_horizon"] == "first_stage"
+    assert not any(key.startswith("_") for key in fdg)

@@ -163,6 +163,23 @@ def subset(dataset: Dataset, size: int | None, seed: int = 0) -> Dataset:
     return Subset(dataset, order[:size].tolist())
 
 
+def held_out(name: str, data_dir: str | Path | None, used: int | None, size: int, seed: int = 0) -> Dataset:
+    """A validation split: ``size`` training images of data set ``name`` (Fashion-MNIST or MNIST) that
+    :func:`subset` with ``used`` and ``seed`` leaves out (the next ones in its order), without augmentation."""
+    if name not in ("fashion-mnist", "mnist"):
+        raise ValueError(f"a held-out validation split is built for fashion-mnist and mnist, not {name!r}")
+    mean, std = (0.2860, 0.3530) if name == "fashion-mnist" else (0.1307, 0.3081)
+    _, plain = _grey_transforms(mean, std, augment=False)
+    folder, cls = ("FashionMNIST", datasets.FashionMNIST) if name == "fashion-mnist" else ("MNIST", datasets.MNIST)
+    tv_root = _stage_idx_files(name, folder, Path(data_dir) if data_dir is not None else None, DEFAULT_CACHE)
+    train = cls(str(tv_root), train=True, transform=plain, download=False)
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed)).tolist()
+    start = used if used is not None else len(train)
+    if start + size > len(train):
+        raise ValueError(f"{size} validation images after {start} training ones exceed the {len(train)} of {name}")
+    return Subset(train, order[start : start + size])
+
+
 class LabelsOnly(Dataset):
     """(placeholder, label) pairs of a data set without decoding its images.
 
