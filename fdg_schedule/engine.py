@@ -25,7 +25,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.schedule import PipeInstruction, ReduceGrads
 from torch import Tensor
 
-from fdg_schedule import auto_corrections, dispatch, grid, guards, observe, optim, schedule, ticks, tied
+from fdg_schedule import auto_corrections, dispatch, grid, guards, loading, observe, optim, schedule, ticks, tied
 from fdg_schedule.comm import NO_END, NeighbourExchange, meta_of
 from fdg_schedule.config import FDGConfig
 from fdg_schedule.delayed import DelayedBackward
@@ -228,7 +228,7 @@ class FDGPipelineEngine(FDGCheckpoints):
     def _exec_fdg_load(self, buffer_id: int, micro_batch: int) -> None:
         try:
             if self.is_first_stage():  # inputs (and labels too when K = 1), as DeepSpeed loads them
-                self._exec_load_micro_batch(buffer_id)
+                loading.load_micro_batch(self, buffer_id)  # Note [no host sync in a tick]: non_blocking copies
                 inputs = self.pipe_buffers["inputs"][buffer_id]
                 guards.check_inputs(inputs, micro_batch, self.bfloat16_enabled(), self._where())
             else:  # Note [labels read when the inputs are]

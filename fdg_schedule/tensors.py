@@ -27,8 +27,10 @@ def input_grads(inputs: Any) -> tuple[Tensor, ...]:
 
 
 def to_device(x: Any, device: torch.device) -> Any:
+    """``x`` (a tensor, or tensors in tuples and lists) on ``device``, copied without a host synchronisation
+    (``non_blocking``; from pinned host memory the copy is asynchronous, Note [no host sync in a tick])."""
     if torch.is_tensor(x):
-        return x.to(device)
+        return x.to(device, non_blocking=True)
     if isinstance(x, (tuple, list)):
         return tuple(to_device(t, device) for t in x)
     return x

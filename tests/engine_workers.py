@@ -579,7 +579,21 @@ def host_reads(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[
     return out
 
 
+def _copy_target(args: tuple, kwargs: dict[str, Any]) -> torch.device | None:
+    """The device a ``Tensor.to(...)`` call copies to (None: a dtype change only)."""
+    target = kwargs.get("device")
+    if target is None and args:
+        target = args[0].device if torch.is_tensor(args[0]) else args[0]
+    return torch.device(target) if isinstance(target, (torch.device, str, int)) else None
+
+
 def _recorded_calls(engine: Any, it: Any, calls: int) -> dict[str, Any]:
+    """Also recorded: every ``Tensor.to`` to the stage's device, from host memory, in FDG's or DeepSpeed's code,
+    without ``non_blocking=True`` (on a GPU each waits for the stage's queue; on the CPU the same calls are made,
+    as no-op copies). Not recorded: torch's own (its clipping moves norms between devices: on a GPU, device
+    tensors to the device)."""
+    import os
+    import sys
     import traceback
 
     from fdg_schedule import comm
@@ -588,11 +602,17 @@ def _recorded_calls(engine: Any, it: Any, calls: int) -> dict[str, Any]:
     recording = [False]
     seen: list[tuple[str, str]] = []
     control_words: list[tuple[tuple[int, ...], str]] = []
-    originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+    originals = {name: getattr(torch.Tensor, name) for name in (*HOST_READS, "to")}
 
     def wrap(name, fn):
         def recorded(self, *args, **kwargs):
-            if recording[0] and id(self) not in host_kept:
+            if name == "to":
+                blocking = not (kwargs.get("non_blocking") or True in args[1:])
+                caller = sys._getframe(1).f_code.co_filename.split(os.sep)
+                ours = "fdg_schedule" in caller or "deepspeed" in caller
+                if recording[0] and ours and blocking and self.is_cpu and _copy_target(args, kwargs) == engine.device:
+                    seen.append(("to", "".join(traceback.format_stack(limit=8)[:-1])))
+            elif recording[0] and id(self) not in host_kept:
                 seen.append((name, "".join(traceback.format_stack(limit=8)[:-1])))
             return fn(self, *args, **kwargs)
 

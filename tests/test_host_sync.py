@@ -2,9 +2,13 @@
 
 On CPU there is no device queue to stall, so the check is on the code path: every host read of a
 tensor (``.item()``, ``.tolist()``, ``bool()``, ``float()``, ``int()``, ``.cpu()``, ``.numpy()``) is
-patched while the ticks of two steady-state calls run, and none may happen. The one read the
+patched while the ticks of two steady-state calls run, and none may happen. Neither may a copy from
+host memory to the stage's device without ``non_blocking=True`` in FDG's or DeepSpeed's code (the
+first stage's inputs, the last stage's labels, received messages: on a GPU ``.to(device)`` waits for
+the stage's queue; here the same calls run as no-op copies). The one read the
 exchange makes, of the control word that lives in host memory (Note [control words on the host]),
 goes through ``guards.read_host`` and is counted: one per tick on a stage that receives activations.
+On a GPU, ``scripts/gpu_check.sh`` checks the same ticks under ``torch.cuda.set_sync_debug_mode("error")``.
 """
 
 from __future__ import annotations
