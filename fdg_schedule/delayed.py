@@ -24,6 +24,19 @@ Note [stashed weights]: ``weights="stashed"`` copies the stage's trainable weigh
 time and, for the backward, copies them into the parameters' own storage and back afterwards.
 Autograd, activation checkpointing and the recomputed forward then all see the forward's weights
 through the same storage, for every optimizer and precision wrapper.
+
+Note [the recomputed forward runs as the first did]: under ``activations="recomputed"`` the first
+forward must draw the random numbers the recompute will draw again from the same RNG state, so both
+run the same kernels. Kernel choice can depend on whether gradients are recorded: PyTorch picks the
+scaled-dot-product-attention backend (flash, memory-efficient, cuDNN, math) partly from whether
+its inputs require gradients, and the backends draw different dropout masks. So the first forward
+runs with gradients enabled, as the recompute does, and its graph is dropped at once (its outputs
+are detached): it lives for that forward only, as one micro-batch's graph lives in the recompute.
+
+Note [saved activations freed during the backward]: ``Held.saved`` lists every tensor autograd saved
+in a stored forward, for checkpoints (Note [rebuilding a stored graph]). The backward lets the list
+go before it runs, so each activation is freed as soon as autograd has used it, as in a plain
+backward; kept to the end, every activation of the micro-batch would live through the whole backward.
 """
 
 from __future__ import annotations
@@ -39,6 +52,7 @@ from torch import Tensor, nn
 from fdg_schedule import rng
 from fdg_schedule.config import FDGConfig
 from fdg_schedule.errors import FDGRuntimeError
+from fdg_schedule.tensors import detached
 
 
 @dataclasses.dataclass
@@ -81,9 +95,9 @@ class DelayedBackward:
         held = Held(rng_state=rng.capture())
         if self.stash:
             held.weights = [p.detach().clone() for p in self.params]
-        if self.recompute:
-            with torch.no_grad():
-                outputs = run()
+        if self.recompute:  # Note [the recomputed forward runs as the first did]
+            with torch.enable_grad():
+                outputs = detached(run())
         else:
             held.saved = []
             with _saved_tensors_read_live(held, self.state_storages):
@@ -116,6 +130,7 @@ class DelayedBackward:
         """
         with self._weights_of(held):
             if not self.recompute:
+                held.saved = None  # Note [saved activations freed during the backward]: the graph holds them
                 yield stored_outputs
                 return
             assert held.rng_state is not None

@@ -150,3 +150,39 @@ def test_a_graph_dropped_without_its_backward_is_freed_without_the_cycle_collect
         assert freed == ["outputs"], "the dropped stored forward's graph waits for the cycle collector"
     finally:
         python_gc_manager.release(generation)
+
+
+def test_a_recomputed_forward_runs_as_the_first_forward_did() -> None:
+    """Note [the recomputed forward runs as the first did]: both forwards record gradients (PyTorch picks an
+    attention kernel, and with it the dropout masks, partly from that); the first forward's graph is not kept."""
+    grad_enabled = []
+
+    class Probe(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            grad_enabled.append(torch.is_grad_enabled() and x.requires_grad)
+            return x
+
+    module = nn.Sequential(Probe(), nn.Linear(4, 3))
+    delayed = DelayedBackward(module, FDGConfig(activations="recomputed"), delayed=True)
+    x = torch.randn(2, 4, requires_grad=True)
+    outputs, held = delayed.forward(lambda: module(x))
+    assert held is not None and outputs.grad_fn is None  # the graph went with the first forward
+    with delayed.backward(held, outputs, lambda: module(x)) as out:
+        out.sum().backward()
+    assert grad_enabled == [True, True]
+
+
+def test_a_stored_forwards_activations_are_freed_during_its_backward() -> None:
+    """Note [saved activations freed during the backward]: once autograd has used an activation, nothing
+    keeps it, though the held record lives until the backward returns."""
+    module = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3), nn.Tanh())
+    delayed = DelayedBackward(module, FDGConfig(), delayed=True)
+    x = torch.randn(2, 4, requires_grad=True)
+    outputs, held = delayed.forward(lambda: module(x))
+    assert held is not None and held.saved
+    activations = [weakref.ref(t) for t in held.saved if t.untyped_storage().data_ptr() != x.data_ptr()]
+    assert activations
+    with delayed.backward(held, outputs, lambda: module(x)) as out:
+        torch.autograd.backward(out, torch.ones(2, 3))
+        assert all(a() is None for a in activations)  # freed inside the backward, `held` still alive
+    assert held.nbytes() == 0
