@@ -67,7 +67,7 @@ class FDGPipelineEngine(FDGCheckpoints):
             rank(self.stage_id - 1), rank(self.stage_id + 1), self.device, self.dynamic_shape, self.stage_id,
             timeout_s=fdg_config.timeout, plan=self._plan, describe=self._describe, transport=fdg_config.transport,
         )  # fmt: skip
-        self._replicas = Replicas(self.grid, self.stage_id, fdg_config.timeout, self._where())
+        self._replicas = Replicas(self.grid, self.stage_id, fdg_config.timeout, self._where(), self.device)
         delayed = not self.is_last_stage()
         self._delayed = DelayedBackward(self.module, fdg_config, delayed=delayed)
         self._tie_keys = list(tied.owners(self.module))  # every rank's, also where it holds no copy

@@ -285,9 +285,10 @@ def _engine_factory(engine_class: type, stock_class: type) -> Callable[..., Any]
         fdg = fdg_config.parse(ds_config)
         if fdg is None:
             return stock_class(*args, **kwargs)
-        from fdg_schedule import observe
+        from fdg_schedule import observe, staging
 
         observe.before_engine(ds_config)  # W&B offline unless logged in, one group for all stages
+        staging.install()  # several ranks on one GPU over gloo: DeepSpeed's own sends through host memory
         return engine_class(*args, fdg_config=fdg, **kwargs)
 
     return build_pipeline_engine

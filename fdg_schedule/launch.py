@@ -39,6 +39,17 @@ interpreter (or a forkserver of the rank's own) that imports torch again, 14 s b
 cores (DeepSpeed's ``training_data`` loader has two workers per rank). A rank therefore resets its default to
 the platform's (``fork`` on Linux), as a rank under DeepSpeed's launcher or torchrun has it.
 
+Note [the launcher's process group]: a rank sets up torch.distributed itself, then hands the group to
+DeepSpeed (``deepspeed.init_distributed`` adopts an initialised one). Under gloo no device is bound
+to it: DeepSpeed's own ``init_distributed`` binds ``cuda:LOCAL_RANK`` when its accelerator is CUDA,
+after which torch builds every later group by splitting the default one, and gloo cannot do the
+split a rank outside the new group must join (``perform_nocolor_split``): several ranks sharing one
+GPU over gloo, as the device check runs them, would fail in DeepSpeed's first ``new_group``. Under
+NCCL the device is bound, so the default group's communicator is made at once, by every rank.
+``init_timeout_s`` bounds the rendezvous only; later operations of the default group wait up to
+``timeout_s`` (torch's default for the backend unless given: 30 minutes under gloo, 10 under NCCL),
+not the rendezvous' 120 s: under NCCL torch's watchdog ends a process whose operation outlives it.
+
 Note [a rank does not import the package]: a rank runs this file as a plain script (``runpy``)
 rather than importing ``fdg_schedule.launch``, so a function that never imports ``fdg_schedule``
 trains with stock DeepSpeed, untouched. (With the package installed, importing DeepSpeed loads the
@@ -84,6 +95,7 @@ def run(
     workdir: str | Path | None = None,
     threads: int = 1,
     init_timeout_s: float = 120,
+    timeout_s: float | None = None,
 ) -> list[Any]:
     """``worker(rank, world_size, *args)`` on ``world_size`` local ranks; returns the results in rank order.
 
@@ -93,6 +105,8 @@ def run(
         workdir: where the rendezvous file goes (a temporary directory if None).
         threads: CPU threads per rank (``torch.set_num_threads`` and ``OMP_NUM_THREADS``).
         init_timeout_s: how long ``init_process_group`` may wait for the other ranks.
+        timeout_s: how long any later operation of the default group may wait (None: torch's default for
+            the backend; Note [the launcher's process group]).
     """
 
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
@@ -101,7 +115,7 @@ def run(
         launch = {
             "environ": dict(os.environ), "worker": worker, "world_size": world_size, "args": args,
             "results": results, "threads": threads,
-            "init_file": os.path.join(tmp, "rendezvous"), "init_timeout_s": init_timeout_s,
+            "init_file": os.path.join(tmp, "rendezvous"), "init_timeout_s": init_timeout_s, "timeout_s": timeout_s,
             "dump_after_s": max(1.0, deadline_s - 5),
         }  # fmt: skip
         procs = [
@@ -156,6 +170,14 @@ def remove_shared_memory(port: int | str, addr: str = "127.0.0.1") -> None:
         path.unlink(missing_ok=True)
 
 
+def bound_device(backend: str, local_rank: int) -> dict[str, Any]:
+    """``init_process_group``'s ``device_id`` for this rank: under NCCL its GPU, under gloo none
+    (Note [the launcher's process group])."""
+    import torch
+
+    return {"device_id": torch.device("cuda", local_rank)} if backend == "nccl" else {}
+
+
 def _collect(procs: list[Any], results: Any, deadline_s: float, expect_exit: dict[int, int]) -> list[Any]:
     import torch
 
@@ -200,6 +222,7 @@ def _rank_main(
     threads: int,
     init_file: str,
     init_timeout_s: float,
+    timeout_s: float | None,
     dump_after_s: float,
 ) -> None:
     # A rank still running just before the deadline prints where it is stuck.
@@ -217,16 +240,18 @@ def _rank_main(
     try:
         import deepspeed
         import torch
+        import torch.distributed as dist
 
         torch.set_num_threads(threads)
-        deepspeed.init_distributed(
-            dist_backend=os.environ.get("FDG_LAUNCH_BACKEND", "gloo"),  # "nccl": the device check, one rank per GPU
-            init_method=f"file://{init_file}",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=init_timeout_s),
-            verbose=False,
-        )
+        backend = os.environ.get("FDG_LAUNCH_BACKEND", "gloo")  # "nccl": the device check, one rank per GPU
+        bound = bound_device(backend, int(os.environ["LOCAL_RANK"]))  # Note [the launcher's process group]
+        if bound:
+            torch.cuda.set_device(bound["device_id"])
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=init_timeout_s), **bound)  # fmt: skip
+        ops = timedelta(seconds=timeout_s) if timeout_s else dist.distributed_c10d._get_default_timeout(backend)
+        (getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout)(ops)
+        deepspeed.init_distributed(dist_backend=backend, timeout=ops, verbose=False)  # adopts the group
         result = worker(rank, world_size, *args)
         # Plain bytes: shared-memory tensors would need this process alive until they are read.
         buffer = io.BytesIO()

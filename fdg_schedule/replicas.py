@@ -8,7 +8,13 @@ collective. So:
 
 * the stage's data-parallel group waits at most ``pipeline.fdg.timeout`` in any collective
   (set on the group when the engine is built), and an all-reduce that gives up is reported as an
-  error naming the stage, this replica and the group's ranks;
+  error naming the stage, this replica and the group's ranks. Only where the host waits for its
+  collectives (gloo): under NCCL an all-reduce is queued on the stream and never waited on the
+  host, and torch's NCCL watchdog ends the process (no message naming anyone) once an operation
+  has been queued for the group's timeout -- counted from when the host queued it, which can be
+  long before the stream gets there. So an NCCL group keeps its own timeout (10 minutes by default,
+  ``deepspeed.init_distributed(timeout=...)``; keep it well above ``pipeline.fdg.timeout``), and a
+  replica that stopped is named by the end-of-call check below, bounded by ``pipeline.fdg.timeout``;
 * at the end of every call the replicas agree, in a gloo group of their own (so this never pairs
   with a gradient all-reduce), on two things: that none of them failed in the call's check, and
   where their data ended. A replica that found a non-finite value tells its peers before it stops;
@@ -30,8 +36,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 from torch import Tensor
 
+from fdg_schedule.comm import Path, choose_path
 from fdg_schedule.errors import FDGRuntimeError
 from fdg_schedule.guards import read_host
 
@@ -43,10 +51,11 @@ class Replicas:
     """The data-parallel replicas of one stage (``grid``: DeepSpeed's ``PipelineParallelGrid``).
 
     Building it is collective (every rank builds its engine at the same point): it makes one gloo
-    group per stage's replicas, in the same order on every rank.
+    group per stage's replicas, in the same order on every rank. ``device``: the stage's (where
+    DeepSpeed all-reduces its gradients; default the accelerator's).
     """
 
-    def __init__(self, grid: Any, stage_id: int, timeout_s: float, where: str) -> None:
+    def __init__(self, grid: Any, stage_id: int, timeout_s: float, where: str, device: Any = None) -> None:
         self.stage_id, self.where = stage_id, where
         self.timeout = timedelta(seconds=timeout_s)
         self.ranks: list[int] = list(grid.dp_group)
@@ -58,8 +67,11 @@ class Replicas:
             group = dist.new_group(ranks=list(ranks), timeout=self.timeout, backend="gloo")
             if grid.global_rank in ranks:
                 self.group = group
-        set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
-        set_timeout(self.timeout, grid.get_data_parallel_group())
+        data_group = grid.get_data_parallel_group()
+        device = torch.device(get_accelerator().device_name()) if device is None else device
+        if choose_path(dist.get_backend(data_group), device) is not Path.STREAM:  # waited on the host
+            set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
+            set_timeout(self.timeout, data_group)
 
     def describe(self, replica: int) -> str:
         return f"data-parallel replica {replica} of stage {self.stage_id} (global rank {self.ranks[replica]})"

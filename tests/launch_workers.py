@@ -23,6 +23,9 @@ def sum_of_ranks(rank: int, world_size: int, scale: float) -> dict:
         "rank": rank,
         "total": total * scale,
         "world": dist.get_world_size(),
+        # Note [the launcher's process group]: no device bound under gloo; the operations' own timeout
+        "bound_device": dist.group.WORLD.bound_device_id,
+        "op_timeout_s": dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout.total_seconds(),
         "fdg_schedule_modules": sorted(name for name in sys.modules if name.startswith("fdg_schedule")),
     }
 

@@ -144,3 +144,28 @@ def test_uneven_data_across_replicas_ends_every_rank(tmp_path) -> None:
     uneven = "read data of different lengths (replica 0: after 10 micro-batches, replica 1: not ended)"
     for stage0 in results[:2]:
         assert uneven in stage0["error"]
+
+
+def test_only_a_data_parallel_group_waited_on_the_host_gets_the_fdg_timeout(one_rank_group, monkeypatch) -> None:
+    """Note [replicas end together]: under NCCL torch's watchdog would end the process at the group's timeout,
+    counted from when the all-reduce was queued, before the end-of-call check names the replica; the group keeps
+    its own. gloo waits on the host: pipeline.fdg.timeout bounds it and the error names the group."""
+    import torch.distributed as dist
+
+    from fdg_schedule.replicas import Replicas
+
+    class Grid:  # stage 1's replicas, global ranks 2 and 3 of K = 2 x DP 2
+        dp_group, dp_groups, data_parallel_id, global_rank = [2, 3], [[0, 1], [2, 3]], 0, 2
+
+        def get_data_parallel_group(self) -> str:
+            return "data-parallel group"
+
+    bounded = []
+    monkeypatch.setattr(dist, "new_group", lambda **kwargs: "gloo group")
+    monkeypatch.setattr(dist, "set_timeout", lambda timeout, group: bounded.append((group, timeout.total_seconds())))
+    for backend, device in [("gloo", "cpu"), ("gloo", "cuda"), ("nccl", "cuda"), ("cpu:gloo,cuda:nccl", "cuda")]:
+        monkeypatch.setattr(dist, "get_backend", lambda group=None, backend=backend: backend)
+        bounded.clear()
+        Replicas(Grid(), 1, 45.0, "stage 1 (global rank 2)", torch.device(device))
+        stream = backend != "gloo"
+        assert bounded == ([] if stream else [("data-parallel group", 45.0)]), (backend, device)

@@ -16,8 +16,10 @@ pytestmark = pytest.mark.distributed
 
 
 def test_results_come_back_in_rank_order_without_importing_the_package(tmp_path) -> None:
-    results = run(sum_of_ranks, 3, 2.0, deadline_s=120, workdir=tmp_path)
+    results = run(sum_of_ranks, 3, 2.0, deadline_s=120, workdir=tmp_path, timeout_s=300)
     assert [r["rank"] for r in results] == [0, 1, 2]
+    # Note [the launcher's process group]: the rendezvous' 120 s is not every operation's timeout
+    assert all(r["op_timeout_s"] == 300 and r["bound_device"] is None for r in results)
     assert all(r["world"] == 3 and r["total"].item() == 6.0 for r in results)
     # Note [a rank's own processes]: not the spawn / forkserver method the rank itself was started with
     assert {r["start_method"] for r in results} == {multiprocessing.get_all_start_methods()[0]}
@@ -40,6 +42,17 @@ def test_a_rank_that_raises_fails_the_run_with_its_traceback(tmp_path) -> None:
 def test_a_rank_that_misses_the_deadline_is_named(tmp_path) -> None:
     with pytest.raises(RankFailed, match=r"ranks \[0\] did not finish within 10 s"):
         run(hangs, 1, deadline_s=10, workdir=tmp_path)
+
+
+def test_only_an_nccl_rank_binds_its_device() -> None:
+    """Note [the launcher's process group]: gloo ranks sharing one GPU must not bind it (torch would then split
+    every new group, which gloo cannot); an NCCL rank binds its own GPU (its communicator made at once)."""
+    import torch
+
+    from fdg_schedule.launch import bound_device
+
+    assert bound_device("gloo", 0) == {}
+    assert bound_device("nccl", 3) == {"device_id": torch.device("cuda", 3)}
 
 
 def test_free_port_can_be_bound() -> None:
