@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -173,24 +174,28 @@ def link_groups(prev_rank: int | None, next_rank: int | None, device: torch.devi
 
 
 def host_id() -> str:
-    """This host, as far as shared memory goes: its name and the kernel's boot id."""
+    """This host, as far as shared memory goes: its name, the kernel's boot id and this process's pid namespace
+    (a neighbour's pid, which its link checks, means something only in the same one)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
+        namespace = os.readlink("/proc/self/ns/pid")
     except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
+        boot = namespace = ""
+    return f"{socket.gethostname()}/{boot}/{namespace}"
 
 
-def same_host_neighbours(prev_rank: int | None, next_rank: int | None) -> tuple[bool, bool]:
-    """Whether the previous and the next stage run on this host (Note [shared-memory transport]).
+def same_host_neighbours(prev_rank: int | None, next_rank: int | None) -> tuple[bool, bool, int | None]:
+    """Whether the previous and the next stage run on this host (Note [shared-memory transport]), and the next
+    stage's pid: the only process this stage's link accepts (Note [who may connect] in fdg_schedule.shm_link).
 
     Collective over the default group: every rank builds its engine, and so calls this, at the same point.
     """
     hosts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(hosts, host_id())
-    mine = hosts[dist.get_rank()]
-    return tuple(rank is not None and hosts[rank] == mine for rank in (prev_rank, next_rank))  # type: ignore[return-value]
+    dist.all_gather_object(hosts, (host_id(), os.getpid()))
+    mine = hosts[dist.get_rank()][0]
+    prev, nxt = (rank is not None and hosts[rank][0] == mine for rank in (prev_rank, next_rank))
+    return prev, nxt, hosts[next_rank][1] if nxt and next_rank is not None else None
 
 
 def meta_of(tensors: Sequence[Tensor]) -> Meta:
@@ -256,8 +261,9 @@ class NeighbourExchange:
                 f"this stage runs on {device} with {dist.get_backend()} ({self.path.value} path): remove "
                 'pipeline.fdg.transport (or set it to "process_group")'
             )
-        same_host = same_host_neighbours(prev_rank, next_rank) if transport == "shm" else (False, False)
+        same_host = same_host_neighbours(prev_rank, next_rank) if transport == "shm" else (False, False, None)
         self.shared_memory = {"prev": same_host[0], "next": same_host[1]}
+        self.next_pid = same_host[2]  # the only process the link to the next stage accepts
         self.links: dict[str, Link | None] = {"prev": None, "next": None}
         self.wire = HOST if self.path is Path.STAGED else device  # where tensors travel from and arrive in
         self.host_group = host_group(dist.get_backend(), device)
@@ -532,7 +538,7 @@ class NeighbourExchange:
                 self._check_nothing_pending(self._grad, "a gradient receive")
                 self._close_link("next")
                 try:
-                    link = Link.create(self._activation_bytes(activation))
+                    link = Link.create(self._activation_bytes(activation), peer_pid=self.next_pid)
                 except OSError as err:
                     raise FDGRuntimeError(
                         f"{self.describe}: cannot set up the shared-memory link to {self._next} ({err}); free space in "

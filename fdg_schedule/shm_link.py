@@ -21,6 +21,13 @@ both ring files and a listening socket under a random token, and puts the token 
 in the header. The downstream stage maps the files and connects. When the upstream accepts that
 connection it removes the files' names: from then on nothing is left in /dev/shm, and the
 mappings live as long as the link.
+
+Note [who may connect]: an abstract socket name has no file permissions and is listed in
+/proc/net/unix, so any local process can connect to it. The upstream accepts only its neighbour:
+the kernel's credentials of the connecting process (``SO_PEERCRED``) must carry this process's uid
+and the pid the neighbour announced through the process group when the exchange was built
+(:func:`fdg_schedule.comm.same_host_neighbours`). Any other connection is closed, counted in
+:attr:`Link.refused`, and the upstream goes on listening until its timeout.
 """
 
 from __future__ import annotations
@@ -67,6 +74,12 @@ def _socket_name(token: int) -> bytes:
     return f"\0fdg_link_{token:016x}".encode()  # the abstract namespace: no file to remove
 
 
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a Unix socket, as the kernel recorded them."""
+    creds = struct.Struct("3i")
+    return creds.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, creds.size))
+
+
 def message_bytes(tensors: Sequence[Tensor]) -> int:
     return sum(_padded(t.numel() * t.element_size()) for t in tensors)
 
@@ -82,8 +95,10 @@ class Link:
     capacity the upstream sent). ``capacity``: the bytes of a slot, the largest message either way.
     """
 
-    def __init__(self, token: int, capacity: int, upstream: bool) -> None:
+    def __init__(self, token: int, capacity: int, upstream: bool, peer_pid: int | None = None) -> None:
         self.token, self.capacity, self.upstream = token, capacity, upstream
+        self.peer_pid = peer_pid  # the only process the upstream accepts (Note [who may connect]); None: any of ours
+        self.refused: list[tuple[int, int, int]] = []  # (pid, uid, gid) of connections refused
         self.out_direction = Direction.DOWN if upstream else Direction.UP
         self.in_direction = Direction.UP if upstream else Direction.DOWN
         self.sent = 0  # messages written
@@ -99,9 +114,10 @@ class Link:
         self._paths: list[str] = []
 
     @classmethod
-    def create(cls, capacity: int) -> Link:
-        """The upstream's side: new ring files and a listening socket under a fresh token."""
-        link = cls(1 + secrets.randbits(62), _padded(capacity), upstream=True)  # 0 means "no link" in a header
+    def create(cls, capacity: int, peer_pid: int | None = None) -> Link:
+        """The upstream's side: new ring files and a listening socket under a fresh token; only process
+        ``peer_pid`` of this user may connect (Note [who may connect])."""
+        link = cls(1 + secrets.randbits(62), _padded(capacity), upstream=True, peer_pid=peer_pid)  # 0: "no link"
         try:
             for direction in Direction:
                 path = ring_path(link.token, direction)
@@ -114,7 +130,7 @@ class Link:
                     os.close(fd)
             link._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             link._listener.bind(_socket_name(link.token))
-            link._listener.listen(1)
+            link._listener.listen(4)  # a foreign connection waiting to be refused does not block the neighbour
         except OSError:
             link.close()  # no file left behind
             raise
@@ -189,13 +205,23 @@ class Link:
     def _connected(self, deadline: float) -> socket.socket:
         if self._sock is None:
             assert self._listener is not None
-            self._listener.settimeout(max(0.0, deadline - time.monotonic()))
-            try:
-                self._sock, _ = self._listener.accept()
-            except TimeoutError as err:
-                raise LinkError("never connected to this stage's shared-memory link") from err
-            except OSError as err:
-                raise LinkError(f"could not be accepted on this stage's shared-memory link ({err})") from err
+            while self._sock is None:  # Note [who may connect]
+                self._listener.settimeout(max(0.0, deadline - time.monotonic()))
+                try:
+                    sock, _ = self._listener.accept()
+                except TimeoutError as err:
+                    refused = (
+                        f" (refused {len(self.refused)} other connection(s): {self.refused})" if self.refused else ""
+                    )
+                    raise LinkError(f"never connected to this stage's shared-memory link{refused}") from err
+                except OSError as err:
+                    raise LinkError(f"could not be accepted on this stage's shared-memory link ({err})") from err
+                who = peer_credentials(sock)
+                if who[1] == os.getuid() and (self.peer_pid is None or who[0] == self.peer_pid):
+                    self._sock = sock
+                else:
+                    self.refused.append(who)
+                    sock.close()
             self._sock.settimeout(None)
             self._listener.close()
             self._listener = None

@@ -407,15 +407,21 @@ def test_a_link_change_with_a_receive_pending_is_an_error_not_a_hang(tmp_path) -
     assert stage1 is not None and "stage 1 (global rank 1): gave up" in stage1  # its neighbour stopped: no hang
 
 
-def neighbours_on_hosts(rank: int, world: int, hosts: list[str]) -> tuple[bool, bool]:
-    """Which neighbours ``same_host_neighbours`` finds on this rank's host, with ``hosts[r]`` as rank r's host."""
+def neighbours_on_hosts(rank: int, world: int, hosts: list[str]) -> tuple[bool, bool, int | None, int]:
+    """Which neighbours ``same_host_neighbours`` finds on this rank's host, with ``hosts[r]`` as rank r's host,
+    the next stage's pid it returns, and this rank's pid."""
+    import os
+
     from fdg_schedule import comm
 
     comm.host_id = lambda: hosts[rank]  # type: ignore[assignment]  (each rank its own process)
-    return comm.same_host_neighbours(rank - 1 if rank else None, rank + 1 if rank < world - 1 else None)
+    found = comm.same_host_neighbours(rank - 1 if rank else None, rank + 1 if rank < world - 1 else None)
+    return (*found, os.getpid())
 
 
 def test_only_neighbours_on_the_same_host_get_a_shared_memory_link(tmp_path) -> None:
     # K = 3 over two hosts: stages 0 and 1 share one, stage 2 is on the other (it keeps the process group)
     found = run_ranks(neighbours_on_hosts, 3, tmp_path, ["a", "a", "b"], deadline_s=120)
-    assert found == [(False, True), (True, False), (False, False)]
+    assert [f[:2] for f in found] == [(False, True), (True, False), (False, False)]
+    # Note [who may connect]: stage 0's link will accept stage 1's process only; no link, no pid
+    assert [f[2] for f in found] == [found[1][3], None, None]
