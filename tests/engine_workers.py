@@ -106,6 +106,11 @@ def build(case: dict[str, Any], world: int, import_fdg: bool = True):
         ds_cfg = ds_config(case)
         if case["ds_optimizer"] is True:
             ds_cfg["optimizer"] = {"type": "SGD", "params": {"lr": case.get("lr", 0.1), "momentum": 0.9}}
+        elif case["ds_optimizer"] in toy.DS_OPTIMIZERS:  # Muon (its Muon and Adam halves), Lion
+            name = case["ds_optimizer"]
+            ds_cfg["optimizer"] = {"type": name, "params": dict(toy.DS_OPTIMIZERS[name])}
+            if name == "Lion":  # DeepSpeed has no CPU FusedLion: its CPU Lion runs offloaded
+                ds_cfg["zero_optimization"] = {"stage": 1, "offload_optimizer": {"device": "cpu"}}
         else:  # another type DeepSpeed builds ("Adam": FusedAdam on the CPU)
             ds_cfg["optimizer"] = {"type": case["ds_optimizer"], "params": {"lr": case.get("lr", 0.1) * 0.1}}
         engine, *_ = initialize(model=model, config=ds_cfg, model_parameters=model.parameters(), **kwargs)

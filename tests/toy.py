@@ -203,11 +203,45 @@ def tied_reference(parts: list[int], three_owners: bool = False) -> tuple[list[T
     return stages, [t for t in ties if len(t) > 1]
 
 
+# The config "optimizer" params of the DeepSpeed-built optimizers the engine tests use beyond SGD and Adam.
+DS_OPTIMIZERS: dict[str, dict[str, Any]] = {
+    "Muon": {"muon_lr": 0.02, "adam_lr": 0.01, "momentum": 0.9, "weight_decay": 0.01, "betas": [0.9, 0.95]},
+    "Lion": {"lr": 0.001, "betas": [0.9, 0.99], "weight_decay": 0.01},
+}
+
+
+def ds_optimizer(name: str, stage: nn.Module) -> Any:
+    """What ``deepspeed.initialize`` builds on the CPU from ``{"type": name, "params": DS_OPTIMIZERS[name]}`` for
+    a stage: Muon with its Adam half (FusedAdam; matrices on Muon, the rest on Adam, as DeepSpeed tags them),
+    or DeepSpeed's CPU Lion (offloaded: DeepSpeed has no CPU FusedLion); steps a function of their own state."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from fdg_schedule import optim
+
+    params = DS_OPTIMIZERS[name]
+    if name == "Lion":
+        from deepspeed.ops.lion import DeepSpeedCPULion
+
+        return DeepSpeedCPULion(stage.parameters(), **params)
+    from deepspeed.ops.adam import FusedAdam
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+
+    for p in stage.parameters():
+        p.use_muon = p.ndim >= 2  # type: ignore[attr-defined]  (no "embed" / "lm_head" names here)
+    groups = DeepSpeedEngine._muon_param_groups(list(stage.parameters()), dict(params))
+    opt = MuonWithAuxAdam(groups, adam_optimizer=FusedAdam, adam_optimizer_kwargs={"adam_w_mode": True},
+                          adam_w_mode=True, fallback_to_inline=True)  # fmt: skip
+    optim.pure_steps(opt)
+    return opt
+
+
 def reference_optimizers(stages: Sequence[nn.Module], case: dict[str, Any]) -> tuple[list[Any], list[Any]]:
     """The reference's per-stage optimizers (SGD, or Adam / AdamW at lr/10) and WarmupLR schedulers, as a case asks."""
     lr = case.get("lr", 0.1)
-    if case.get("optimizer", "sgd") == "adam":
-        opts: list[Any] = [torch.optim.Adam(s.parameters(), lr=lr * 0.1) for s in stages]
+    if case.get("ds_optimizer") in DS_OPTIMIZERS:
+        opts: list[Any] = [ds_optimizer(case["ds_optimizer"], s) for s in stages]
+    elif case.get("optimizer", "sgd") == "adam":
+        opts = [torch.optim.Adam(s.parameters(), lr=lr * 0.1) for s in stages]
     elif case.get("optimizer") == "adamw":
         opts = [torch.optim.AdamW(s.parameters(), lr=lr * 0.1, weight_decay=0.01) for s in stages]
     else:
