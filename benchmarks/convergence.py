@@ -7,7 +7,7 @@ ds_configs/resnet_{bp,1f1b,fdg_k2}.json (only the micro-batch size and the pipel
 the numbers are those of the real engines. A run needs one rank per stage; runs with more stages than
 --max-ranks are listed as not run. With ``--backend reference`` every run is
 `benchmarks/resnet_reference.py` instead: the same recipe with `fdg_reference` in one process (K
-stages without K ranks; equal to the engine's run, docs/staleness.md), marked in the table.
+stages without K ranks; equal to the engine's run, docs/results/staleness/experiment-log.md), marked in the table.
 Writes <out>.md (final test error, mean ± half-range over seeds), <out>.png (test error per epoch,
 mean over seeds) and <out>.json (every epoch of every run, and every run an earlier call stored there).
 

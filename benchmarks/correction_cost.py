@@ -12,7 +12,8 @@ every ratio. This one isolates them: stage 0 of the benchmark's balanced K = 2 s
 ``Corrections.step``). Variants none / delay_lr / predict / both run interleaved, the order rotating
 every round; the report gives each variant's median tick time, its paired ratio to ``none`` and
 the bytes its corrections hold (δ, fp32). Stashed weights are not part of the measured tick: the
-corrections cost the same with every weights/activations mode.
+corrections cost the same with every weights/activations mode. The measurement the docs quote is
+docs/results/staleness/correction_cost.{md,json} (written with ``--out docs/results/staleness``).
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
-"""GPT-2's best FDG settings against BP, seed by seed: the paired gap along the run, from the evidence in docs/.
+"""GPT-2's best FDG settings against BP, seed by seed: the paired gap along the run, from the recorded evidence.
 
-    python benchmarks/staleness_gpt2_gaps.py          # writes docs/staleness_gpt2_gaps.png, prints the table
+    python benchmarks/staleness_gpt2_gaps.py   # writes docs/results/staleness/staleness_gpt2_gaps.png, prints the table
 
-Reads the validation curves that benchmarks/lm_convergence.py recorded (docs/staleness_gpt2_*.json; no
-training here) and, for each setting below, divides every seed's validation loss by that of the BP run
-with the same seed and protocol (``parse_run(name).baseline``: the same learning rate, micro-batches per
-step and schedule) at the same token count. The picture draws each seed's relative gap thin and the
-mean over seeds bold; the table gives the mean at each evaluation and the final gap per seed.
+Reads the validation curves that benchmarks/lm_convergence.py recorded (docs/results/staleness/staleness_gpt2_*.json,
+the evidence of the staleness experiment log; no training here) and, for each setting below, divides every seed's
+validation loss by that of the BP run with the same seed and protocol (``parse_run(name).baseline``: the same
+learning rate, micro-batches per step and schedule) at the same token count. The picture draws each seed's relative
+gap thin and the mean over seeds bold; the table gives the mean at each evaluation and the final gap per seed.
 """
 
 import argparse
@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lm_convergence import parse_run  # noqa: E402
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "results" / "staleness"  # the evidence of the experiment log
 # Where each curve is read, first file first: a run recorded twice (a BP curve copied into a later
 # section's file, rounded) is read from the file of the section that reported it first.
 SOURCES = ("accumulate", "splits", "cosine", "stashed_predict", "first_stage", "protocols", "raise", "delay_lr")
@@ -166,7 +166,7 @@ def setting_gaps(found: dict[str, Curve], name: str, seeds: tuple[int, ...], aga
         run = seeded(name, seed)
         baseline = parse_run(run).baseline if against is None else seeded(against, seed)
         if run not in found or baseline not in found:
-            print(f"skipped {run}: not recorded in docs/ (or its BP run {baseline} is not)", file=sys.stderr)
+            print(f"skipped {run}: not recorded in {DOCS} (or its BP run {baseline} is not)", file=sys.stderr)
             continue
         gaps.append(paired_gap(found[run], found[baseline]))
     return gaps
@@ -187,7 +187,7 @@ def main() -> None:
     parser.add_argument(
         "--long", action="store_true", help="the runs over 1,400 micro-batches (staleness_gpt2_long.json, _raise_long)"
     )
-    parser.add_argument("--picture", type=Path, default=None, help="default docs/staleness_gpt2_gaps[_long].png")
+    parser.add_argument("--picture", type=Path, default=None, help=f"default {DOCS}/staleness_gpt2_gaps[_long].png")
     args = parser.parse_args()
     settings, sources, budget = (
         (LONG, LONG_SOURCES, "1,433,600 tokens") if args.long else (SETTINGS, SOURCES, "819,200 tokens")

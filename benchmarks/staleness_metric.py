@@ -3,7 +3,7 @@
     export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 PYTHONPATH=$PWD
     python benchmarks/staleness_metric.py run --runs fdg_k2_b1.0,fdg_k2_b1.0_stashed_p0.0_first
     python benchmarks/staleness_metric.py report --runs fdg_k2_b1.0,fdg_k2_b1.0_stashed_p0.0_first \\
-        --picture docs/staleness_metric_gpt2.png
+        --picture docs/results/staleness/staleness_metric_gpt2.png
 
 Each run is benchmarks/lm_convergence.py's DeepSpeed run of the same name (recipes/train_lm.py on the
 FDG engine, one gloo rank per stage, the same model, data order and token budget) with two additions

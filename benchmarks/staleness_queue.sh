@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The staleness-correction evidence of docs/staleness.md (issue 11), every grid in order, restartable.
+# The staleness-correction evidence of docs/results/staleness/experiment-log.md (issue 11), every grid in order,
+# restartable.
 #
 #   export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 PYTHONPATH=$PWD
 #   OUT=/work/results bash benchmarks/staleness_queue.sh

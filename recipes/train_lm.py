@@ -25,8 +25,8 @@ a plain HF checkpoint in ~20 s, later runs load that in ~1 s):
 
 Under FDG the split sets the accuracy as well as the speed: the fewer parameters on the long-delay early
 stages, the closer to BP's loss and the slower the pipeline. The default --partition balanced is the
-fastest. On docs/staleness.md's GPT-2 (embedding, 6 blocks, head) at K = 2, --partition parts:0,3,8 ends
-0.2 % above BP and the default 1.8 % above.
+fastest. On the GPT-2 of the staleness experiment log (docs/results/staleness/experiment-log.md: embedding,
+6 blocks, head) at K = 2, --partition parts:0,3,8 ends 0.2 % above BP and the default 1.8 % above.
 
 Writes <out_dir>/metrics.jsonl (rank 0) and <out_dir>/hf/, a checkpoint that
 AutoModelForCausalLM.from_pretrained loads; prints validation loss/perplexity each epoch and sample

@@ -1,4 +1,7 @@
-"""benchmarks/staleness_gpt2_gaps.py: the GPT-2 headline gaps of docs/staleness.md follow from the curves in docs/."""
+"""benchmarks/staleness_gpt2_gaps.py: the GPT-2 headline gaps of the staleness experiment log follow from its curves.
+
+The log and the curves: docs/results/staleness/ (experiment-log.md, staleness_gpt2_*.json).
+"""
 
 from __future__ import annotations
 
