@@ -18,7 +18,7 @@ step per stage per tick (``accumulate: 1``). K=2 runs are real DeepSpeed jobs of
 ``fdg_schedule.fdg_reference`` (the single-process statement of the same update, same optimizer,
 same stage-local clipping); a K=2 reference run checks that the reference tracks the engine.
 
-Run names say what runs (any combination; the table in docs/staleness.md):
+Run names say what runs (any combination; the runs of docs/results/staleness/experiment-log.md):
 
     bp[_s<seed>]                                  BP, a DeepSpeed job of the recipe
     fdg_k<K>_b<beta>[_stashed][_dlr<T>][_p<gamma>[_first]][_m|_r<c>][_s<seed>]
@@ -180,6 +180,7 @@ def deepspeed_config(run: Run, micro_batches: int) -> dict:
     config = json.loads((ROOT / "ds_configs" / base).read_text())
     if stages > 1:
         config["pipeline"]["stages"] = stages  # the file says 2; one rank per stage
+        config["pipeline"]["fdg"].pop("corrections", None)  # the file's "auto": the name sets every key below
         config["pipeline"]["fdg"]["grad_shrink"] = run.grad_shrink
         config["pipeline"]["fdg"]["weights"] = run.weights
         config["pipeline"]["fdg"]["delay_lr_ticks"] = run.delay_lr_ticks

@@ -2,11 +2,13 @@
 
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 PYTHONPATH=$PWD python benchmarks/resnet_reference.py \\
         --deepspeed_config ds_configs/resnet_fdg_k4.json --stages 4 --model resnet56 --epochs 16 \\
-        --train-subset 4096 --test-subset 2000 --seed 0 --warmup-epochs 2 --final-full-test
+        --train-subset 4096 --test-subset 2000 --seed 0 --final-full-test
 
-Why: FDG at K stages needs K ranks, more than a 2-core machine runs well; `fdg_reference` computes
+(resnet_fdg_k4.json has ``corrections: "auto"``: here delay_momentum with delay_momentum_peak_lr 0.1, printed at
+the start.) Why: FDG at K stages needs K ranks, more than a 2-core machine runs well; `fdg_reference` computes
 the engine's update (equal to 1e-6 in tests/test_engine.py) tick by tick in one process. Everything
-else is the recipe's, so a run here equals the recipe's run (checked in docs/staleness.md):
+else is the recipe's, so a run here equals the recipe's run (checked in the staleness experiment log,
+docs/results/staleness/experiment-log.md):
 
 - the model split (`resnet.stage_parts`: the paper's presets, else DeepSpeed's "parameters") and the
   initial weights (every layer seeded as `PipelineModule(seed_layers=True)` seeds it);
@@ -14,7 +16,9 @@ else is the recipe's, so a run here equals the recipe's run (checked in docs/sta
   (a new DataLoader iterator draws from torch's global RNG, which the augmentation also uses);
 - the optimizer block of the DeepSpeed config (SGD, one per stage), its ``pipeline.fdg`` block,
   stage-local ``gradient_clipping``; the paper's step decay and ``--warmup-epochs``, set per epoch;
-  ``--delay-lr-epochs`` as the recipe's (``delay_lr_ticks`` = that many epochs of ticks);
+  ``--delay-lr-epochs`` as the recipe's (``delay_lr_ticks`` = that many epochs of ticks; refused with
+  ``corrections`` "auto" or "none", which choose that key), and ``corrections: "auto"`` decided from the
+  optimizer as ``deepspeed.initialize`` would (the config's lr, before the epoch's);
 - one tick per micro-batch; the pipeline never drains between epochs; evaluation with the weights of
   the moment, in eval mode; a drain before the final evaluation; the same log lines, the per-stage
   staleness line of ``pipeline.fdg.staleness_every`` included (``StalenessProbe``: computed here from
@@ -76,6 +80,12 @@ pipeline = ds_config.get("pipeline", {})
 fdg = FDGConfig.from_dict(pipeline.get("fdg")) if pipeline.get("schedule") == "fdg" else FDGConfig()
 if args.stages > 1 and pipeline.get("schedule") != "fdg":
     raise SystemExit("resnet_reference.py: error: --stages > 1 needs a config with pipeline.schedule 'fdg'")
+if args.delay_lr_epochs is not None and fdg.corrections in ("auto", "none"):  # as the recipe refuses it
+    raise SystemExit(
+        f"resnet_reference.py: error: --delay-lr-epochs {args.delay_lr_epochs:g} sets pipeline.fdg.delay_lr_ticks, "
+        f'but pipeline.fdg.corrections is "{fdg.corrections}" in {args.deepspeed_config}, which decides that key '
+        "itself; drop --delay-lr-epochs, or remove corrections and set the correction keys in the config"
+    )
 micro_batch = ds_config["train_micro_batch_size_per_gpu"]
 torch.set_num_threads(1)
 

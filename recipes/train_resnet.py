@@ -14,19 +14,19 @@ batch size, the optimizer (the paper's SGD: lr 0.1, momentum 0.9, weight decay 5
 pipeline schedule; this script owns the epoch loop. DeepSpeed has no step-decay scheduler block, so
 unless the config has a "scheduler" block the learning rate is divided by 10 at the paper's epochs
 (150, 225, 275 of 300, scaled to --epochs). ``--warmup-epochs N`` runs the first N epochs at a
-constant 0.1 x lr, as the paper's code does (it warms up for 3): deep nets at K >= 3 need it at lr 0.1
-(docs/staleness.md). DeepSpeed's own warm-ups work through the config instead: a "scheduler" block
-with "type": "WarmupLR" or "WarmupDecayLR" (FDG steps it once per optimizer step: every `accumulate`
-ticks) replaces the step decay.
+constant 0.1 x lr, as the paper's code does (it warms up for 3); with the staleness corrections at K >= 3
+the ResNets measured ended lower without it (docs/staleness.md). DeepSpeed's own warm-ups work through
+the config instead: a "scheduler" block with "type": "WarmupLR" or "WarmupDecayLR" (FDG steps it once
+per optimizer step: every `accumulate` ticks) replaces the step decay.
 
 FDG's gradient shrinking factor beta ("grad_shrink") in ds_configs: 0.2 at K=2 (the paper's best for
-ResNet-20 at K=2). At K=3 and K=4 the configs carry the staleness corrections (docs/staleness.md):
-"stashed" weights, beta 1; at K=3 delay_lr_ticks 1024 and predict_decay 0.9, best without a
-warm-up (ResNet-56); at K=4 delay_momentum, best without a warm-up on both ResNets measured
-(resnet_fdg_k4_peak_lr.json adds delay_momentum_peak_lr 0.1; with the default balanced split and
-``--delay-lr-epochs`` = the epochs before the first decay it is the best ResNet-20 setting measured;
-resnet_fdg_k4_warmuplr.json: DeepSpeed's WarmupLR instead); at lr 0.1 "current" weights diverge there.
-``--delay-lr-epochs E`` sets pipeline.fdg.delay_lr_ticks to E epochs of ticks (one tick per micro-batch).
+ResNet-20 at K=2), no staleness correction. At K=3 and K=4 the configs set "corrections": "auto" with
+"stashed" weights and beta 1 (docs/staleness.md): for SGD with momentum deepspeed.initialize then
+chooses delay_momentum with delay_momentum_peak_lr = the peak lr (the config's lr; with
+resnet_fdg_k4_warmuplr.json, DeepSpeed's WarmupLR, the scheduler's peak); at lr 0.1 "current" weights
+diverge there. ``--delay-lr-epochs E`` sets pipeline.fdg.delay_lr_ticks to E epochs of ticks (one tick
+per micro-batch), for a config that sets its correction keys itself: next to "corrections" "auto" or
+"none" it is refused, since those choose the keys.
 """
 
 import argparse
@@ -65,7 +65,7 @@ partition = (
 profile_dir = "runs/profiles"  # layer profiles for "balanced", measured once per model / micro-batch / machine
 freed_memory = "retain"  # on CPU: "retain" keeps freed memory in the process (fdg_schedule.host_memory); "system"
 warmup_epochs = 0  # epochs at a constant 0.1 x lr before the schedule starts (the paper's code: 3)
-delay_lr_epochs = None  # FDG's delay_lr_ticks in epochs (docs/staleness.md: at K=4 the epochs before the first decay)
+delay_lr_epochs = None  # FDG's delay_lr_ticks in epochs, explicit keys only (ResNet-20 K=4: epochs before 1st decay)
 checkpoint_every = 0  # epochs; 0 = never
 seed = 0
 default_config = Path(__file__).resolve().parents[1] / "ds_configs" / "resnet_fdg_k2.json"
@@ -128,6 +128,12 @@ if args.delay_lr_epochs is not None:
         parser.error(
             f"--delay-lr-epochs sets pipeline.fdg.delay_lr_ticks, but {config_path} is not an FDG config "
             '(pipeline.schedule "fdg" with a pipeline.fdg block); drop the option or use an FDG config'
+        )
+    if fdg_block.get("corrections") in ("auto", "none"):
+        parser.error(
+            f"--delay-lr-epochs {args.delay_lr_epochs:g} sets pipeline.fdg.delay_lr_ticks, but "
+            f'pipeline.fdg.corrections is "{fdg_block["corrections"]}" in {config_path}, which decides that key '
+            "itself; drop --delay-lr-epochs, or remove corrections and set the correction keys in the config"
         )
     if fdg_block.get("delay_lr_ticks"):
         parser.error(

@@ -9,6 +9,8 @@ from types import ModuleType
 
 import pytest
 
+from fdg_schedule import config as fdg_config
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -86,6 +88,17 @@ def test_a_deepspeed_run_has_one_rank_per_stage() -> None:
     lm = benchmark()
     for stages in (2, 3, 4):  # the FDG config file says 2; K > 2 must not become data parallelism
         assert lm.deepspeed_config(lm.parse_run(f"fdg_k{stages}_b1.0"), 800)["pipeline"]["stages"] == stages
+
+
+def test_a_deepspeed_run_sets_its_corrections_from_its_name_alone() -> None:
+    """lm_fdg_k2.json says corrections "auto"; a run's config drops it (the name sets the keys) and parses."""
+    lm = benchmark()
+    run = lm.parse_run("fdg_k2_b1.0_stashed_dlr1600_p0.0_first_r1")
+    config = lm.deepspeed_config(run, 800)
+    parsed = fdg_config.parse(config)
+    assert parsed is not None and parsed.corrections is None and "corrections" not in config["pipeline"]["fdg"]
+    assert (parsed.delay_lr_ticks, parsed.predict_decay, parsed.delay_momentum_raise) == (1600, 0.0, 1.0)
+    assert fdg_config.parse(lm.deepspeed_config(lm.parse_run("fdg_k2_b0.5"), 800)).predict_decay is None
 
 
 def test_the_cos_suffix_schedules_the_rate_and_pairs_with_the_cos_baseline() -> None:

@@ -30,7 +30,6 @@ EXPECTED = {
     "resnet_1f1b_bf16",
     "resnet_fdg_k2_wandb",
     "resnet_fdg_k4_warmuplr",
-    "resnet_fdg_k4_peak_lr",
 }
 
 
@@ -51,6 +50,19 @@ def test_config_validates(path: Path) -> None:
         assert fdg is None
 
 
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_the_k3_and_k4_configs_let_auto_choose_the_corrections(path: Path) -> None:
+    """docs/staleness.md: at K >= 3 "auto" with "stashed" weights and beta 1; at K = 2 (SGD) no correction."""
+    fdg = fdg_config.parse(json.loads(path.read_text()))
+    if fdg is None:
+        return
+    if "_k2" in path.stem:  # the rule gives SGD at K = 2 no correction; the configs keep the paper's "current", 0.2
+        assert fdg.corrections is None and (fdg.weights, fdg.grad_shrink) == ("current", 0.2)
+        assert all(getattr(fdg, key) == getattr(fdg_config.FDGConfig, key) for key in fdg_config.CORRECTION_KEYS)
+    else:
+        assert (fdg.corrections, fdg.weights, fdg.grad_shrink) == ("auto", "stashed", 1.0)
+
+
 BAD_COMMANDS = {
     "unknown-model": (["--model", "resnet9000"], "invalid choice: 'resnet9000'"),
     "too-many-stages": (["--pipeline-parallel-size", "13"], "13 pipeline stages but resnet20 has only 12 layers"),
@@ -62,8 +74,18 @@ BAD_COMMANDS = {
         r"--delay-lr-epochs sets pipeline.fdg.delay_lr_ticks, but .*resnet_1f1b.json is not an FDG config",
     ),
     "delay-lr-epochs-and-ticks": (
-        ["--delay-lr-epochs", "8", "--deepspeed_config", str(ROOT / "ds_configs" / "resnet_fdg_k3.json")],
-        r"--delay-lr-epochs 8 and pipeline.fdg.delay_lr_ticks 1024 in .*resnet_fdg_k3.json both set",
+        ["--delay-lr-epochs", "8", "--deepspeed_config", "explicit_ticks.json"],  # written by the fixture
+        r"--delay-lr-epochs 8 and pipeline.fdg.delay_lr_ticks 1024 in explicit_ticks.json both set",
+    ),
+    "delay-lr-epochs-and-auto": (
+        ["--delay-lr-epochs", "8", "--deepspeed_config", str(ROOT / "ds_configs" / "resnet_fdg_k4.json")],
+        r'--delay-lr-epochs 8 sets pipeline.fdg.delay_lr_ticks, but pipeline.fdg.corrections is "auto" in '
+        r".*resnet_fdg_k4.json, which decides that key itself; drop --delay-lr-epochs, or remove corrections",
+    ),
+    "delay-lr-epochs-and-none": (
+        ["--delay-lr-epochs", "8", "--deepspeed_config", "no_corrections.json"],  # written by the fixture
+        r'--delay-lr-epochs 8 sets pipeline.fdg.delay_lr_ticks, but pipeline.fdg.corrections is "none" in '
+        r"no_corrections.json",
     ),
 }
 
@@ -95,6 +117,11 @@ def bad_commands(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     """Each of BAD_COMMANDS run in a directory with an empty data folder: name -> its exit code and stderr."""
     cwd = tmp_path_factory.mktemp("bad_commands")
     (cwd / "empty").mkdir()
+    config = json.loads((ROOT / "ds_configs" / "resnet_fdg_k2.json").read_text())
+    variants = {"explicit_ticks.json": {"delay_lr_ticks": 1024}, "no_corrections.json": {"corrections": "none"}}
+    for name, keys in variants.items():
+        pipeline = {**config["pipeline"], "fdg": {**config["pipeline"]["fdg"], **keys}}
+        (cwd / name).write_text(json.dumps({**config, "pipeline": pipeline}))
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     commands = json.dumps([args for args, _ in BAD_COMMANDS.values()])
     done = subprocess.run([sys.executable, "-c", COMMANDS_IN_ONE_PROCESS, str(RECIPE), commands], cwd=cwd, env=env,

@@ -341,8 +341,8 @@ def test_lm_config_validates(path: Path) -> None:
 
 
 def test_the_k4_accumulate_config_keeps_the_1f1b_batch() -> None:
-    """lm_fdg_k4_accumulate.json is lm_fdg_k4.json stepping once per lm_1f1b.json's batch (docs/staleness.md),
-    without delay_momentum_raise (measured at one micro-batch per step)."""
+    """lm_fdg_k4_accumulate.json is lm_fdg_k4.json stepping once per lm_1f1b.json's batch: both "auto" (which reads
+    accumulate: docs/staleness.md), nothing else different."""
     configs = {
         name: json.loads((ROOT / "ds_configs" / f"{name}.json").read_text())
         for name in ("lm_fdg_k4", "lm_fdg_k4_accumulate", "lm_1f1b")
@@ -350,8 +350,15 @@ def test_the_k4_accumulate_config_keeps_the_1f1b_batch() -> None:
     accumulate = configs["lm_fdg_k4_accumulate"]["pipeline"]["fdg"].pop("accumulate")
     assert accumulate == configs["lm_1f1b"]["gradient_accumulation_steps"] > 1
     assert configs["lm_fdg_k4"]["pipeline"]["fdg"].pop("accumulate") == 1
-    assert configs["lm_fdg_k4"]["pipeline"]["fdg"].pop("delay_momentum_raise") == 1.0
+    assert configs["lm_fdg_k4"]["pipeline"]["fdg"]["corrections"] == "auto"
     assert configs["lm_fdg_k4_accumulate"] == configs["lm_fdg_k4"]
+
+
+@pytest.mark.parametrize("path", [p for p in LM_CONFIGS if "_fdg_" in p.stem], ids=lambda p: p.stem)
+def test_every_lm_fdg_config_lets_auto_choose_the_corrections(path: Path) -> None:
+    """docs/staleness.md: AdamW at K = 2 and K >= 3 both get "auto", with "stashed" weights and beta 1."""
+    fdg = fdg_config.parse(json.loads(path.read_text()))
+    assert fdg is not None and (fdg.corrections, fdg.weights, fdg.grad_shrink) == ("auto", "stashed", 1.0)
 
 
 @pytest.fixture(scope="module")
