@@ -137,6 +137,18 @@ def test_bad_command_exits_with_a_clear_error(bad_commands: dict[str, dict], nam
     assert re.search(message, result["stderr"]), result["stderr"][-2000:]
 
 
+def test_reference_trainer_refuses_delay_lr_epochs_next_to_auto_as_the_recipe_does() -> None:
+    """benchmarks/resnet_reference.py stops where the recipe does: --delay-lr-epochs with corrections "auto"."""
+    config = str(ROOT / "ds_configs" / "resnet_fdg_k4.json")
+    command = [sys.executable, str(ROOT / "benchmarks" / "resnet_reference.py"), "--deepspeed_config", config]
+    command += ["--stages", "4", "--delay-lr-epochs", "8"]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    message = r'--delay-lr-epochs 8 sets .* pipeline.fdg.corrections is "auto" in .*resnet_fdg_k4.json'
+    assert re.search(message, done.stderr), done.stderr[-2000:]
+
+
 def test_missing_fashion_mnist_says_how_to_install_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(vision_data, "DEBIAN_FASHION_MNIST", tmp_path / "nowhere")
     with pytest.raises(vision_data.DataMissingError, match="apt-get install -y dataset-fashion-mnist"):
