@@ -404,7 +404,7 @@ def _data_parallel_cases() -> list[dict[str, Any]]:
     cases += [{**base, "weights": "stashed", "activations": "stored", "optimizer": "adam", **RAISED}]
     cases += [{**base, "weights": "current", "activations": "stored", "transport": "shm"}]
     # Muon's Newton-Schulz iteration multiplies a gradient's small singular values by up to 3.4445 ** 5 (about
-    # 480): the toy's gradients are rank-deficient (micro-batches of 2 per replica, layers 8 wide), so the
+    # 480): the toy's gradients are rank-deficient (micro-batches of 4 per replica, layers 8 wide), so the
     # rounding of the averaged gradient (DP all-reduce against the reference's one batch) in their null space
     # grows to about 1e-6 after a few steps: compared to 1e-5 there (tests/test_muon_lion.py: full rank, 1e-6)
     cases += [{**case, "tol": {"rtol": 1e-5, "atol": 1e-5}} for case in _ds_optimizers(2, dp=2, n=32)]
