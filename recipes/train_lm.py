@@ -28,6 +28,12 @@ stages, the closer to BP's loss and the slower the pipeline. The default --parti
 fastest. On the GPT-2 of the staleness experiment log (docs/results/staleness/experiment-log.md: embedding,
 6 blocks, head) at K = 2, --partition parts:0,3,8 ends 0.2 % above BP and the default 1.8 % above.
 
+Another optimizer than the config's: --optimizer muon (DeepSpeed's Muon: the blocks' matrices on Muon, the
+embeddings, head, norms and biases on its Adam half) or --optimizer lion (on the CPU with the optimizer offloaded:
+DeepSpeed has no CPU FusedLion); ds_configs/lm_fdg_k4_muon.json is the K = 4 job with Muon:
+
+    deepspeed --num_gpus 2 recipes/train_lm.py --deepspeed_config ds_configs/lm_fdg_k2.json --optimizer muon
+
 Writes <out_dir>/metrics.jsonl (rank 0) and <out_dir>/hf/, a checkpoint that
 AutoModelForCausalLM.from_pretrained loads; prints validation loss/perplexity each epoch and sample
 generations at the end.
@@ -74,6 +80,7 @@ log_interval = 10
 partition = "balanced"  # measured layer times; or a PipelineModule partition_method ("type:BlockPipe", "parameters")
 profile_dir = "runs/profiles"  # layer profiles for "balanced", measured once per model / micro-batch / machine
 freed_memory = "retain"  # on CPU: "retain" keeps freed memory in the process (fdg_schedule.host_memory); "system"
+optimizer = ""  # adamw | muon | lion: replaces the config's optimizer block (see optimizer_block); "" keeps it
 seed = 1234
 out_dir = "runs/lm"  # git-ignored
 sample_tokens = 60
@@ -92,6 +99,35 @@ if args.freed_memory not in ("retain", "system"):
     parser.error(f"--freed_memory {args.freed_memory!r}: use retain (keep freed memory, the default) or system")
 with open(args.deepspeed_config) as f:
     ds_config = json.load(f)
+
+
+def optimizer_block(name: str, given: dict) -> dict:
+    """The "optimizer" block for --optimizer, from the config's AdamW settings (lr, betas, weight decay).
+
+    muon: DeepSpeed's Muon, which tags use_muon the standard way (deepspeed.initialize: a matrix whose name has
+    neither "embed" nor "lm_head"): the blocks' matrices on Muon (lr 0.02, momentum 0.95), the embeddings, the
+    head, norms and biases on its Adam half at the config's lr and betas. lion: DeepSpeed's Lion at a third of
+    the config's lr and three times its weight decay (Lion's update has unit size per entry), betas (0.9, 0.99).
+    """
+    params = dict(given.get("params", {}))
+    lr, decay = params.get("lr", 1e-3), params.get("weight_decay", 0.0)
+    if name == "adamw":
+        return {"type": "AdamW", "params": params}
+    if name == "muon":
+        adam = {k: params[k] for k in ("betas", "eps") if k in params}
+        return {"type": "Muon", "params": {"muon_lr": 0.02, "adam_lr": lr, "momentum": 0.95, "weight_decay": decay,
+                                           **adam}}  # fmt: skip
+    if name == "lion":
+        return {"type": "Lion", "params": {"lr": lr / 3, "betas": [0.9, 0.99], "weight_decay": decay * 3}}
+    parser.error(f"--optimizer {name!r}: use adamw, muon or lion (or leave it out for the config's optimizer)")
+    raise AssertionError
+
+
+if args.optimizer:
+    ds_config["optimizer"] = optimizer_block(args.optimizer, ds_config.get("optimizer", {}))
+    if args.optimizer == "lion" and get_accelerator().device_name() == "cpu":  # DeepSpeed has no CPU FusedLion
+        ds_config.setdefault("zero_optimization", {"stage": 1}).setdefault("offload_optimizer", {"device": "cpu"})
+    args.deepspeed_config = None  # the edited config goes to deepspeed.initialize as a dict
 
 deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -169,7 +205,10 @@ pipe = PipelineModule(
     checkpointable_layers=["BlockPipe"],  # not the embedding: its integer input needs no grad
 )
 engine, _, _, _ = deepspeed.initialize(
-    args=args, model=pipe, model_parameters=[p for p in pipe.parameters() if p.requires_grad]
+    args=args,
+    model=pipe,
+    model_parameters=[p for p in pipe.parameters() if p.requires_grad],
+    config=None if args.deepspeed_config else ds_config,
 )
 
 

@@ -320,6 +320,9 @@ def run_two_ranks(command: list[str], tmp_path: Path, deadline: float, cache: Pa
 
 RECIPE_RUNS = [
     pytest.param("lm_fdg_k2.json", [], True, marks=NEEDS_FDG_TIES, id="fdg_k2-tied"),
+    # DeepSpeed's Muon: the blocks on Muon, the tied embedding / head (a tied optimizer of Muon's class), the
+    # positions, norms and biases on its Adam half
+    pytest.param("lm_fdg_k2.json", ["--optimizer", "muon"], True, marks=NEEDS_FDG_TIES, id="fdg_k2-muon"),
     pytest.param("lm_1f1b.json", ["--untie"], False, id="1f1b-untie"),
 ]
 
@@ -332,7 +335,7 @@ def test_lm_config_validates(path: Path) -> None:
     """DeepSpeed and fdg_schedule accept every LM config; an FDG config steps a whole number of times per batch."""
     config = json.loads(path.read_text())
     ds = DeepSpeedConfig(config)  # DeepSpeed's own validation (pydantic blocks, batch arithmetic)
-    assert ds.optimizer_name == "adamw"
+    assert ds.optimizer_name == ("muon" if "_muon" in path.stem else "adamw")
     fdg_config.check_deepspeed_config(config)
     fdg = fdg_config.parse(config)
     assert (fdg is not None) == ("_fdg_" in path.stem)
@@ -354,7 +357,36 @@ def test_the_k4_accumulate_config_keeps_the_1f1b_batch() -> None:
     assert configs["lm_fdg_k4_accumulate"] == configs["lm_fdg_k4"]
 
 
-@pytest.mark.parametrize("path", [p for p in LM_CONFIGS if "_fdg_" in p.stem], ids=lambda p: p.stem)
+def test_the_muon_config_is_the_k4_job_with_muon_and_no_correction() -> None:
+    """lm_fdg_k4_muon.json is lm_fdg_k4.json with DeepSpeed's Muon (the recipe's --optimizer muon block) and
+    corrections "none": rule v1 of "auto" has no evidence for Muon (it would choose none, with a warning)."""
+    k4, muon = (
+        json.loads((ROOT / "ds_configs" / f"{name}.json").read_text()) for name in ("lm_fdg_k4", "lm_fdg_k4_muon")
+    )
+    assert muon["pipeline"]["fdg"].pop("corrections") == "none" and k4["pipeline"]["fdg"].pop("corrections") == "auto"
+    assert muon.pop("optimizer")["type"] == "Muon" and k4.pop("optimizer")["type"] == "AdamW"
+    assert muon == k4
+
+
+def test_muon_tags_the_blocks_matrices_and_leaves_embeddings_head_norms_and_biases_to_adam() -> None:
+    """DeepSpeed's own tagging (deepspeed.initialize's set_optimizer_flags, by shape and name) on the pipeline
+    layers of both families: the position embedding's name carries "embed" too."""
+    from types import SimpleNamespace
+
+    from deepspeed import set_optimizer_flags
+
+    for family in ("gpt2", "llama"):
+        config = hf_lm.build_config(family, "tiny", 256, 64, 0, tie_word_embeddings=False)
+        layers = torch.nn.Sequential(*hf_lm.pipeline_layers(hf_lm.build_model(config)))
+        set_optimizer_flags(SimpleNamespace(optimizer_name="muon", optimizer_params={}), layers)
+        on_muon = {n for n, p in layers.named_parameters() if p.use_muon}
+        assert on_muon == {n for n, p in layers.named_parameters() if ".block." in n and p.ndim == 2}, family
+        assert {n for n, p in layers.named_parameters() if "embed" in n or "lm_head" in n}.isdisjoint(on_muon)
+
+
+@pytest.mark.parametrize(
+    "path", [p for p in LM_CONFIGS if "_fdg_" in p.stem and "_muon" not in p.stem], ids=lambda p: p.stem
+)
 def test_every_lm_fdg_config_lets_auto_choose_the_corrections(path: Path) -> None:
     """docs/staleness.md: AdamW at K = 2 and K >= 3 both get "auto", with "stashed" weights and beta 1."""
     fdg = fdg_config.parse(json.loads(path.read_text()))

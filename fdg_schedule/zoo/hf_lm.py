@@ -201,9 +201,9 @@ class EmbeddingPipe(PipeLayer):
         family = model.config.model_type
         if family == "gpt2":
             self.embed = model.transformer.wte
-            self.position = model.transformer.wpe
+            self.position_embed = model.transformer.wpe  # "embed" in the name: DeepSpeed's Muon puts it on Adam
             self.drop = model.transformer.drop
-            self.hf_names = {"embed": "transformer.wte", "position": "transformer.wpe"}
+            self.hf_names = {"embed": "transformer.wte", "position_embed": "transformer.wpe"}
         else:
             self.embed = model.model.embed_tokens
             self.hf_names = {"embed": "model.embed_tokens"}
@@ -211,8 +211,8 @@ class EmbeddingPipe(PipeLayer):
     def forward(self, inputs: Activation) -> Activation:
         input_ids, mask = _split(inputs)
         hidden = self.embed(input_ids)
-        if hasattr(self, "position"):
-            hidden = self.drop(hidden + self.position(_positions(hidden)))
+        if hasattr(self, "position_embed"):
+            hidden = self.drop(hidden + self.position_embed(_positions(hidden)))
         return _join(hidden, mask)
 
 
@@ -293,13 +293,13 @@ class PositionPipe(PipeLayer):
 
     def __init__(self, model: Any) -> None:
         super().__init__()
-        self.position = model.transformer.wpe
+        self.position_embed = model.transformer.wpe  # "embed" in the name: DeepSpeed's Muon puts it on Adam
         self.drop = model.transformer.drop
-        self.hf_names = {"position": "transformer.wpe"}
+        self.hf_names = {"position_embed": "transformer.wpe"}
 
     def forward(self, inputs: Activation) -> Activation:
         hidden, mask = _split(inputs)
-        return _join(self.drop(hidden + self.position(_positions(hidden))), mask)
+        return _join(self.drop(hidden + self.position_embed(_positions(hidden))), mask)
 
 
 class NormPipe(PipeLayer):
