@@ -88,6 +88,7 @@ class ReferenceState:
     tick: int = 0
     delta: dict[int, dict[str, Tensor]] = dataclasses.field(default_factory=dict)  # stage -> name -> tensor
     tied: list[_Tie] = dataclasses.field(default_factory=list)  # one per tied parameter, built on first use
+    configs: list[FDGConfig] | None = None  # each stage's config as "auto" resolved it at the first call (kept)
 
 
 @dataclasses.dataclass
@@ -146,10 +147,14 @@ def fdg_reference(
     state = state if state is not None else ReferenceState()
     K, n = len(stages), len(micro_batches)
     _build_ties(stages, optimizers, ties, state)
-    # corrections "auto": each stage's keys from its optimizer and scheduler (Note [the auto rule]); a config
-    # resolved before (at the run's "initialize") keeps its keys
-    per_stage = schedulers if len(schedulers) == K else [schedulers[0] if schedulers else None] * K
-    configs = [auto_corrections.resolve(config, optimizers[k], per_stage[k], K)[0] for k in range(K)]
+    # corrections "auto": each stage's keys from its optimizer and scheduler, decided at the first call as the
+    # engine decides at initialize (Note [the auto rule]); a config resolved before keeps its keys
+    configs = [config] * K
+    if config.corrections == "auto" and not config._resolved:
+        if state.configs is None:
+            per_stage = schedulers if len(schedulers) == K else [schedulers[0] if schedulers else None] * K
+            state.configs = [auto_corrections.resolve(config, optimizers[k], per_stage[k], K)[0] for k in range(K)]
+        configs = state.configs
     tied_names = {k: {name for t in ties for s, name in t if s == k} for k in range(K)}
     in_flight: list[dict[int, _InFlight]] = [{} for _ in stages]
     activation_msg: dict[int, tuple[int, tuple[Tensor, ...]]] = {}  # stage -> (micro-batch, tensors)
