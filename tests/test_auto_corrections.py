@@ -201,3 +201,18 @@ def test_the_choice_goes_into_each_stages_wandb_config() -> None:
     assert fdg["corrections"] == "auto" and fdg["delay_lr_ticks"] == 100 and fdg["delay_momentum_raise"] == 1.0
     assert fdg["predict_decay"] == 0.0 and fdg["predict_horizon"] == "first_stage"
     assert not any(key.startswith("_") for key in fdg)
+
+
+def test_the_reference_decides_once_across_calls() -> None:
+    """A run in several fdg_reference calls (one ReferenceState) keeps the first call's choice, as the engine keeps
+    what it chose at initialize: the peak lr of 0.1, not the decayed lr a later call would read."""
+    from fdg_schedule.reference import ReferenceState
+
+    stages = toy.reference_stages([0, 3, 6, 9])
+    opts = [torch.optim.SGD(s.parameters(), lr=0.1, momentum=0.9) for s in stages]
+    state, config = ReferenceState(), FDGConfig(corrections="auto", weights="stashed")
+    fdg_reference(stages, opts, toy.micro_batches(4, 4), toy.loss_fn, config, state=state)
+    for opt in opts:
+        opt.param_groups[0]["lr"] = 0.01
+    fdg_reference(stages, opts, toy.micro_batches(4, 4), toy.loss_fn, config, state=state)
+    assert state.configs is not None and {c.delay_momentum_peak_lr for c in state.configs} == {0.1}
