@@ -8,6 +8,12 @@
     convstack             a plain stack of 3x3 conv + batch norm + ReLU layers whose width doubles as the
                           resolution halves: equal time per layer group, parameters growing 4x per group
                           (DeepSpeed's "parameters" split puts most of the time on stage 0)
+    plainconv             issue 48's plain conv net: Conv2d(3, 32) + ReLU, 8 x (Conv2d(32, 32), BatchNorm2d, ReLU),
+                          pool, flatten, Linear(32, 10); 32x32 RGB, micro-batch 32 (4 MiB boundaries)
+    widemlp               a wide MLP with a large boundary: 8 x (Linear(2048, 2048), ReLU), Linear(2048, 10);
+                          micro-batch 256 of 2048 features (2 MiB boundaries, little compute per byte)
+    smalltransformer      a transformer with a small boundary: 6 pre-norm encoder blocks of width 128, 4
+                          heads, 32-token sequences, micro-batch 8 (128 KiB boundaries)
     *_tiny                small versions for smoke tests
 
 Every layer list is built the same way on every call (``LayerSpec``s, or modules built under a fixed
@@ -29,6 +35,11 @@ MODELS: dict[str, dict[str, Any]] = {
     "transformer": dict(kind="transformer", blocks=4, width=256, heads=4, seq=64, micro=16),
     "gpt2": dict(kind="gpt2", size="small", vocab=8192, seq=128, micro=8),
     "convstack": dict(kind="conv", widths=(32, 64, 128), per_group=6, micro=32, image=32),
+    "plainconv": dict(kind="plainconv", width=32, blocks=8, micro=32, image=32),
+    "widemlp": dict(kind="mlp", width=2048, layers=8, micro=256),
+    "smalltransformer": dict(kind="transformer", blocks=6, width=128, heads=4, seq=32, micro=8),
+    "plainconv_tiny": dict(kind="plainconv", width=8, blocks=2, micro=8, image=16),
+    "widemlp_tiny": dict(kind="mlp", width=64, layers=3, micro=16),
     "resnet8_tiny": dict(kind="resnet", depth=8, micro=8, image=16),
     "transformer_tiny": dict(kind="transformer", blocks=2, width=64, heads=4, seq=16, micro=8),
     "gpt2_tiny": dict(kind="gpt2", size="tiny", vocab=256, seq=16, micro=4),
@@ -87,6 +98,23 @@ def model_layers(model: str) -> list[Any]:
                 layers.append(LayerSpec(ConvBlock, channels, width, 2 if group > 0 and block == 0 else 1))
                 channels = width
         return [*layers, LayerSpec(PoolLinear, channels, CLASSES)]
+    if cfg["kind"] == "plainconv":  # as issue 48 states it, every layer its own LayerSpec
+        width = cfg["width"]
+        body = [
+            spec
+            for _ in range(cfg["blocks"])
+            for spec in (
+                LayerSpec(nn.Conv2d, width, width, 3, padding=1),
+                LayerSpec(nn.BatchNorm2d, width),
+                LayerSpec(nn.ReLU),
+            )
+        ]
+        head = [LayerSpec(nn.AdaptiveAvgPool2d, 1), LayerSpec(nn.Flatten), LayerSpec(nn.Linear, width, CLASSES)]
+        return [LayerSpec(nn.Conv2d, 3, width, 3, padding=1), LayerSpec(nn.ReLU), *body, *head]
+    if cfg["kind"] == "mlp":
+        width = cfg["width"]
+        body = [spec for _ in range(cfg["layers"]) for spec in (LayerSpec(nn.Linear, width, width), LayerSpec(nn.ReLU))]
+        return [*body, LayerSpec(nn.Linear, width, CLASSES)]
     if cfg["kind"] == "transformer":
         width = cfg["width"]
         blocks = [
@@ -129,6 +157,8 @@ def fixed_data(model: str, count: int = 4) -> list[tuple[torch.Tensor, torch.Ten
         return [(x, x) for x in ids]
     if cfg["kind"] == "transformer":
         shape: tuple[int, ...] = (cfg["micro"], cfg["seq"], cfg["width"])
+    elif cfg["kind"] == "mlp":
+        shape = (cfg["micro"], cfg["width"])
     else:
         shape = (cfg["micro"], 3, cfg["image"], cfg["image"])
     return [

@@ -293,3 +293,17 @@ def test_transport_cost_times_both_transports_per_size(tmp_path: Path) -> None:
         assert row["shm_over_gloo_wall_ms"] > 0 and row["shm_over_gloo_cpu_ms"] > 0
     assert len(report["raw"]) == 2 and len(report["raw"][0]) == 2 * 2 * 2  # rounds x sizes x transports
     assert "| 0.1 MiB |" in done.stdout
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(150)
+def test_the_new_shapes_run_with_their_halves(tmp_path: Path) -> None:
+    """Issue 48's shapes (the plain conv net as LayerSpecs, a wide MLP): FDG and its plain-torch halves on the same
+    split, compared."""
+    run_benchmark("throughput.py", "--quick", "--models=plainconv_tiny,widemlp_tiny", "--repeats=1",
+                  "--variants=bp,fdg_current_stored,halves", f"--out={tmp_path}")  # fmt: skip
+    models = json.loads((tmp_path / "throughput.json").read_text())["models"]
+    for model in ("plainconv_tiny", "widemlp_tiny"):
+        rows = models[model]["variants"]
+        assert rows["halves"]["split"] == rows["fdg_current_stored"]["split"], model
+        assert rows["fdg_current_stored"]["ratio_vs_halves"]["median"] > 0, model
