@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import os
 import socket
 import time
@@ -80,6 +81,7 @@ from torch import Tensor
 
 from fdg_schedule.errors import FDGRuntimeError
 from fdg_schedule.guards import read_host
+from fdg_schedule.loss_scale import from_word, to_word
 from fdg_schedule.shm_link import Link, message_bytes
 from fdg_schedule.tensors import HOST
 from fdg_schedule.watchdog import InFlightSends, StreamWork, Watchdog, stream_mark
@@ -236,6 +238,9 @@ class NeighbourExchange:
             Finding the neighbours' hosts is collective: every rank builds its exchange at the same point.
         mark: under STREAM, called right after each post: whether the stream has reached it since
             (:func:`~fdg_schedule.watchdog.stream_mark`, Note [a timeout without a blocking wait]).
+        loss_scale: fp16 (Note [loss scale per stage] in fdg_schedule.loss_scale): an activation's control word
+            also carries the loss-scale ceiling (``post(ceiling=...)``, :attr:`ceiling_in`), and the loss
+            message is ``(loss, scale)``, float32 (:attr:`scale_in`).
 
     Under STREAM, building it is collective (Note [one communicator per link]).
     """
@@ -253,6 +258,7 @@ class NeighbourExchange:
         path: Path | None = None,
         transport: str = "process_group",
         mark: Callable[[], Callable[[], bool]] = stream_mark,
+        loss_scale: bool = False,
     ) -> None:
         self.path = choose_path(dist.get_backend(), device) if path is None else path
         if transport == "shm" and self.path is not Path.BLOCKING:  # refused before any rank waits
@@ -271,6 +277,9 @@ class NeighbourExchange:
         if self.path is Path.STREAM:  # Note [one communicator per link]
             self.groups = link_groups(prev_rank, next_rank, device, self.host_group)
         self._mark = mark
+        self.loss_scale = loss_scale
+        self.ceiling_in: float | None = None  # what the last activation waited for carried (loss_scale)
+        self.scale_in: Tensor | None = None  # ... and the last gradient: the scale it was made with
         self.plan = plan
         self.prev_rank, self.next_rank = prev_rank, next_rank
         self.device, self.dynamic_shape = device, dynamic_shape
@@ -298,6 +307,7 @@ class NeighbourExchange:
         recv_grad_meta: Meta | None,
         end: int = NO_END,
         peers: Sequence[PeerMessage] = (),
+        ceiling: float | None = None,
     ) -> None:
         """Send this tick's activation / gradients+loss; receive next tick's (shapes in ``recv_grad_meta``).
 
@@ -306,7 +316,8 @@ class NeighbourExchange:
         activation in a dummy of the last activation's shapes (Note [end of data]). ``peers``: more
         messages to other ranks (tied gradients), posted in one more batch after the neighbours' (in the
         default group; under NCCL its own communicator, Note [one communicator per link]);
-        :meth:`wait_peers` waits for them.
+        :meth:`wait_peers` waits for them. ``ceiling``: the loss-scale ceiling in the activation's control word
+        (``loss_scale`` only); ``loss`` is then the pair (loss, scale).
         """
         if end != NO_END:
             activation = self._dummy_activation()
@@ -316,17 +327,18 @@ class NeighbourExchange:
         self._exchange_headers(activation, recv_activation)  # shapes and dtypes as the stage made them
         to_prev = [] if grads is None else [*(self._out(g) for g in grads), self._out(_loss_message(loss))]
         to_next = [] if activation is None else [self._out(t) for t in activation]
-        word_out = [] if activation is None else [torch.tensor([end], dtype=torch.int64)]  # on the host
+        words = [end, to_word(math.inf if ceiling is None else ceiling)] if self.loss_scale else [end]
+        word_out = [] if activation is None else [torch.tensor(words, dtype=torch.int64)]  # on the host
         from_prev: list[Tensor] = []
         word_in: list[Tensor] = []
         if recv_activation:
             assert self.recv_meta is not None
             from_prev = [torch.empty(s, dtype=_wire_dtype(d), device=self.wire) for s, d in self.recv_meta]
-            word_in = [torch.empty(1, dtype=torch.int64)]
+            word_in = [torch.empty(1 + self.loss_scale, dtype=torch.int64)]
         from_next: list[Tensor] = []
         if recv_grad_meta is not None:
             from_next = [torch.empty(s, dtype=d, device=self.wire) for s, d in recv_grad_meta]
-            from_next.append(torch.empty(1, dtype=torch.float32, device=self.wire))
+            from_next.append(torch.empty(1 + self.loss_scale, dtype=torch.float32, device=self.wire))
         if self.host_group is None:  # Note [control words on the host]: one batch per neighbour
             prev_works = self._via("prev", self._prev, to_prev, from_prev + word_in)
             next_works = self._via("next", self._next, to_next + word_out, from_next)
@@ -453,7 +465,10 @@ class NeighbourExchange:
         self._wait(works, f"the activation from {self._prev}")
         assert self.recv_meta is not None
         tensors = tuple(self._in(_unwire(t, d)) for t, (_, d) in zip(bufs, self.recv_meta))
-        return tensors, read_host(bufs[-1])[0]  # Note [control words on the host]
+        words = read_host(bufs[-1])  # Note [control words on the host]
+        if self.loss_scale:
+            self.ceiling_in = from_word(words[1])
+        return tensors, words[0]
 
     def wait_grad(self) -> tuple[tuple[Tensor, ...], Tensor]:
         """The gradients and carried loss posted for this tick (blocks until they have arrived)."""
@@ -462,7 +477,10 @@ class NeighbourExchange:
         works, grads, loss = self._grad
         self._grad = None
         self._wait(works, f"the gradient from {self._next}")
-        return tuple(self._in(g) for g in grads), self._in(loss)[0]
+        message = self._in(loss)
+        if self.loss_scale:
+            self.scale_in = message[1]
+        return tuple(self._in(g) for g in grads), message[0]
 
     def wait_sends(self) -> None:
         """Wait for the host-waited sends; let go of stream-ordered send buffers whose transfer completed."""
@@ -577,7 +595,8 @@ class NeighbourExchange:
 
     def _activation_bytes(self, activation: Sequence[Tensor]) -> int:
         """A slot's size: the activation and its control word (a gradient message is never larger)."""
-        return message_bytes([self._out(t) for t in activation] + [torch.empty(1, dtype=torch.int64)])
+        word = torch.empty(1 + self.loss_scale, dtype=torch.int64)
+        return message_bytes([self._out(t) for t in activation] + [word])
 
     def _link_too_small(self, activation: Sequence[Tensor]) -> bool:
         link = self.links["next"]
@@ -673,7 +692,7 @@ def _is_host_work(work: Any) -> bool:
 
 def _loss_message(loss: Tensor | None) -> Tensor:
     assert loss is not None, "gradients travel with the loss they belong to"
-    return loss.detach().float().reshape(1)
+    return loss.detach().float().reshape(-1)  # (loss,) or, under fp16, (loss, scale)
 
 
 def _wire(t: Tensor) -> Tensor:

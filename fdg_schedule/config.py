@@ -311,15 +311,12 @@ def parse(ds_config: Mapping[str, Any]) -> FDGConfig | None:
 
 
 def check_deepspeed_config(ds_config: Mapping[str, Any]) -> None:
-    """Reject DeepSpeed settings that would need a cross-stage synchronisation every tick."""
-    fp16 = ds_config.get("fp16") or {}
-    if fp16.get("enabled", False):
-        raise FDGConfigError(
-            'fp16.enabled=true is not supported with pipeline.schedule="fdg": the loss scale would '
-            'have to agree across stages every tick; use bf16 ("bf16": {"enabled": true}) or fp32'
-        )
+    """Reject DeepSpeed settings FDG cannot honour (fp16 is supported: Note [loss scale per stage])."""
     if (ds_config.get("amp") or {}).get("enabled", False):
-        raise FDGConfigError('amp.enabled=true is not supported with pipeline.schedule="fdg"; use bf16 or fp32')
+        raise FDGConfigError(
+            'amp.enabled=true is not supported with pipeline.schedule="fdg"; use "fp16": {"enabled": true} '
+            "(DeepSpeed's fp16 with a loss scale per stage), bf16 or fp32"
+        )
     _check_autocast(ds_config.get("torch_autocast") or {})
     stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
     if stage not in (0, 1):
@@ -345,20 +342,27 @@ def _check_autocast(autocast: Mapping[str, Any]) -> None:
     gradients times the scale. bf16: autocast caches a low-precision copy of each weight at forward
     time and autograd saves that copy, so the delayed backward of ``weights="current"`` would read
     forward-time weights, not current ones. DeepSpeed's ``bf16`` mode (bf16 weights, fp32 master
-    copy) has neither problem.
+    copy) has neither problem, nor its ``fp16`` mode (fp16 weights, fp32 masters, a loss scale per
+    stage: Note [loss scale per stage] in fdg_schedule.loss_scale).
     """
     if not autocast.get("enabled", False):
         return
     dtype = autocast.get("dtype", "bfloat16")
-    why = (
-        "DeepSpeed scales the last stage's loss and unscales it only in its own optimizer step, so every stage "
-        "would train on scaled gradients"
-        if str(dtype) in ("fp16", "float16", "torch.float16", "half")
-        else "autocast's forward-time weight casts are what the delayed backward would read, not the current weights"
-    )
+    if str(dtype) in ("fp16", "float16", "torch.float16", "half"):
+        why = (
+            "DeepSpeed scales the last stage's loss and unscales it only in its own optimizer step, so every stage "
+            "would train on scaled gradients"
+        )
+        fix = (
+            'use "fp16": {"enabled": true} (fp16 weights with fp32 masters and a loss scale per stage, first-stage '
+            'inputs in fp16), bf16 ("bf16": {"enabled": true}) or fp32'
+        )
+    else:
+        why = "autocast's forward-time weight casts are what the delayed backward would read, not the current weights"
+        fix = 'use bf16 ("bf16": {"enabled": true}, first-stage inputs in bf16) or fp32'
     raise FDGConfigError(
         f'torch_autocast.enabled=true (dtype {dtype!r}) is not supported with pipeline.schedule="fdg": {why}; '
-        'remove torch_autocast and use bf16 ("bf16": {"enabled": true}, first-stage inputs in bf16) or fp32'
+        f"remove torch_autocast and {fix}"
     )
 
 

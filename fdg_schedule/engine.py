@@ -25,7 +25,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.schedule import PipeInstruction, ReduceGrads
 from torch import Tensor
 
-from fdg_schedule import auto_corrections, dispatch, grid, guards, loading, observe, optim, schedule, ticks, tied
+from fdg_schedule import auto_corrections, dispatch, fp16, grid, guards, loading, observe, optim, schedule, ticks, tied
 from fdg_schedule.comm import NO_END, NeighbourExchange, meta_of
 from fdg_schedule.config import FDGConfig
 from fdg_schedule.delayed import DelayedBackward
@@ -63,14 +63,16 @@ class FDGPipelineEngine(FDGCheckpoints):
         self.fdg_config = fdg_config = auto_corrections.for_engine(fdg_config, self)  # Note [the auto rule]
         optim.decouple_from_other_stages(self.optimizer, self.basic_optimizer)
         rank = lambda stage: self.grid.stage_to_global(stage) if 0 <= stage < self.num_stages else None  # noqa: E731
+        self._tie_keys = list(tied.owners(self.module))  # every rank's, also where it holds no copy
+        scale_config = fp16.scale_config(self, self._tie_keys)  # Note [loss scale per stage]; None: no fp16
         self._exchange = NeighbourExchange(
             rank(self.stage_id - 1), rank(self.stage_id + 1), self.device, self.dynamic_shape, self.stage_id,
             timeout_s=fdg_config.timeout, plan=self._plan, describe=self._describe, transport=fdg_config.transport,
+            loss_scale=scale_config is not None,
         )  # fmt: skip
         self._replicas = Replicas(self.grid, self.stage_id, fdg_config.timeout, self._where(), self.device)
         delayed = not self.is_last_stage()
         self._delayed = DelayedBackward(self.module, fdg_config, delayed=delayed)
-        self._tie_keys = list(tied.owners(self.module))  # every rank's, also where it holds no copy
         self._tied = tied.TiedSync(
             ties, self.stage_id, self.basic_optimizer, self.optimizer, self.grid.get_data_parallel_group(),
             self.dp_world_size, self._replicas.collective, self._where(), across=bool(self._tie_keys),
@@ -79,17 +81,19 @@ class FDGPipelineEngine(FDGCheckpoints):
         params, every = self._delayed.params, fdg_config.staleness_every
         corrected = self._tied.without(params)  # tied copies are never predicted nor lr-scaled
         corrections = Corrections(corrected, self.num_stages, self.stage_id, fdg_config, self.optimizer, self._where())
-        self.fdg_state = StageState(
-            self.num_stages, self._exchange, self.pipe_buffers, corrections=corrections,
-            meter=StalenessMeter(params, every, delayed), tied=self._tied,
-        )  # fmt: skip
-        self._watch = guards.NonFiniteWatch()  # Note [no host sync in a tick]
-        self._running: FDGTrainSchedule | None = None  # the call in progress: told when the data ends
-        # Counters, seconds spent per kind of instruction ("<kind>_s", see schedule.Kind), and the
-        # latest staleness measured (NaN until then; the last stage's is 0 by definition).
+        # Counters, seconds spent per kind of instruction ("<kind>_s", see schedule.Kind), the latest staleness
+        # measured (NaN until then; the last stage's is 0 by definition) and, with fp16, the loss scale.
         self.fdg_stats: dict[str, float] = {"ticks": 0, "steps": 0, "skipped": 0, **{f"{k.value}_s": 0.0 for k in Kind}}
         self.fdg_stats["staleness"] = 0.0 if every and not delayed else math.nan
         self.fdg_stats["staleness_tick"] = math.nan  # the tick of the backward it was measured at
+        scaling = fp16.StageScaling(scale_config, self.optimizer, self._exchange, self.is_first_stage(),
+                                    not delayed, fdg_config.accumulate, self.fdg_stats)  # fmt: skip
+        self.fdg_state = StageState(
+            self.num_stages, self._exchange, self.pipe_buffers, corrections=corrections,
+            meter=StalenessMeter(params, every, delayed), tied=self._tied, scaling=scaling,
+        )  # fmt: skip
+        self._watch = guards.NonFiniteWatch()  # Note [no host sync in a tick]
+        self._running: FDGTrainSchedule | None = None  # the call in progress: told when the data ends
         self.observers = observe.observers_from_config(self, self._config._param_dict)
         self._reduce_is_identity = optim.reduce_is_identity(self)
 
@@ -230,7 +234,7 @@ class FDGPipelineEngine(FDGCheckpoints):
             if self.is_first_stage():  # inputs (and labels too when K = 1), as DeepSpeed loads them
                 loading.load_micro_batch(self, buffer_id)  # Note [no host sync in a tick]: non_blocking copies
                 inputs = self.pipe_buffers["inputs"][buffer_id]
-                guards.check_inputs(inputs, micro_batch, self.bfloat16_enabled(), self._where())
+                guards.check_inputs(inputs, micro_batch, guards.training_dtype(self), self._where())
             else:  # Note [labels read when the inputs are]
                 self.fdg_state.labels_in_flight.append(to_device(self._next_batch()[1], self.device))
         except StopIteration:
@@ -262,8 +266,9 @@ class FDGPipelineEngine(FDGCheckpoints):
             if not self.is_last_stage():
                 state.sent_meta[buffer_id] = meta_of(floating(outputs))
                 return
-            labels = self._labels(buffer_id, micro_batch)
-            if not self.is_first_stage() and not state.labels_in_flight and self._running is not None:
+            first = self.is_first_stage()  # K = 1 reads its labels with the inputs
+            labels = self.pipe_buffers["labels"][buffer_id] if first else state.next_labels(micro_batch, self._where)
+            if not first and not state.labels_in_flight and self._running is not None:
                 self._running.end_labels(micro_batch + 1)  # Note [end of data]: none read for the next one
             if self.module.loss_fn is None:  # the model returns its loss
                 state.losses[buffer_id] = outputs
@@ -276,24 +281,14 @@ class FDGPipelineEngine(FDGCheckpoints):
                     f"with outputs {describe(outputs)} and labels {describe(labels)}: {err}"
                 ) from err
 
-    def _labels(self, buffer_id: int, micro_batch: int) -> Any:
-        if self.is_first_stage():
-            return self.pipe_buffers["labels"][buffer_id]
-        if not self.fdg_state.labels_in_flight:
-            raise FDGRuntimeError(
-                f"{self._where()}: the labels ran out before the inputs, "
-                f"at micro-batch {micro_batch} of the segment; first and last stage must read data of equal length"
-            )
-        return self.fdg_state.labels_in_flight.popleft()
-
     def _exec_fdg_backward(self, buffer_id: int, micro_batch: int) -> None:
         if self.is_last_stage():
             loss = self.fdg_state.losses.pop(buffer_id)
             if self.fdg_config.nonfinite == "error":  # under "skip" the gradient's check skips the step
                 self._watch.record("loss", loss, self.global_steps, micro_batch)
-            # One micro-batch per tick: no division by gradient_accumulation_steps.
+            scaled = self.fdg_state.scaling.scale_loss(loss, micro_batch)  # / accumulate, not GAS; fp16: x the scale
             with self.fdg_state.last_prediction:  # the forward's predicted weights, back to w after
-                DeepSpeedEngine.backward(self, loss / self.fdg_config.accumulate, scale_wrt_gas=False)
+                DeepSpeedEngine.backward(self, scaled, scale_wrt_gas=False)
             carried = loss.detach().float()
             self._tied.after_backward()
         else:
@@ -308,7 +303,8 @@ class FDGPipelineEngine(FDGCheckpoints):
             self._tied.after_backward()  # Note [tied layers across stages]: before the stage's reduce and step
         self.fdg_state.call_losses.append(carried)
         if not self.is_first_stage():
-            self.fdg_state.to_send[buffer_id] = (input_grads(self.pipe_buffers["inputs"][buffer_id]), carried)
+            sent = self.fdg_state.scaling.carry(carried)  # the loss and, with fp16, its scale
+            self.fdg_state.to_send[buffer_id] = (input_grads(self.pipe_buffers["inputs"][buffer_id]), sent)
         for key in ("inputs", "outputs", "labels"):
             self.pipe_buffers[key][buffer_id] = None
 
@@ -321,7 +317,7 @@ class FDGPipelineEngine(FDGCheckpoints):
                     super()._exec_reduce_grads()
 
     def _exec_local_optimizer_step(self) -> None:
-        wrapped = self.bfloat16_enabled() or self.zero_optimization()
+        wrapped = self.bfloat16_enabled() or self.zero_optimization() or self.fp16_enabled()
         self._force_grad_boundary = True
         try:
             finite = self._step(wrapped)
@@ -330,11 +326,13 @@ class FDGPipelineEngine(FDGCheckpoints):
             self._force_grad_boundary = False
         if wrapped:  # the wrapper's norm, computed stage-locally (optim.decouple_from_other_stages)
             self._global_grad_norm = getattr(self.optimizer, "_global_grad_norm", 0.0)
+        scaling = self.fdg_state.scaling
+        floor = scaling.after_step(overflow=not finite)  # Note [loss scale per stage]
         if finite:
             self.fdg_stats["steps"] += 1
         else:
             self.skipped_steps += 1  # as DeepSpeed counts an overflow step
-            self._non_finite("gradient")
+            self._non_finite(scaling.describe_floor() if floor else None if scaling.enabled else "gradient")
 
     def _step(self, wrapped: bool) -> bool:
         """One optimizer step of this stage, with the delay-aware lr (fdg_schedule.staleness); False when it was
@@ -353,6 +351,7 @@ class FDGPipelineEngine(FDGCheckpoints):
 
     def _optimizer_step(self) -> bool:
         """One step of the optimizer DeepSpeed built; False when it skipped it (a wrapper's overflow check)."""
+        self.fdg_state.scaling.before_step()  # fp16: the scale the gradients were made with
         self._start_timers(self.engine_timers.step_timers)
         self.optimizer.step()
         self._stop_timers(self.engine_timers.step_timers)
@@ -375,6 +374,7 @@ class FDGPipelineEngine(FDGCheckpoints):
             recv_grad_meta=None if recv_grad is None else self.fdg_state.sent_meta[recv_grad],
             end=NO_END if send_end is None else send_end,
             peers=self._tied.messages(),
+            ceiling=self.fdg_state.scaling.ceiling(sending=activation is not None),
         )
 
     def _exec_advance_tick(self, entered: bool) -> None:
@@ -424,11 +424,11 @@ class FDGPipelineEngine(FDGCheckpoints):
 
     # -- helpers --------------------------------------------------------------------------------
 
-    def _non_finite(self, what: str, micro_batch: int | None = None) -> None:
-        """pipeline.fdg.nonfinite: stop with an error naming the stage and tick, or count a skipped step."""
-        if self.fdg_config.nonfinite == "error":
-            raise guards.non_finite(what, self._where(), self.global_steps, micro_batch)
-        self.fdg_stats["skipped"] += what == "gradient"
+    def _non_finite(self, what: str | None) -> None:
+        """A skipped step: nonfinite "error" raises naming ``what``; else, or None (an fp16 overflow), counted."""
+        if what is not None and self.fdg_config.nonfinite == "error":
+            raise guards.non_finite(what, self._where(), self.global_steps)
+        self.fdg_stats["skipped"] += 1
 
     def _where(self) -> str:
         return self._describe(self.stage_id, self.global_rank)

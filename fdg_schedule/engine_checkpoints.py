@@ -67,7 +67,8 @@ class FDGCheckpoints(PipelineEngine):
             captured["accumulated"] = optim.capture_accumulated(self.optimizer, self._delayed.params)
         checkpoint.save(path, self._identity(), captured)
         frozen = exclude_frozen_parameters
-        with self._tied.in_stage_optimizer():  # Note [tied optimizer state in checkpoints]
+        # Note [tied optimizer state in checkpoints]; Note [the scale in DeepSpeed's files] (fp16)
+        with self._tied.in_stage_optimizer(), self.fdg_state.scaling.deepspeed_view():
             saved = super().save_checkpoint(save_dir, tag, client_state or {}, False, exclude_frozen_parameters=frozen)
         if save_latest:  # only once every rank has written every file
             checkpoint.publish(save_dir, tag, self.global_rank)
@@ -113,6 +114,7 @@ class FDGCheckpoints(PipelineEngine):
             return load_path, client_state
         if load_module_only:  # weights only: no in-flight work, RNG state or data position
             return load_path, client_state
+        self.fdg_state.scaling.after_deepspeed_load(load_optimizer_states)  # fp16: FDG steers the scale again
         if other_stages:
             logger.warning(f"stage {self.stage_id}: client_state dropped: it belongs to another pipeline layout")
             client_state = {}
@@ -164,6 +166,7 @@ class FDGCheckpoints(PipelineEngine):
         self.fdg_state.reset()
         self._watch.clear()
         if saved is None:  # Note [what a layout change keeps] in fdg_schedule.checkpoint
+            self.fdg_state.scaling.restore(None)  # fp16: the scale DeepSpeed's file holds (a 1F1B checkpoint)
             tick, delta = checkpoint.carried(load_dir, tag, self.stage_id, self.num_stages)
             self.fdg_state.tick = tick
             if not self.fdg_state.corrections.restore(delta, strict=False):

@@ -93,13 +93,22 @@ class NonFiniteWatch:
         self._flags = []
 
 
-def check_inputs(inputs: Any, micro_batch: int, bf16: bool, where: str) -> None:
-    """Under bf16 the first stage's floating inputs must already be ``torch.bfloat16``, as DeepSpeed expects."""
-    wrong = [t.dtype for t in floating(inputs) if t.dtype != torch.bfloat16] if bf16 else []
+def training_dtype(engine: Any) -> torch.dtype | None:
+    """The dtype a DeepSpeed engine's first-stage inputs must have: bf16's or fp16's, None in fp32."""
+    if engine.bfloat16_enabled():
+        return torch.bfloat16
+    return torch.float16 if engine.fp16_enabled() else None
+
+
+def check_inputs(inputs: Any, micro_batch: int, dtype: torch.dtype | None, where: str) -> None:
+    """Under bf16 or fp16 (``dtype``) the first stage's floating inputs must already have that dtype, as DeepSpeed
+    expects."""
+    wrong = [t.dtype for t in floating(inputs) if t.dtype != dtype] if dtype is not None else []
     if wrong:
+        key = "bf16" if dtype == torch.bfloat16 else "fp16"
         raise FDGRuntimeError(
-            f"{where}: micro-batch {micro_batch} has floating inputs of dtype {wrong[0]} but bf16.enabled is "
-            "true; convert the inputs to torch.bfloat16 in the data pipeline"
+            f"{where}: micro-batch {micro_batch} has floating inputs of dtype {wrong[0]} but {key}.enabled is "
+            f"true; convert the inputs to {dtype} in the data pipeline"
         )
 
 

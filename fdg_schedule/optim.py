@@ -41,6 +41,8 @@ from typing import Any
 
 import torch
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from torch import Tensor, nn
 
@@ -50,6 +52,10 @@ def decouple_from_other_stages(optimizer: Any, basic: Any = None) -> None:
     and the steps of the optimizer it wraps, ``basic``, a function of its own state (:func:`pure_steps`)."""
     if isinstance(optimizer, BF16_Optimizer):
         optimizer.mpu = None
+    if isinstance(optimizer, (FP16_Optimizer, FP16_UnfusedOptimizer)):  # fp16 without ZeRO
+        # its overflow check all-reduces over the model-parallel group, or without one over the world when the
+        # engine reduces gradients itself (a pipeline's): the stage's gradients are already reduced over its replicas
+        optimizer.mpu = optimizer.overflow_checker.mpu = optimizer.overflow_checker.deepspeed = None
     if isinstance(optimizer, DeepSpeedZeroOptimizer):
         optimizer.model_parallel_group = None
         optimizer.model_parallel_rank = 0

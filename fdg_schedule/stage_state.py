@@ -25,6 +25,9 @@ keeps work in flight between ticks. What it holds, and how long each piece lives
     exchange            Exchange                    WaitActivation / WaitGrad    one tick (next tick's messages)
     tied (P, count,     FDGBackward (contribution)  AdvanceTick (tied step)      the run (Note [tied layers
       tied optimizer)   AdvanceTick (sum, step)                                  across stages] in tied.py)
+    scaling (fp16:      LocalOptimizerStep (s_k),   FDGBackward, Exchange,       the run (Note [loss scale per
+      s_k, counters,    FDGBackward (the last       LocalOptimizerStep           stage] in loss_scale.py)
+      group scale)      stage's group scale)
 
 Only what lives across ticks is captured (the meter's kept weights are not: a measurement is
 skipped across a checkpoint); within-tick fields are empty between calls. A new piece
@@ -46,6 +49,8 @@ from fdg_schedule import rng, ticks
 from fdg_schedule.comm import Meta, NeighbourExchange
 from fdg_schedule.config import FDGConfig
 from fdg_schedule.delayed import Held
+from fdg_schedule.errors import FDGRuntimeError
+from fdg_schedule.fp16 import StageScaling
 from fdg_schedule.staleness import Corrections, StalenessMeter
 from fdg_schedule.tensors import detached, leaves, nbytes, on_cpu, to_device
 from fdg_schedule.tied import TiedSync
@@ -64,6 +69,7 @@ class StageState:
         corrections: the stage's staleness corrections (:mod:`fdg_schedule.staleness`); none by default.
         meter: the stage's staleness metric; off by default.
         tied: the stage's tied-gradient sync (Note [tied layers across stages]); none by default.
+        scaling: the stage's fp16 loss scale (:mod:`fdg_schedule.fp16`); None: fp16 off.
     """
 
     def __init__(
@@ -74,6 +80,7 @@ class StageState:
         corrections: Corrections | None = None,
         meter: StalenessMeter | None = None,
         tied: TiedSync | None = None,
+        scaling: StageScaling | None = None,
     ) -> None:
         self.stages = stages
         self.exchange = exchange
@@ -81,6 +88,7 @@ class StageState:
         self.corrections = corrections or Corrections([], stages, stages - 1, FDGConfig())  # off
         self.meter = meter or StalenessMeter([], every=0, delayed=False)
         self.tied = tied if tied is not None else TiedSync([], stages - 1, None)
+        self.scaling = scaling if scaling is not None else StageScaling(None, None, exchange, False, False, 1, {})
         self.tick = 0  # ticks since the start of training (fill and drain included): t of the corrections
         self.segment_tick = 0  # ticks since the pipeline last filled (micro-batch 0 of the segment)
         self.segment_limit: int | None = None  # micro-batches in this segment, once the data has ended
@@ -107,6 +115,16 @@ class StageState:
             yield
             if keep():
                 self.last_prediction = prediction.pop_all()
+
+    def next_labels(self, micro_batch: int, where: Callable[[], str]) -> Any:
+        """The last stage's labels of ``micro_batch`` (K > 1: read with stage 0's inputs, Note [labels read when the
+        inputs are]); ``where()`` names the stage in the error when there are none."""
+        if not self.labels_in_flight:
+            raise FDGRuntimeError(
+                f"{where()}: the labels ran out before the inputs, "
+                f"at micro-batch {micro_batch} of the segment; first and last stage must read data of equal length"
+            )
+        return self.labels_in_flight.popleft()
 
     def in_flight(self) -> int:
         """Micro-batches forwarded but not yet back-propagated."""
@@ -162,6 +180,7 @@ class StageState:
             "tick": self.tick,
             "delta": self.corrections.capture(),
             "tied": self.tied.capture(),
+            "loss_scale": self.scaling.capture(),
             "segment_tick": self.segment_tick,
             "in_flight": in_flight,
             "received": self.exchange.received(),
@@ -191,6 +210,7 @@ class StageState:
         self.tick = saved.get("tick", 0)  # absent from checkpoints of earlier versions
         self.corrections.restore(saved.get("delta"))
         self.tied.restore(saved.get("tied"))
+        self.scaling.restore(saved.get("loss_scale"))
         self.segment_tick = saved["segment_tick"]
         for buffer_id, record in sorted(saved["in_flight"].items()):
             inputs = leaves(_on(device, record["inputs"]), needs_grad)

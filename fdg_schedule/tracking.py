@@ -53,7 +53,8 @@ METRICS = {
     "fdg/held_bytes": "bytes held for delayed backward passes after the call",
     "fdg/in_flight": "micro-batches forwarded but not yet back-propagated",
     "fdg/steps": "optimizer steps taken so far",
-    "fdg/skipped": "optimizer steps skipped so far (non-finite loss or gradient)",
+    "fdg/skipped": "optimizer steps skipped so far (non-finite loss or gradient; fp16: overflows)",
+    "fdg/loss_scale": "fp16: the loss scale of the stage's last step's gradients (last stage: of its last loss)",
     "fdg/loss": "mean loss of the micro-batches back-propagated in the call (what train_batch() returned)",
     "fdg/loss_last": "loss of the newest micro-batch back-propagated in the call",
     "fdg/loss_micro_batch": "run-wide index of that micro-batch (0 = the first that entered stage 0)",
@@ -217,6 +218,8 @@ class StageTracker:
             "fdg/max_memory_allocated": get_accelerator().max_memory_allocated(),
         }
         on_device = {"fdg/loss": engine.agg_train_loss}
+        if "loss_scale" in stats:  # fp16 (Note [loss scale per stage] in fdg_schedule.loss_scale)
+            row["fdg/loss_scale"] = stats["loss_scale"]
         staleness = stats.get("staleness", math.nan)
         if not math.isnan(staleness):  # measured every pipeline.fdg.staleness_every ticks
             row["fdg/staleness"] = staleness

@@ -65,14 +65,16 @@ def test_no_fdg_means_stock_deepspeed(pipeline) -> None:
         (_ds([0.5]), "pipeline.fdg must be a JSON object, got list"),
         ({"pipeline": {"schedule": "gpipe"}}, "pipeline.schedule must be one of ['1f1b', 'fdg'], got 'gpipe'"),
         ({"pipeline": {"fdg": {"grad_shrink": 0.5}}}, 'pipeline.fdg is set but pipeline.schedule is not "fdg"'),
-        (_ds(fp16={"enabled": True}), "fp16.enabled=true is not supported"),
-        (_ds(amp={"enabled": True}), "amp.enabled=true is not supported"),
+        (_ds(amp={"enabled": True}), 'amp.enabled=true is not supported with pipeline.schedule="fdg"; use "fp16"'),
         (
             _ds(torch_autocast={"enabled": True, "dtype": "fp16"}),
             "torch_autocast.enabled=true (dtype 'fp16') is not supported with pipeline.schedule=\"fdg\": "
             "DeepSpeed scales the last stage's loss",
         ),
-        (_ds(torch_autocast={"enabled": True, "dtype": "torch.float16"}), 'use bf16 ("bf16": {"enabled": true}'),
+        (
+            _ds(torch_autocast={"enabled": True, "dtype": "torch.float16"}),
+            'remove torch_autocast and use "fp16": {"enabled": true} (fp16 weights with fp32 masters and a loss scale',
+        ),
         (_ds(torch_autocast={"enabled": True, "dtype": "bfloat16"}), "autocast's forward-time weight casts"),
         (_ds(torch_autocast={"enabled": True}), "remove torch_autocast and use bf16"),
         (_ds(zero_optimization={"stage": 2}), "zero_optimization.stage=2 is not supported"),
@@ -144,4 +146,8 @@ def test_bad_config_is_rejected_with_value_key_and_fix(ds_config: dict, message:
 def test_supported_precision_and_zero() -> None:
     assert parse(_ds(bf16={"enabled": True}, zero_optimization={"stage": 1})) is not None
     assert parse(_ds(fp16={"enabled": False})) is not None
+    # fp16 with DeepSpeed's loss-scale keys, with and without ZeRO-1 (Note [loss scale per stage])
+    fp16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 12, "hysteresis": 2, "min_loss_scale": 1}
+    assert parse(_ds(fp16=fp16)) is not None
+    assert parse(_ds(fp16=fp16, zero_optimization={"stage": 1})) is not None
     assert parse(_ds(torch_autocast={"enabled": False, "dtype": "fp16"})) is not None

@@ -505,7 +505,7 @@ def test_no_collective_across_stages_in_steady_state(request, name: str) -> None
 BAD = [
     ({"pipeline": {"schedule": "fdg", "fdg": {"grad_shrink": 2.0}}}, "grad_shrink must be in (0, 1], got 2.0"),
     ({"pipeline": {"schedule": "fdg", "fdg": {"stash": True}}}, "unknown key(s) ['stash']"),
-    ({"pipeline": {"schedule": "fdg"}, "fp16": {"enabled": True}}, "fp16.enabled=true is not supported"),
+    ({"pipeline": {"schedule": "fdg"}, "amp": {"enabled": True}}, "amp.enabled=true is not supported"),
 ]
 
 
