@@ -61,12 +61,30 @@ Note [tied layers across stages, the reference]
     the lr of that group of its stage optimizer (group 0's if only tied copies were in it); P and
     the count go back to zero. Tied copies are never predicted and never lr-scaled. The engine's
     side is Note [tied layers across stages] in fdg_schedule/tied.py.
+
+Note [fp16 in the reference]
+    With ``fp16=FP16(masters, ...)`` the stages hold fp16 weights and the optimizers step fp32 masters
+    (``masters[k]``: one per trainable parameter of stage k, in ``parameters()`` order). Stage k keeps a
+    scale s_k (DeepSpeed's ``fp16`` keys; 2**initial_scale_power at first, or the static ``loss_scale``).
+    The activation of micro-batch b leaves stage k with the ceiling min(s_k, the ceiling it came with)
+    (stage 0: s_0), s_k after the stage's step of that tick. The last stage multiplies the loss by
+    S = min(s_{K-1}, ceiling) in fp32 -- ``(loss.float() / accumulate) * S`` -- where S is fixed at the
+    first micro-batch of each group of ``accumulate`` (b % accumulate == 0); S goes back with the
+    gradient and every stage passes it on with its own. A stage's step with gradients made with S: if any
+    fp16 gradient of the stage is not finite, the step is skipped (and counted); else the masters get
+    ``grad.float() * (1/S)``, are clipped by their norm, stepped, and copied into the fp16 weights. Then
+    s_k is updated with (S, overflow) unless S > s_k: an overflow uses up one of ``hysteresis`` (the count
+    is refilled after every clean step with ``consecutive_hysteresis``, else when the scale grows) and at
+    the last one s_k = max(S/2, min_loss_scale); ``loss_scale_window`` clean steps after the last
+    overflow, s_k = 2*S. A static scale never changes. The engine's side is Note [loss scale per stage]
+    in fdg_schedule/loss_scale.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -88,7 +106,61 @@ class ReferenceState:
     tick: int = 0
     delta: dict[int, dict[str, Tensor]] = dataclasses.field(default_factory=dict)  # stage -> name -> tensor
     tied: list[_Tie] = dataclasses.field(default_factory=list)  # one per tied parameter, built on first use
+    fp16: list[ReferenceScale] = dataclasses.field(default_factory=list)  # one per stage with fp16, on first use
     configs: list[FDGConfig] | None = None  # each stage's config as "auto" resolved it at the first call (kept)
+
+
+@dataclasses.dataclass
+class FP16:
+    """fp16 in the reference (Note [fp16 in the reference]): the masters and DeepSpeed's ``fp16`` scale keys."""
+
+    masters: Sequence[Sequence[Tensor]]  # per stage, the fp32 masters its optimizer steps
+    loss_scale: float = 0.0
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = 1.0
+
+
+@dataclasses.dataclass
+class ReferenceScale:
+    """One stage's loss scale in the reference and what it did: per step, the scale it was made with and
+    whether it overflowed."""
+
+    settings: FP16
+    masters: list[Tensor]
+    scale: float
+    hysteresis: int
+    steps: int = 0  # steps counted by the scale (late ones are not)
+    last_overflow: int = -1
+    group: float | None = None  # last stage: S of the group being accumulated
+    skipped: int = 0
+    history: list[tuple[float, bool]] = dataclasses.field(default_factory=list)
+
+    def update(self, made_with: float, overflow: bool) -> None:
+        f = self.settings
+        self.history.append((made_with, overflow))
+        if f.loss_scale > 0 or made_with > self.scale:  # static; or made before this stage lowered its scale
+            return
+        if overflow:
+            self.last_overflow = self.steps
+            if self.hysteresis > 1:
+                self.hysteresis -= 1
+            else:
+                self.scale = _f32(max(made_with / 2, f.min_loss_scale))
+        else:
+            if f.consecutive_hysteresis:
+                self.hysteresis = f.hysteresis
+            clean = self.steps - self.last_overflow - 1
+            if clean > 0 and clean % f.loss_scale_window == 0:
+                self.scale = _f32(made_with * 2)
+                self.hysteresis = f.hysteresis
+        self.steps += 1
+
+
+def _f32(x: float) -> float:
+    return float(torch.tensor(x, dtype=torch.float32))
 
 
 @dataclasses.dataclass
@@ -126,6 +198,7 @@ def fdg_reference(
     after_tick: Callable[[int], None] | None = None,
     state: ReferenceState | None = None,
     ties: Sequence[Sequence[tuple[int, str]]] = (),
+    fp16: FP16 | None = None,
 ) -> list[float]:
     """Train ``stages`` with FDG on ``micro_batches`` (``(inputs, labels)`` pairs), one per tick.
 
@@ -139,6 +212,8 @@ def fdg_reference(
             A fresh one (tick 0, deltas zero) when None.
         ties: per tied parameter, ``(stage, parameter name)`` of each copy (Note [tied layers across
             stages, the reference]); the copies are removed from ``optimizers``.
+        fp16: fp16 stages stepped through fp32 masters with a loss scale per stage (Note [fp16 in the
+            reference]); their scales and what they did are in ``state.fp16``.
 
     Returns:
         The loss of each micro-batch the last stage computed, in order.
@@ -147,6 +222,10 @@ def fdg_reference(
     state = state if state is not None else ReferenceState()
     K, n = len(stages), len(micro_batches)
     _build_ties(stages, optimizers, ties, state)
+    if fp16 is not None and not state.fp16:
+        first = _f32(fp16.loss_scale if fp16.loss_scale > 0 else 2.0**fp16.initial_scale_power)
+        state.fp16 = [ReferenceScale(fp16, list(m), first, fp16.hysteresis) for m in fp16.masters]
+    scaling: list[ReferenceScale | None] = [*state.fp16] if state.fp16 else [None] * K
     # corrections "auto": each stage's keys from its optimizer and scheduler, decided at the first call as the
     # engine decides at initialize (Note [the auto rule]); a config resolved before keeps its keys
     configs = [config] * K
@@ -159,12 +238,14 @@ def fdg_reference(
     in_flight: list[dict[int, _InFlight]] = [{} for _ in stages]
     activation_msg: dict[int, tuple[int, tuple[Tensor, ...]]] = {}  # stage -> (micro-batch, tensors)
     grad_msg: dict[int, tuple[int, tuple[Tensor, ...]]] = {}
+    ceiling_msg: dict[int, float] = {}  # fp16: stage -> the ceiling that came with its activation
+    scale_msg: dict[int, float] = {}  # ... and the scale its gradient was made with
     losses: list[float] = []
     drain_limit = n if drain else None
     total_ticks = n + (ticks.drain_ticks(K) if drain else 0)
     for tick in range(total_ticks):
         t = state.tick + tick  # Note [staleness corrections]
-        next_activation, next_grad = {}, {}
+        next_activation, next_grad, next_ceiling, next_scale = {}, {}, {}, {}
         contributions: dict[tuple[int, int], Tensor] = {}  # (tie, stage) -> c_s(t)
         for k, stage in enumerate(stages):
             last = k == K - 1
@@ -176,9 +257,13 @@ def fdg_reference(
                 shrunk = tuple(config.grad_shrink * g for g in grads)
                 input_grads = _delayed_backward(stage, in_flight[k].pop(bwd), shrunk, config)
                 _take_tied_grads(state.tied, k, contributions)
+                made_with = scale_msg.get(k)  # fp16: the scale the gradient was made with
                 if k > 0:
                     next_grad[k - 1] = (bwd, input_grads)
-                _maybe_step(stage, optimizers[k], bwd, config, drain_limit, clip_grad_norm, corrections)
+                    if made_with is not None:
+                        next_scale[k - 1] = made_with
+                step = (bwd, config, drain_limit, clip_grad_norm, corrections, scaling[k], made_with)
+                _maybe_step(stage, optimizers[k], *step)
             fwd = ticks.forward_micro_batch(tick, k, n)
             if fwd is None:
                 continue
@@ -187,19 +272,32 @@ def fdg_reference(
             else:
                 received_fwd, inputs = activation_msg[k]
                 assert received_fwd == fwd
+            ceiling = ceiling_msg.get(k, math.inf)
             if last:
+                own = scaling[k]
+                if own is not None and (fwd % config.accumulate == 0 or own.group is None):
+                    own.group = min(own.scale, ceiling)  # the loss scale of this group of micro-batches
+                made_with = None if own is None else own.group
                 x = _leaves(inputs, requires_grad=k > 0)
-                loss = _last_stage_backward(stage, x, micro_batches[fwd][1], loss_fn, config, corrections.predicted())
+                predicted = corrections.predicted()
+                loss = _last_stage_backward(stage, x, micro_batches[fwd][1], loss_fn, config, predicted, made_with)
                 _take_tied_grads(state.tied, k, contributions)
                 losses.append(loss.item())
                 if k > 0:
                     next_grad[k - 1] = (fwd, _grads_of(x))
-                _maybe_step(stage, optimizers[k], fwd, config, drain_limit, clip_grad_norm, corrections)
+                    if made_with is not None:
+                        next_scale[k - 1] = made_with
+                step = (fwd, config, drain_limit, clip_grad_norm, corrections, own, made_with)
+                _maybe_step(stage, optimizers[k], *step)
             else:
                 record = _forward(stage, inputs, config, requires_grad=k > 0, predicted=corrections.predicted())
                 in_flight[k][fwd] = record
                 next_activation[k + 1] = (fwd, _detached(_forward_outputs(stage, record, config)))
+                own = scaling[k]
+                if own is not None:
+                    next_ceiling[k + 1] = min(own.scale, ceiling)  # s_k after its step of this tick
         activation_msg, grad_msg = next_activation, next_grad
+        ceiling_msg, scale_msg = next_ceiling, next_scale
         if ticks.scheduler_steps_after(tick + 1, config.accumulate):  # Note [learning rate per optimizer step]
             for scheduler in schedulers:
                 scheduler.step()
@@ -432,17 +530,21 @@ def _last_stage_backward(
     loss_fn: Callable[..., Tensor],
     config: FDGConfig,
     predicted: dict[str, Tensor] | None,
+    scale: float | None = None,
 ) -> Tensor:
-    """Forward, loss and backward of the last stage in one tick; returns the loss.
+    """Forward, loss and backward of the last stage in one tick; returns the loss (fp16: scaled by ``scale``).
 
     Without prediction (always under ``predict_horizon`` "own") the live weights. With it
     (``"first_stage"``) the forward runs on w_hat; ``"stashed"`` takes the gradient there,
     ``"current"`` reads the live w in the backward (the leaves are refreshed with w first, Note
     [current weights]); the last stage never recomputes. The gradient is added to the parameters.
     """
+    backward = (lambda loss: (loss / config.accumulate).backward()) if scale is None else (
+        lambda loss: (loss.float() / config.accumulate * scale).backward()
+    )  # fmt: skip
     if predicted is None:
         loss = loss_fn(_run(stage, x, None), labels)
-        (loss / config.accumulate).backward()
+        backward(loss)
         return loss
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):  # Note [current weights]
         loss = loss_fn(_run(stage, x, predicted), labels)
@@ -450,7 +552,7 @@ def _last_stage_backward(
         with torch.no_grad():
             for name, p in stage.named_parameters():
                 predicted[name].copy_(p)
-    (loss / config.accumulate).backward()
+    backward(loss)
     for name, p in stage.named_parameters():
         g = predicted[name].grad
         if g is not None:
@@ -466,15 +568,50 @@ def _maybe_step(
     drain_limit: int | None,
     clip_grad_norm: float,
     corrections: _Corrections,
+    fp16: ReferenceScale | None = None,
+    made_with: float | None = None,
 ) -> None:
     last = None if drain_limit is None else drain_limit - 1
     if not ticks.steps_after_backward(micro_batch, config.accumulate, last):
+        return
+    if fp16 is not None:
+        assert made_with is not None
+        _fp16_step(stage, optimizer, clip_grad_norm, corrections, fp16, made_with)
         return
     if clip_grad_norm > 0:
         torch.nn.utils.clip_grad_norm_(stage.parameters(), clip_grad_norm)
     with corrections.step(optimizer):
         optimizer.step()
     optimizer.zero_grad()
+
+
+def _fp16_step(
+    stage: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    clip_grad_norm: float,
+    corrections: _Corrections,
+    fp16: ReferenceScale,
+    made_with: float,
+) -> None:
+    """Note [fp16 in the reference]: a step of the masters on the fp16 gradients made with ``made_with``."""
+    params = [p for p in stage.parameters() if p.requires_grad]
+    overflow = any(p.grad is not None and not bool(torch.isfinite(p.grad).all()) for p in params)
+    if overflow:
+        fp16.skipped += 1
+    else:
+        for p, master in zip(params, fp16.masters, strict=True):
+            master.grad = torch.zeros_like(master) if p.grad is None else p.grad.float().mul_(1.0 / made_with)
+        if clip_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(fp16.masters, clip_grad_norm)
+        with corrections.step(optimizer):
+            optimizer.step()
+        with torch.no_grad():
+            for p, master in zip(params, fp16.masters):
+                p.copy_(master)
+                master.grad = None
+    for p in params:
+        p.grad = None
+    fp16.update(made_with, overflow)
 
 
 def _run(stage: nn.Module, x: tuple[Tensor, ...], weights: dict[str, Tensor] | None) -> Activation:

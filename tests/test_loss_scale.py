@@ -12,6 +12,7 @@ import torch
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
 
 from fdg_schedule.loss_scale import LossScale, ScaleConfig, as_float32, from_word, to_word
+from fdg_schedule.reference import FP16, ReferenceScale
 
 
 @pytest.fixture(autouse=True)
@@ -80,6 +81,22 @@ def test_static_scale_never_moves() -> None:
     for overflow in (True, False, False, True):
         assert scale.update(scale.cur_scale, overflow) is False
     assert scale.cur_scale == as_float32(1000.1)
+
+
+def test_the_reference_states_the_same_rule_from_its_own_code() -> None:
+    """Random made-with scales around the stage's own (late ones, scales held down by other stages) and overflows:
+    the reference's scale and the engine's agree at every step."""
+    for settings in SETTINGS:
+        config = ScaleConfig(initial_scale_power=9, **settings)
+        mine = LossScale(config)
+        ref = ReferenceScale(FP16([], **{k: v for k, v in vars(config).items()}), [], config.initial, config.hysteresis)
+        rng = random.Random(3)
+        for _ in range(500):
+            made_with = mine.cur_scale * rng.choice([0.25, 0.5, 1.0, 1.0, 1.0, 2.0])
+            overflow = rng.random() < 0.25
+            mine.update(made_with, overflow)
+            ref.update(made_with, overflow)
+            assert (mine.cur_scale, mine.cur_hysteresis) == (ref.scale, ref.hysteresis), settings
 
 
 def test_capture_restore_and_words() -> None:
