@@ -11,7 +11,8 @@ def report_call(engine: Any, steps_before: int, elapsed: float) -> None:
 
     Every ``steps_per_print`` ticks: the wall-clock timers (one line per stage, as each stage learns
     alone) and, on global rank 0, ``steps: ... loss: ... samples/sec: ...``; every call on global
-    rank 0: ``Train/Samples/lr`` and ``train_loss`` to DeepSpeed's monitors (NaN losses skipped).
+    rank 0: ``Train/Samples/lr`` and ``train_loss`` to DeepSpeed's monitors (NaN losses skipped), and with fp16
+    ``Train/Samples/loss_scale``.
     """
     every = engine.steps_per_print()
     printing = bool(every) and engine.global_steps // every != steps_before // every
@@ -24,6 +25,8 @@ def report_call(engine: Any, steps_before: int, elapsed: float) -> None:
         events = [("Train/Samples/lr", engine.get_lr()[0], engine.global_samples)]
         if not math.isnan(loss):
             events.append(("Train/Samples/train_loss", loss, engine.global_samples))
+        if "loss_scale" in engine.fdg_stats:  # fp16, as DeepSpeed writes it: stage 0's scale of its last step
+            events.append(("Train/Samples/loss_scale", engine.fdg_stats["loss_scale"], engine.global_samples))
         engine.monitor.write_events(events)
     if printing:
         ticks_run = max(engine.global_steps - steps_before, 1)

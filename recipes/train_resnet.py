@@ -159,7 +159,11 @@ deepspeed.init_distributed()
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
 if args.freed_memory == "retain" and get_accelerator().device_name() == "cpu":
     host_memory.retain_freed_memory()  # before profiling: otherwise page faults take a share of every step
-input_dtype = torch.bfloat16 if ds_config.get("bf16", {}).get("enabled") else torch.float32  # inputs match weights
+input_dtype = torch.float32  # inputs match weights: bf16's or fp16's
+if ds_config.get("bf16", {}).get("enabled"):
+    input_dtype = torch.bfloat16
+elif ds_config.get("fp16", {}).get("enabled"):
+    input_dtype = torch.float16
 
 
 def batch_shape(ds_config, dp_size):
@@ -379,6 +383,13 @@ if args.final_full_test:  # the curve may use a test subset; the final number th
     if logging_rank:
         print(f"full test set: test_acc {full_acc:.2%} test_loss {full_loss:.6f} ({len(data.test)} images)")
 trained_samples = step * samples_per_step
+if engine.fp16_enabled():  # each stage's loss scale at its last step and its skipped steps (FDG: docs/fdg.md)
+    scale = getattr(engine, "fdg_stats", {}).get("loss_scale", engine.optimizer.loss_scale)
+    scales = [None] * dist.get_world_size()
+    dist.all_gather_object(scales, (engine.stage_id, scale, engine.skipped_steps))
+    if logging_rank:
+        stages_fp16 = sorted(set(scales))
+        print("fp16: " + ", ".join(f"stage {k} loss scale {s:g}, {n} skipped" for k, s, n in stages_fp16), flush=True)
 report = stage_report(engine, clock)
 if logging_rank:
     print(report, flush=True)
