@@ -335,7 +335,7 @@ class _Corrections:
         if self.gamma is not None and self.h_predict > 0:
             if k not in state.delta:
                 state.delta[k] = {
-                    name: torch.zeros_like(p)
+                    name: torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32))  # fp16: fp32
                     for name, p in stage.named_parameters()
                     if p.requires_grad and name not in tied  # tied copies are not predicted
                 }
@@ -347,9 +347,9 @@ class _Corrections:
             return None
         with torch.no_grad():
             return {
-                name: (p + self.h_predict * self.delta[name] if name in self.delta else p.clone()).requires_grad_(
-                    p.requires_grad
-                )
+                name: (
+                    (p + self.h_predict * self.delta[name]).to(p.dtype) if name in self.delta else p.clone()
+                ).requires_grad_(p.requires_grad)
                 for name, p in self.stage.named_parameters()
             }
 
@@ -389,7 +389,9 @@ class _Corrections:
             with torch.no_grad():
                 for name, p in self.stage.named_parameters():
                     if name in self.delta:
-                        self.delta[name].mul_(self.gamma).add_(p - before[name], alpha=1.0 - self.gamma)
+                        delta = self.delta[name]  # fp16 weights: their exact difference, in fp32
+                        moved = p.to(delta.dtype) - before[name].to(delta.dtype)
+                        delta.mul_(self.gamma).add_(moved, alpha=1.0 - self.gamma)
 
 
 def _build_ties(
@@ -603,12 +605,12 @@ def _fp16_step(
             master.grad = torch.zeros_like(master) if p.grad is None else p.grad.float().mul_(1.0 / made_with)
         if clip_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(fp16.masters, clip_grad_norm)
-        with corrections.step(optimizer):
+        with corrections.step(optimizer):  # the fp16 weights move inside: the prediction's delta follows them
             optimizer.step()
-        with torch.no_grad():
-            for p, master in zip(params, fp16.masters):
-                p.copy_(master)
-                master.grad = None
+            with torch.no_grad():
+                for p, master in zip(params, fp16.masters):
+                    p.copy_(master)
+                    master.grad = None
     for p in params:
         p.grad = None
     fp16.update(made_with, overflow)

@@ -19,6 +19,9 @@ import toy
 from deepspeed.pipe import PipelineModule
 from torch import nn
 
+# the pipeline.fdg keys a case may set
+FDG_KEYS = ("grad_shrink", "weights", "activations", "accumulate", "nonfinite", "timeout", "transport", "delay_lr_ticks",
+            "predict_decay", "delay_momentum")  # fmt: skip
 FP16_KEYS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis",
              "min_loss_scale")  # fmt: skip
 
@@ -100,8 +103,7 @@ def micro_batches(n: int, size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def ds_config(case: dict[str, Any]) -> dict[str, Any]:
-    keys = ("grad_shrink", "weights", "activations", "accumulate", "nonfinite", "timeout")
-    fdg = {k: case[k] for k in keys if k in case}
+    fdg = {k: case[k] for k in FDG_KEYS if k in case}
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": case.get("gas", 1),

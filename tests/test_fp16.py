@@ -62,7 +62,7 @@ def reference(case: dict[str, Any], parts: list[int]) -> dict[str, Any]:
             out["masters"].append({n: m.detach().clone() for n, m in named.items()})
             out["scales"].append([_ref_scale(r) for r in state.fp16])
 
-    keys = {k: case[k] for k in ("grad_shrink", "weights", "activations", "accumulate") if k in case}
+    keys = {k: case[k] for k in fp16_workers.FDG_KEYS if k in case and k not in ("nonfinite", "timeout", "transport")}
     data = [(x, y) for x, y in fp16_workers.micro_batches(case["n"], 4 * dp)][: case["calls"] * gas]
     out["losses"] = fdg_reference(stages, opts, data, toy.loss_fn, FDGConfig(**keys), drain=case.get("drain", False),
                                   clip_grad_norm=case.get("clip", 0.0), after_tick=after_tick, state=state,
@@ -144,11 +144,14 @@ def _k2_cases() -> list[dict[str, Any]]:
         # of micro-batch 7 made NaN) skips its steps and lowers the scale
         {**base, "nonfinite": "skip", "min_loss_scale": 256, "inject": {"a": {"at": [3]}}},
         {**base, "nonfinite": "skip", "inject": {"a": {"forward_at": [7]}}},
+        # the staleness corrections (delta in fp32, following the fp16 weights) and the shared-memory transport
+        {**base, "weights": "stashed", "delay_lr_ticks": 8, "predict_decay": 0.5, "delay_momentum": True},
+        {**base, "transport": "shm", "inject": {"a": {"at": [4]}}},
     ]
 
 
 K2_OPTIMIZERS = ["FP16_UnfusedOptimizer", "FP16_UnfusedOptimizer", "FP16_Optimizer", "DeepSpeedZeroOptimizer",
-                 "DeepSpeedZeroOptimizer", *["FP16_UnfusedOptimizer"] * 5]  # fmt: skip
+                 "DeepSpeedZeroOptimizer", *["FP16_UnfusedOptimizer"] * 7]  # fmt: skip
 # Resumed at the tick after stage 0 overflowed (K = 2: its backward of micro-batch 4, tick 6): the lowered ceiling
 # rides in the activation received for the next tick and a gradient made with the old scale is on its way back.
 RESUME_K2 = [
