@@ -55,7 +55,8 @@ checkpoint is loaded); until then, and between neighbours on different hosts, me
 they always did. Both sides of a pair gain and lose the link at the same exchange, so they always
 agree on which way a message goes. Headers and tied gradients always travel through the group.
 
-Note [control words on the host]: the end-of-data word that travels with every activation, and
+Note [control words on the host]: the end-of-data word that travels with every activation (and, under
+fp16, the loss-scale ceiling after it: Note [loss scale per stage] in fdg_schedule.loss_scale), and
 the shape header, must be read on the host (they decide what the next instructions are). They are
 host-memory tensors on every path -- sent in the same batch as the data under gloo (or any
 backend on host memory), through a gloo group of all ranks beside NCCL (or any backend on an

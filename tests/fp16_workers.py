@@ -20,8 +20,8 @@ from deepspeed.pipe import PipelineModule
 from torch import nn
 
 # the pipeline.fdg keys a case may set
-FDG_KEYS = ("grad_shrink", "weights", "activations", "accumulate", "nonfinite", "timeout", "transport", "delay_lr_ticks",
-            "predict_decay", "delay_momentum")  # fmt: skip
+FDG_KEYS = ("grad_shrink", "weights", "activations", "accumulate", "nonfinite", "timeout", "transport",
+            "delay_lr_ticks", "predict_decay", "delay_momentum")  # fmt: skip
 FP16_KEYS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis",
              "min_loss_scale")  # fmt: skip
 
