@@ -229,10 +229,11 @@ def _close_wandb(engine: Any) -> None:
 
 def resume(rank: int, world: int, cases: list[dict[str, Any]], root: str, phase: str) -> list[dict[str, Any]]:
     """phase "straight": train ``calls_before`` calls, save undrained, train ``calls_after``; phase "resumed": a new
-    process loads the save (its injectors off: they fired before the save) and trains ``calls_after``."""
+    process loads the save, its injectors counting on from the backward passes made before it, and trains
+    ``calls_after``."""
     out = []
     for i, case in enumerate(cases):
-        engine, model, data = build(case, world, inject=phase == "straight")
+        engine, model, data = build(case, world)
         save_dir = f"{root}/case{i}"
         if phase == "straight":
             it = iter(data)
@@ -243,6 +244,10 @@ def resume(rank: int, world: int, cases: list[dict[str, Any]], root: str, phase:
             torch.manual_seed(999)  # the resumed run must not depend on the process's own RNG
             engine.load_checkpoint(save_dir)
             it = iter(data[engine.micro_batches_read :])
+            # stage k back-propagates micro-batch b at tick b + 2(K-1) - k: the passes made in the saved ticks
+            made = max(0, engine.global_steps - 2 * (engine.num_stages - 1) + engine.stage_id)
+            for injector in (m for m in model.modules() if isinstance(m, Injector)):
+                injector.backwards = made
         at_save = scale_of(engine)
         losses, scales = [], []
         for _ in range(case["calls_after"]):

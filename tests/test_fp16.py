@@ -158,6 +158,9 @@ RESUME_K2 = [
     {"stages": 2, "n": 40, "calls_before": 7, "calls_after": 6, **DYNAMIC, "inject": {"a": {"at": [4]}}},
     {"stages": 2, "n": 40, "calls_before": 7, "calls_after": 6, **DYNAMIC, "inject": {"a": {"at": [4]}}, "zero": 1,
      "weights": "stashed", "activations": "recomputed"},
+    # hysteresis 2: one overflow before the save uses one up, the next after it (tick 10) lowers the scale
+    {"stages": 2, "n": 40, "calls_before": 7, "calls_after": 6, **DYNAMIC, "hysteresis": 2,
+     "inject": {"a": {"at": [4, 8]}}},
     # part-way through an accumulation of 2 (the group's scale saved), FusedAdam's flat masters
     {"stages": 2, "n": 40, "gas": 3, "calls_before": 1, "calls_after": 3, "accumulate": 2, **DYNAMIC,
      "ds_optimizer": "Adam", "hysteresis": 2},
@@ -289,6 +292,8 @@ def test_resume_is_bit_identical_with_scales_in_flight(k2, k3) -> None:
     _check_resumed(k3["straight"], k3["resumed"], RESUME_K3)
     at_save = {r[0]["stage_id"]: r[0]["at_save"] for r in k2["straight"]}
     assert at_save[0]["cur_scale"] < at_save[1]["cur_scale"] and at_save[0]["skipped_steps"] == 1  # right after it
+    stage_0 = next(r[2] for r in k2["resumed"] if r[2]["stage_id"] == 0)  # hysteresis 2: one used at the save
+    assert stage_0["at_save"]["cur_hysteresis"] == 1 and stage_0["scales"][-1]["skipped_steps"] == 2
 
 
 def test_fdg_and_1f1b_swap_keeping_the_fp16_optimizer_state(k2) -> None:
