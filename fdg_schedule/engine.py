@@ -324,10 +324,10 @@ class FDGPipelineEngine(FDGCheckpoints):
             self.optimizer.zero_grad() if wrapped else self.zero_grad()
         finally:
             self._force_grad_boundary = False
-        if wrapped:  # the wrapper's norm, computed stage-locally (optim.decouple_from_other_stages)
-            self._global_grad_norm = getattr(self.optimizer, "_global_grad_norm", 0.0)
         scaling = self.fdg_state.scaling
         floor = scaling.after_step(overflow=not finite)  # Note [loss scale per stage]
+        if wrapped:  # the wrapper's norm, computed stage-locally (optim.decouple_from_other_stages)
+            self._global_grad_norm = getattr(self.optimizer, "_global_grad_norm", 0.0)
         if finite:
             self.fdg_stats["steps"] += 1
         else:

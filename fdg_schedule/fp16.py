@@ -103,7 +103,14 @@ class StageScaling:
         if self.config is None:
             return False
         self.stats["loss_scale"] = self.step_scale
+        fp16_optimizer.unscale_norm(self.optimizer, self.step_scale)
         return self.state.update(self.step_scale, overflow)
+
+    def unscaled(self, norm: Tensor | None) -> Tensor | None:
+        """A norm of this tick's fp16 gradients (W&B's fdg/grad_norm after the reduce) divided by their scale."""
+        if self.config is None or norm is None:
+            return norm
+        return norm / (self._group_scale() if self.last else self._scale_in())
 
     def describe_floor(self) -> str:
         """What an overflow at the minimum scale is, for ``nonfinite: "error"``'s message."""

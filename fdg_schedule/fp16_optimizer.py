@@ -21,10 +21,12 @@ DeepSpeed's dynamic setting and a fresh window and hysteresis; its own per-stage
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from typing import Any
 
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 from fdg_schedule.loss_scale import ScaleConfig
@@ -58,6 +60,13 @@ def set_scale(optimizer: Any, scale: float) -> None:
         optimizer.loss_scaler.cur_scale = scale
     else:
         optimizer.loss_scale_config.cur_scale = scale
+
+
+def unscale_norm(optimizer: Any, scale: float) -> None:
+    """After a step at ``scale``: the unfused optimizer's ``_global_grad_norm`` is of the scaled gradients (its fused
+    and ZeRO siblings divide by the scale); divide it, so ``get_global_grad_norm()`` is the gradient's norm."""
+    if isinstance(optimizer, FP16_UnfusedOptimizer) and math.isfinite(optimizer._global_grad_norm):
+        optimizer._global_grad_norm = optimizer._global_grad_norm / scale
 
 
 def loaded_state(optimizer: Any) -> dict[str, Any]:

@@ -178,8 +178,8 @@ class StageTracker:
 
     def on_instruction(self, engine: StageView, cmd: Any, start: float, end: float) -> None:
         self.numbers.watch(cmd)
-        if isinstance(cmd, ReduceGrads):
-            self._grad_norm = _grad_norm(engine.module.parameters())
+        if isinstance(cmd, ReduceGrads):  # fp16: the gradients carry the loss scale
+            self._grad_norm = engine.fdg_state.scaling.unscaled(_grad_norm(engine.module.parameters()))
         elif isinstance(cmd, LocalOptimizerStep) and self._grad_norm is None:
             # ZeRO keeps reduced gradients in its own partitions; its step computed the norm.
             norm = getattr(engine.optimizer, "_global_grad_norm", None)

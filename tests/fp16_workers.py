@@ -9,6 +9,7 @@ fp16 optimizers, loss scaling and checkpoints are the same code on every device.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -175,7 +176,8 @@ def scale_of(engine: Any) -> dict[str, Any]:
     """The stage's loss-scale view: the scale of its last step, its own scale and counters, steps skipped."""
     scaling = engine.fdg_state.scaling
     return {"step_scale": engine.fdg_stats["loss_scale"], "skipped": engine.fdg_stats["skipped"],
-            "skipped_steps": engine.skipped_steps, **scaling.state.capture()}  # fmt: skip
+            "skipped_steps": engine.skipped_steps, "grad_norm": float(engine.get_global_grad_norm() or math.nan),
+            **scaling.state.capture()}  # fmt: skip
 
 
 def train(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:

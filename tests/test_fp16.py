@@ -198,6 +198,11 @@ def test_two_stages_equal_the_reference(k2) -> None:
     for rank in k2["trained"]:  # the fp16 optimizers DeepSpeed built, and a scale that moved during the test
         assert [r["optimizer"] for r in rank] == K2_OPTIMIZERS
         assert max(s["cur_scale"] for s in rank[0]["scales"]) > 2**8
+        # get_global_grad_norm(): the unscaled norm under the unfused optimizer (which reports it scaled) as under
+        # ZeRO-1, on the same gradients (cases 0 and 3 train alike; ZeRO sums the squares less precisely: 1 %)
+        unfused, zero = rank[0]["scales"], rank[3]["scales"]
+        assert [s["grad_norm"] for s in unfused] == pytest.approx([s["grad_norm"] for s in zero], rel=0.02)
+        assert all(0 < s["grad_norm"] < 10 for s in unfused)  # not times the scale (2**8 and more)
     skipped = {i: [r[i]["scales"][-1]["skipped"] for r in k2["trained"]] for i in range(len(cases))}
     assert skipped[6] == [2, 0]  # stage 0's two overflows; stage 1 had stepped on those micro-batches
     assert skipped[7] == [1, 0]  # the static scale skips, and stays
