@@ -340,7 +340,7 @@ class FDGPipelineEngine(FDGCheckpoints):
 
         Note [no host sync in a tick]: under ``nonfinite="error"`` the stage norm's check is queued
         and the step taken (the run stops at the next read); only ``"skip"`` reads it before stepping.
-        The bf16 and ZeRO wrappers check (and skip) non-finite steps themselves, inside DeepSpeed.
+        The bf16, fp16 and ZeRO wrappers check (and skip) non-finite steps themselves, inside DeepSpeed.
         """
         if not wrapped:
             norm = optim.clip_stage_local(self._own_params, self.gradient_clipping())
