@@ -64,7 +64,7 @@ class FDGPipelineEngine(FDGCheckpoints):
         optim.decouple_from_other_stages(self.optimizer, self.basic_optimizer)
         rank = lambda stage: self.grid.stage_to_global(stage) if 0 <= stage < self.num_stages else None  # noqa: E731
         self._tie_keys = list(tied.owners(self.module))  # every rank's, also where it holds no copy
-        scale_config = fp16.scale_config(self, self._tie_keys)  # Note [loss scale per stage]; None: no fp16
+        scale_config = fp16.scale_config(self)  # Note [loss scale per stage]; None: no fp16
         self._exchange = NeighbourExchange(
             rank(self.stage_id - 1), rank(self.stage_id + 1), self.device, self.dynamic_shape, self.stage_id,
             timeout_s=fdg_config.timeout, plan=self._plan, describe=self._describe, transport=fdg_config.transport,
@@ -75,7 +75,7 @@ class FDGPipelineEngine(FDGCheckpoints):
         self._delayed = DelayedBackward(self.module, fdg_config, delayed=delayed)
         self._tied = tied.TiedSync(
             ties, self.stage_id, self.basic_optimizer, self.optimizer, self.grid.get_data_parallel_group(),
-            self.dp_world_size, self._replicas.collective, self._where(), across=bool(self._tie_keys),
+            self.dp_world_size, self._replicas.collective, self._where(), bool(self._tie_keys), bool(scale_config),
         )  # fmt: skip
         self._own_params = self._tied.without(self.module.parameters())  # stepped by the stage's optimizer
         params, every = self._delayed.params, fdg_config.staleness_every
@@ -290,7 +290,7 @@ class FDGPipelineEngine(FDGCheckpoints):
             with self.fdg_state.last_prediction:  # the forward's predicted weights, back to w after
                 DeepSpeedEngine.backward(self, scaled, scale_wrt_gas=False)
             carried = loss.detach().float()
-            self._tied.after_backward()
+            self._tied.after_backward(self.fdg_state.scaling.backward_scale())  # fp16: unscaled by S
         else:
             grads, carried = self.fdg_state.received.pop(buffer_id)
             if self.fdg_config.grad_shrink != 1.0:
@@ -300,7 +300,7 @@ class FDGPipelineEngine(FDGCheckpoints):
             self.fdg_state.meter.before_backward(self.fdg_state.tick, buffer_id)  # the live weights are w_bwd
             with self._delayed.backward(held, stored, lambda: self._stage_forward(inputs)) as outputs:
                 stage_backward(self, floating(outputs), grads, self._where)
-            self._tied.after_backward()  # Note [tied layers across stages]: before the stage's reduce and step
+            self._tied.after_backward(self.fdg_state.scaling.backward_scale())  # before the reduce; fp16: unscaled
         self.fdg_state.call_losses.append(carried)
         if not self.is_first_stage():
             sent = self.fdg_state.scaling.carry(carried)  # the loss and, with fp16, its scale
@@ -351,10 +351,10 @@ class FDGPipelineEngine(FDGCheckpoints):
 
     def _optimizer_step(self) -> bool:
         """One step of the optimizer DeepSpeed built; False when it skipped it (a wrapper's overflow check)."""
-        self.fdg_state.scaling.before_step()  # fp16: the scale the gradients were made with
-        self._start_timers(self.engine_timers.step_timers)
-        self.optimizer.step()
-        self._stop_timers(self.engine_timers.step_timers)
+        with self.fdg_state.scaling.stepping(self._tied.overflowed):  # fp16: the gradients' scale; a tied overflow
+            self._start_timers(self.engine_timers.step_timers)
+            self.optimizer.step()
+            self._stop_timers(self.engine_timers.step_timers)
         return not getattr(self.optimizer, "overflow", False)
 
     def _exec_exchange(
@@ -399,8 +399,8 @@ class FDGPipelineEngine(FDGCheckpoints):
         start = time.perf_counter()
         self._exchange.wait_peers()
         self.fdg_stats["wait_s"] += time.perf_counter() - start
-        lrs, clip = self.get_lr(), self.gradient_clipping()
-        self._tied.apply(self.fdg_state.tick, self.fdg_config.accumulate, lrs, clip, self._tied_guard, segment_over)
+        lrs, clip, tick, gas = self.get_lr(), self.gradient_clipping(), self.fdg_state.tick, self.fdg_config.accumulate
+        self.fdg_stats["skipped"] += self._tied.apply(tick, gas, lrs, clip, self._tied_guard, segment_over)  # fp16
 
     def _tied_guard(self, norm: Tensor) -> bool:
         """pipeline.fdg.nonfinite for a tied step: queue the check ("error"), or skip and count it ("skip")."""

@@ -59,6 +59,13 @@ class FDGCheckpoints(PipelineEngine):
                 "step counts (Adam's bias correction) and they would drift apart. An FDG job resumes it exactly; "
                 "to switch to 1F1B, save with save_checkpoint(..., drain=True)"
             )
+        if self._tied and self.fp16_enabled() and not self._tied.in_flat_file:  # Note [tied layers under fp16]
+            logger.warning(
+                f"{self._where()}: fp16 with layers tied across stages: DeepSpeed's fp16 optimizer file holds the "
+                "stage's own parameters, not the tied copies (FDG's file holds their fp32 masters and state), so a "
+                "1F1B job can load this checkpoint's weights but not its optimizer state "
+                "(load_checkpoint(..., load_optimizer_states=False)); an FDG job resumes it exactly"
+            )
         tag = str(tag if tag is not None else f"global_step{self.global_steps}")
         path = checkpoint.state_path(save_dir, tag, self.stage_id, self.grid.data_parallel_id)
         captured = self.fdg_state.capture()
@@ -135,9 +142,10 @@ class FDGCheckpoints(PipelineEngine):
         keys = self._tie_keys
         raise FDGConfigError(
             f"checkpoint {saved_dir} has no FDG state (a 1F1B checkpoint?) and this model ties {keys} across "
-            f"stages: 1F1B's optimizer state holds the tied parameters of {keys} in the flat buffers of the stage's "
-            "bf16/ZeRO optimizer in a layout FDG does not translate (a param group of only tied parameters, or "
-            "zero_optimization.round_robin_gradients), so it cannot be loaded exactly; call load_checkpoint(..., "
+            f"stages: 1F1B's optimizer state holds the tied parameters of {keys} in the buffers of the stage's "
+            "fp16/bf16/ZeRO optimizer in a layout FDG does not translate (DeepSpeed's fp16 optimizers without ZeRO, "
+            "a param group of only tied parameters, or zero_optimization.round_robin_gradients), so it cannot be "
+            "loaded exactly; call load_checkpoint(..., "
             "load_optimizer_states=False) to load the weights and LR scheduler (optimizer state starts fresh)"
         )
 

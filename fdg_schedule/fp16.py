@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from fdg_schedule import fp16_optimizer
-from fdg_schedule.config import FDGConfigError
 from fdg_schedule.loss_scale import LossScale, ScaleConfig
 
 
@@ -90,13 +89,29 @@ class StageScaling:
             return None
         return min(self.state.cur_scale, self._ceiling_in())
 
-    def before_step(self) -> None:
-        """The step's S into DeepSpeed's wrapper: the scale the gradients came with (a host read on the stage's
-        device, where DeepSpeed's fp16 step reads its overflow flag anyway)."""
+    def backward_scale(self) -> float | None:
+        """The S the backward just run was made with (None with fp16 off): what the stage's tied copies' gradients
+        are divided by before they leave (Note [tied layers under fp16] in fdg_schedule/tied.py)."""
         if self.config is None:
+            return None
+        return self._group_scale() if self.last else float(self._scale_in())
+
+    @contextlib.contextmanager
+    def stepping(self, tied_overflowed: Callable[[], bool]) -> Iterator[None]:
+        """Around the wrapper's step: the step's S, the scale the gradients came with (a host read on the stage's
+        device, where DeepSpeed's fp16 step reads its overflow flag anyway); ``tied_overflowed()`` True (a tied
+        copy's gradient of this step was not finite) makes the wrapper's overflow check find one, so DeepSpeed's
+        own skip runs (Note [tied layers under fp16] in fdg_schedule/tied.py)."""
+        if self.config is None:
+            yield
             return
         self.step_scale = self._group_scale() if self.last else float(self._scale_in())
         fp16_optimizer.set_scale(self.optimizer, self.step_scale)
+        if tied_overflowed():
+            with fp16_optimizer.overflow_found(self.optimizer):
+                yield
+        else:
+            yield
 
     def after_step(self, overflow: bool) -> bool:
         """The stage's scale after a step; True when the step overflowed at ``min_loss_scale``."""
@@ -174,14 +189,8 @@ class StageScaling:
         return self.group_scale
 
 
-def scale_config(engine: Any, tie_keys: list[str]) -> ScaleConfig | None:
-    """The fp16 scale settings of an engine's config (None without fp16); refuses what FDG cannot scale."""
+def scale_config(engine: Any) -> ScaleConfig | None:
+    """The fp16 scale settings of an engine's config (None without fp16)."""
     if not engine.fp16_enabled():
         return None
-    if tie_keys:  # the same on every rank (every rank's tie keys): refused alike, after DeepSpeed's init
-        raise FDGConfigError(
-            f"fp16.enabled=true with layers tied across stages ({tie_keys}) is not supported with "
-            'pipeline.schedule="fdg": the owners\' tied gradients come from different micro-batches, made with '
-            'different loss scales; use bf16 ("bf16": {"enabled": true}) or fp32, or untie the layers'
-        )
     return ScaleConfig.from_deepspeed(engine._config.float16_config)

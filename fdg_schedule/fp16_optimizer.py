@@ -62,6 +62,24 @@ def set_scale(optimizer: Any, scale: float) -> None:
         optimizer.loss_scale_config.cur_scale = scale
 
 
+@contextlib.contextmanager
+def overflow_found(optimizer: Any) -> Iterator[None]:
+    """Inside, the wrapper's overflow check finds an overflow (on every data-parallel replica alike: the caller
+    decides from a flag the replicas share), so its step takes DeepSpeed's own skip path (gradients dropped, the
+    step counted as skipped)."""
+    if is_zero(optimizer):
+        target, name = optimizer, "has_overflow"
+    elif isinstance(optimizer, FP16_UnfusedOptimizer):
+        target, name = optimizer.overflow_checker, "check"
+    else:  # FP16_Optimizer
+        target, name = optimizer.overflow_checker, "has_overflow"
+    setattr(target, name, lambda *args, **kwargs: True)
+    try:
+        yield
+    finally:
+        delattr(target, name)
+
+
 def unscale_norm(optimizer: Any, scale: float) -> None:
     """After a step at ``scale``: the unfused optimizer's ``_global_grad_norm`` is of the scaled gradients (its fused
     and ZeRO siblings divide by the scale); divide it, so ``get_global_grad_norm()`` is the gradient's norm."""

@@ -62,6 +62,13 @@ Note [tied layers across stages, the reference]
     the count go back to zero. Tied copies are never predicted and never lr-scaled. The engine's
     side is Note [tied layers across stages] in fdg_schedule/tied.py.
 
+    With fp16 (Note [tied layers under fp16] in fdg_schedule/tied.py): each copy's fp32 master (its
+    entry in ``FP16.masters``) is taken out of the stage optimizer instead and the tied optimizer
+    steps it (then copied into the fp16 copy); c_s(u) = (fp16 gradient in fp32) * (1/S), S the scale
+    stage s's backward at u was made with; a c_s(u) that is not finite makes stage s's next step an
+    overflow; a P that is not finite skips the tied step on every copy (P and the count dropped,
+    counted in ``skipped`` of the tie).
+
 Note [fp16 in the reference]
     With ``fp16=FP16(masters, ...)`` the stages hold fp16 weights and the optimizers step fp32 masters
     (``masters[k]``: one per trainable parameter of stage k, in ``parameters()`` order). Stage k keeps a
@@ -86,6 +93,7 @@ import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import torch
@@ -132,6 +140,7 @@ class ReferenceScale:
     masters: list[Tensor]
     scale: float
     hysteresis: int
+    tied_overflow: bool = False  # a tied copy's gradient since the stage's last step was not finite
     steps: int = 0  # steps counted by the scale (late ones are not)
     last_overflow: int = -1
     group: float | None = None  # last stage: S of the group being accumulated
@@ -172,7 +181,10 @@ class _Tie:
     optimizers: dict[int, torch.optim.Optimizer]
     accumulated: Tensor
     groups: dict[int, int]  # stage -> the stage optimizer's param group whose lr the copy takes
+    masters: dict[int, Tensor]  # stage -> what its tied optimizer steps: the copy, or its fp32 master (fp16)
+    fp16: bool = False
     count: int = 0
+    skipped: int = 0  # tied steps skipped for an fp16 overflow
 
 
 @dataclasses.dataclass
@@ -221,7 +233,7 @@ def fdg_reference(
     config = config or FDGConfig()
     state = state if state is not None else ReferenceState()
     K, n = len(stages), len(micro_batches)
-    _build_ties(stages, optimizers, ties, state)
+    _build_ties(stages, optimizers, ties, state, fp16)
     if fp16 is not None and not state.fp16:
         first = _f32(fp16.loss_scale if fp16.loss_scale > 0 else 2.0**fp16.initial_scale_power)
         state.fp16 = [ReferenceScale(fp16, list(m), first, fp16.hysteresis) for m in fp16.masters]
@@ -256,13 +268,13 @@ def fdg_reference(
                 assert received_bwd == bwd
                 shrunk = tuple(config.grad_shrink * g for g in grads)
                 input_grads = _delayed_backward(stage, in_flight[k].pop(bwd), shrunk, config)
-                _take_tied_grads(state.tied, k, contributions)
                 made_with = scale_msg.get(k)  # fp16: the scale the gradient was made with
+                _take_tied_grads(state.tied, k, contributions, scaling[k], made_with)
                 if k > 0:
                     next_grad[k - 1] = (bwd, input_grads)
                     if made_with is not None:
                         next_scale[k - 1] = made_with
-                step = (bwd, config, drain_limit, clip_grad_norm, corrections, scaling[k], made_with)
+                step = (bwd, config, drain_limit, clip_grad_norm, corrections, scaling[k], made_with, tied_names[k])
                 _maybe_step(stage, optimizers[k], *step)
             fwd = ticks.forward_micro_batch(tick, k, n)
             if fwd is None:
@@ -281,13 +293,13 @@ def fdg_reference(
                 x = _leaves(inputs, requires_grad=k > 0)
                 predicted = corrections.predicted()
                 loss = _last_stage_backward(stage, x, micro_batches[fwd][1], loss_fn, config, predicted, made_with)
-                _take_tied_grads(state.tied, k, contributions)
+                _take_tied_grads(state.tied, k, contributions, own, made_with)
                 losses.append(loss.item())
                 if k > 0:
                     next_grad[k - 1] = (fwd, _grads_of(x))
                     if made_with is not None:
                         next_scale[k - 1] = made_with
-                step = (fwd, config, drain_limit, clip_grad_norm, corrections, own, made_with)
+                step = (fwd, config, drain_limit, clip_grad_norm, corrections, own, made_with, tied_names[k])
                 _maybe_step(stage, optimizers[k], *step)
             else:
                 record = _forward(stage, inputs, config, requires_grad=k > 0, predicted=corrections.predicted())
@@ -399,16 +411,23 @@ def _build_ties(
     optimizers: Sequence[torch.optim.Optimizer],
     ties: Sequence[Sequence[tuple[int, str]]],
     state: ReferenceState,
+    fp16: FP16 | None = None,
 ) -> None:
-    """Take the tied copies out of the stage optimizers; give each a tied optimizer (once per state) with the
-    settings of the param group it was in, whose lr it follows (group 0's if only tied copies were in it)."""
+    """Take the tied copies (with fp16: their fp32 masters) out of the stage optimizers; give each a tied optimizer
+    (once per state) with the settings of the param group it was in, whose lr it follows (group 0's if only tied
+    copies were in it)."""
     found: dict[tuple[int, str], tuple[int, dict[str, Any]]] = {}  # (stage, name) -> (group, settings)
+    stepped: dict[tuple[int, str], Tensor] = {}  # (stage, name) -> what the stage optimizer steps for it
     for tie in ties:
         for k, name in tie:
             named = dict(stages[k].named_parameters())
             if name not in named:
                 raise ValueError(f"ties: stage {k} has no parameter {name!r}; its parameters are {sorted(named)}")
-            p = named[name]
+            p: Tensor = named[name]
+            if fp16 is not None:  # Note [fp16 in the reference]: masters[k] in parameters() order
+                trainable = [n for n, q in stages[k].named_parameters() if q.requires_grad]
+                p = fp16.masters[k][trainable.index(name)]
+            stepped[(k, name)] = p
             for g, group in enumerate(optimizers[k].param_groups):
                 if any(q is p for q in group["params"]):
                     group["params"] = [q for q in group["params"] if q is not p]
@@ -417,23 +436,37 @@ def _build_ties(
         return
     for tie in ties:
         params = {k: dict(stages[k].named_parameters())[name] for k, name in sorted(tie)}
+        masters = {k: stepped[(k, name)] for k, name in sorted(tie)}
         settings = {k: found.get((k, name), (0, {}))[1] for k, name in tie}
         opts = {
-            k: type(optimizers[k])([{**settings[k], "params": [p]}], **optimizers[k].defaults)
-            for k, p in params.items()
+            k: type(optimizers[k])([{**settings[k], "params": [m]}], **optimizers[k].defaults)
+            for k, m in masters.items()
         }
         groups = {k: found.get((k, name), (0, {}))[0] for k, name in tie}
         first = next(iter(params.values()))
-        state.tied.append(_Tie(params, opts, torch.zeros_like(first, dtype=torch.float32), groups))
+        accumulated = torch.zeros_like(first, dtype=torch.float32)
+        state.tied.append(_Tie(params, opts, accumulated, groups, masters, fp16=fp16 is not None))
 
 
-def _take_tied_grads(tied: list[_Tie], k: int, contributions: dict[tuple[int, int], Tensor]) -> None:
-    """After stage k's backward: its copies' gradients are its contributions c_k (taken out of ``.grad``)."""
+def _take_tied_grads(
+    tied: list[_Tie],
+    k: int,
+    contributions: dict[tuple[int, int], Tensor],
+    fp16: ReferenceScale | None = None,
+    made_with: float | None = None,
+) -> None:
+    """After stage k's backward: its copies' gradients are its contributions c_k (taken out of ``.grad``); with
+    fp16 divided by the scale ``made_with``, a non-finite one marking the stage's next step an overflow."""
     for i, tie in enumerate(tied):
         p = tie.params.get(k)
         if p is None:
             continue
-        contributions[(i, k)] = torch.zeros_like(tie.accumulated) if p.grad is None else p.grad.detach().float()
+        grad = torch.zeros_like(tie.accumulated) if p.grad is None else p.grad.detach().float()
+        if fp16 is not None:
+            assert made_with is not None
+            grad.mul_(1.0 / made_with)
+            fp16.tied_overflow |= not bool(torch.isfinite(grad).all())
+        contributions[(i, k)] = grad
         p.grad = None
 
 
@@ -457,15 +490,22 @@ def _tied_step(
         tie.accumulated.add_(total)
         if not ((t % accumulate == 0 or flush) and tie.count > 0):
             continue
-        for k, p in tie.params.items():
-            p.grad = tie.accumulated.clone().to(p.dtype)
-            if clip > 0:
-                torch.nn.utils.clip_grad_norm_([p], clip)
-            opt = tie.optimizers[k]
-            for group in opt.param_groups:
-                group["lr"] = optimizers[k].param_groups[tie.groups[k]]["lr"]
-            opt.step()
-            p.grad = None
+        if tie.fp16 and not bool(torch.isfinite(tie.accumulated).all()):  # an overflow: no owner steps
+            tie.skipped += 1
+        else:
+            for k, p in tie.params.items():
+                m = tie.masters[k]
+                m.grad = tie.accumulated.clone().to(m.dtype)
+                if clip > 0:
+                    torch.nn.utils.clip_grad_norm_([m], clip)
+                opt = tie.optimizers[k]
+                for group in opt.param_groups:
+                    group["lr"] = optimizers[k].param_groups[tie.groups[k]]["lr"]
+                opt.step()
+                m.grad = None
+                if m is not p:
+                    with torch.no_grad():
+                        p.copy_(m)
         tie.accumulated.zero_()
         tie.count = 0
 
@@ -572,13 +612,14 @@ def _maybe_step(
     corrections: _Corrections,
     fp16: ReferenceScale | None = None,
     made_with: float | None = None,
+    tied: AbstractSet[str] = frozenset(),
 ) -> None:
     last = None if drain_limit is None else drain_limit - 1
     if not ticks.steps_after_backward(micro_batch, config.accumulate, last):
         return
     if fp16 is not None:
         assert made_with is not None
-        _fp16_step(stage, optimizer, clip_grad_norm, corrections, fp16, made_with)
+        _fp16_step(stage, optimizer, clip_grad_norm, corrections, fp16, made_with, tied)
         return
     if clip_grad_norm > 0:
         torch.nn.utils.clip_grad_norm_(stage.parameters(), clip_grad_norm)
@@ -594,21 +635,26 @@ def _fp16_step(
     corrections: _Corrections,
     fp16: ReferenceScale,
     made_with: float,
+    tied: AbstractSet[str],
 ) -> None:
-    """Note [fp16 in the reference]: a step of the masters on the fp16 gradients made with ``made_with``."""
-    params = [p for p in stage.parameters() if p.requires_grad]
-    overflow = any(p.grad is not None and not bool(torch.isfinite(p.grad).all()) for p in params)
+    """Note [fp16 in the reference]: a step of the masters on the fp16 gradients made with ``made_with``; the tied
+    copies (``tied``: their names) step apart (Note [tied layers across stages, the reference])."""
+    trainable = [(name, p) for name, p in stage.named_parameters() if p.requires_grad]
+    pairs = [(p, m) for (name, p), m in zip(trainable, fp16.masters, strict=True) if name not in tied]
+    params, masters = [p for p, _ in pairs], [m for _, m in pairs]
+    overflow = fp16.tied_overflow or any(p.grad is not None and not bool(torch.isfinite(p.grad).all()) for p in params)
+    fp16.tied_overflow = False
     if overflow:
         fp16.skipped += 1
     else:
-        for p, master in zip(params, fp16.masters, strict=True):
+        for p, master in pairs:
             master.grad = torch.zeros_like(master) if p.grad is None else p.grad.float().mul_(1.0 / made_with)
         if clip_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(fp16.masters, clip_grad_norm)
+            torch.nn.utils.clip_grad_norm_(masters, clip_grad_norm)
         with corrections.step(optimizer):  # the fp16 weights move inside: the prediction's delta follows them
             optimizer.step()
             with torch.no_grad():
-                for p, master in zip(params, fp16.masters):
+                for p, master in pairs:
                     p.copy_(master)
                     master.grad = None
     for p in params:

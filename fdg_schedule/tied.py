@@ -36,8 +36,24 @@ Note [tied layers across stages]
     (d_s + 1 with accumulate 1: one tick more than the stage's other gradients). docs/fdg.md, "Tied
     layers across stages", is the user-facing definition; ``fdg_reference(..., ties=...)`` the judge.
 
-bf16: the tied optimizer steps an fp32 master of each copy and writes it into the (bf16) module
-weight. Its state is replicated on every data-parallel replica (not ZeRO-partitioned).
+bf16 and fp16: the tied optimizer steps an fp32 master of each copy and writes it into the (bf16 / fp16)
+module weight. Its state is replicated on every data-parallel replica (not ZeRO-partitioned).
+
+Note [tied layers under fp16]
+    Owners back-propagate different micro-batches, made with different loss scales (Note [loss scale
+    per stage] in fdg_schedule/loss_scale.py), so a contribution leaves unscaled: in step 1 above,
+    c_s(u) = (the fp16 gradient in fp32, averaged over the data-parallel group) * (1/S), S the scale
+    owner s's backward at u was made with (the last stage: the scale its loss was multiplied by; any
+    other: the scale that came with its input gradient). P and G are then in the loss's own units on
+    every owner, whatever the scales. An overflow:
+    - a contribution that is not finite is an overflow of its owner's own step that covers the same
+      backward pass (the stage's next step; as DeepSpeed's check covers the tied copies in 1F1B): that
+      step is skipped and the owner's scale lowered, exactly as for an overflow in its own gradients;
+    - it is still sent and summed, so P is not finite on every owner alike: the tied step that would
+      apply it is skipped on every owner (P and its count dropped, counted in ``skipped``), without
+      the ``nonfinite`` policy (an overflow is expected under fp16; at the minimum scale the owner's
+      own step reports it).
+    The reference states the same rule (Note [tied layers across stages, the reference]).
 
 Note [tied optimizer state in checkpoints]
     1F1B's stage optimizer holds each tied copy in its param groups; FDG's holds it in the copy's
@@ -330,15 +346,18 @@ class _Copy:
         self.contribution = torch.zeros_like(self.accumulated)
         self.passes = torch.zeros(1, dtype=torch.int64)
 
-    def step(self, lr: float, clip: float, guard: Callable[[Tensor], bool]) -> None:  # lr: of the copy's group
-        """One tied step on P (unless ``guard(norm of P)`` says no), then P and the count back to zero."""
+    def step(self, lr: float, clip: float, guard: Callable[[Tensor], bool], fp16: bool) -> bool:
+        """One tied step on P at ``lr`` (its group's), unless ``guard(norm of P)`` says no or, under ``fp16``, P
+        is not finite (Note [tied layers under fp16]); then P and the count back to zero. False: skipped."""
         master = self.master
         master.grad = self.accumulated
         if clip > 0:
             norm = torch.nn.utils.clip_grad_norm_([master], clip)
         else:
             norm = torch.nn.utils.get_total_norm([self.accumulated])
-        if guard(norm):  # P is identical on every owner, so is its norm: all owners decide alike
+        # P is identical on every owner, so is its norm: all owners decide alike
+        stepped = not fp16 or bool(torch.isfinite(norm))
+        if stepped and guard(norm):
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()
@@ -348,6 +367,7 @@ class _Copy:
         if master is not self.tie.param:
             with torch.no_grad():
                 self.tie.param.data.copy_(master)
+        return stepped
 
 
 class TiedSync:
@@ -364,6 +384,7 @@ class TiedSync:
         where: names the stage in errors.
         across: the model has parameters tied across stages (on any stage): a stage holding no copy still
             builds a tied optimizer once, so that an optimizer FDG cannot build one from fails on every rank.
+        fp16: the stage trains in fp16 (Note [tied layers under fp16]).
     """
 
     def __init__(
@@ -377,8 +398,11 @@ class TiedSync:
         collective: Callable[[str], contextlib.AbstractContextManager[Any]] | None = None,
         where: str = "",
         across: bool = False,
+        fp16: bool = False,
     ) -> None:
         self.copies: list[_Copy] = []
+        self.fp16 = fp16
+        self._finite: Tensor | None = None  # fp16: the contributions since the stage's last step were finite
         if ties or across:
             if basic is None:
                 raise FDGConfigError(
@@ -416,8 +440,9 @@ class TiedSync:
         tied = {id(p) for p in self.params()}
         return [p for p in params if id(p) not in tied]
 
-    def after_backward(self) -> None:
-        """Take this stage's tied gradients out of the backward just run, averaged over its data-parallel group."""
+    def after_backward(self, scale: float | None = None) -> None:
+        """Take this stage's tied gradients out of the backward just run, averaged over its data-parallel group;
+        under fp16 divided by the ``scale`` the backward was made with (Note [tied layers under fp16])."""
         grads = [c.take_gradient() for c in self.copies]
         if self.dp_size > 1:  # as DeepSpeed averages gradients; in fp32
             with self.collective("the tied-gradient all-reduce"):
@@ -425,9 +450,21 @@ class TiedSync:
                     dist.all_reduce(g, group=self.dp_group)
             for g in grads:
                 g.div_(self.dp_size)
+        if scale is not None and self.copies:
+            finite = self._finite if self._finite is not None else torch.ones((), dtype=torch.bool)
+            for g in grads:
+                g.mul_(1.0 / scale)
+                finite = finite.to(g.device) & torch.isfinite(g).all()
+            self._finite = finite
         for c, g in zip(self.copies, grads):
             c.contribution.add_(g)
             c.passes += 1
+
+    def overflowed(self) -> bool:
+        """fp16, at the stage's step: whether a tied contribution since its last step was not finite (a host read,
+        beside the one of DeepSpeed's overflow check); the next step starts afresh (Note [tied layers under fp16])."""
+        finite, self._finite = self._finite, None
+        return finite is not None and not bool(finite)
 
     def messages(self) -> list[PeerMessage]:
         """This tick's contributions to the other owners and the receives of theirs, in a fixed order."""
@@ -454,17 +491,20 @@ class TiedSync:
         clip: float,
         guard: Callable[[Tensor], bool],
         flush: bool = False,
-    ) -> None:
+    ) -> int:
         """At the start of global tick ``tick``: P += G(tick - 1); a step every ``accumulate`` ticks (or ``flush``).
 
         ``lrs``: the stage optimizer's lr per param group now; each copy steps at its group's (group 0's when
         its group held only tied copies).
         ``guard(norm)``: the non-finite policy, given P's norm before clipping; False skips the step (P is dropped).
+        Returns the tied steps skipped for an fp16 overflow (Note [tied layers under fp16]).
         """
+        skipped = 0
         for c in self.copies:
             c.add_sum()
             if (tick % accumulate == 0 or flush) and c.count > 0:
-                c.step(lrs[0 if c.group is None else c.group], clip, guard)
+                skipped += not c.step(lrs[0 if c.group is None else c.group], clip, guard, self.fp16)
+        return skipped
 
     @contextlib.contextmanager
     def hidden(self) -> Iterator[None]:
@@ -593,6 +633,7 @@ class TiedSync:
                 "count": c.count,
                 "optimizer": None if self.in_stage_file else c.optimizer.state_dict(),
                 "master": None if c.master is c.tie.param else c.master.detach().clone(),
+                "finite": None if self._finite is None else bool(self._finite),  # Note [tied layers under fp16]
             }
             for c in self.copies
         ]
@@ -620,11 +661,14 @@ class TiedSync:
                 c.optimizer.load_state_dict(s["optimizer"])
             c.contribution.zero_()
             c.passes.zero_()
+        finite = saved[0].get("finite") if saved else None
+        self._finite = None if finite is None else torch.tensor(finite)
 
     def reset(self) -> None:
         """P and counts to zero; fp32 masters re-read from the module weights (after weights were loaded), or
         taken from the flat optimizer file just loaded (Note [tied copies in flat optimizer files])."""
         loaded, self._loaded_masters = self._loaded_masters, None
+        self._finite = None
         for i, c in enumerate(self.copies):
             c.accumulated.zero_()
             c.count = 0

@@ -98,6 +98,28 @@ def layers(inject: dict[str, dict[str, Any]] | None = None, spec: bool = True) -
     ]
 
 
+def tied_layers(inject: dict[str, dict[str, Any]] | None = None, spec: bool = True) -> list[Any]:
+    """Ten layers, an embedding tied to the head (toy.tied_layers' tie): uniform K = 2 splits them [0, 5, 10], K = 3
+    [0, 4, 7, 10]. Injector "a" sits right after the embedding on stage 0: its overflow reaches the embedding's
+    gradient alone (the tied copy), not the stage's own Linear; "b" ends stage 0 at K = 2 and starts stage 1 at
+    K = 3 (an overflow of stage 0's whole gradient, through its input gradient at K = 3)."""
+    inject = inject or {}
+
+    def make(cls: Any, *args: Any) -> Any:
+        return deepspeed.pipe.LayerSpec(cls, *args) if spec else cls(*args)
+
+    def tied(forward_fn: Any = None) -> Any:
+        if spec:
+            return deepspeed.pipe.TiedLayerSpec("emb", toy.TiedWeight, toy.IN, toy.HIDDEN, 11, forward_fn=forward_fn)
+        return toy.Tied("emb", lambda: toy.TiedWeight(toy.IN, toy.HIDDEN, 11), forward_fn)
+
+    return [
+        tied(), Injector(**inject.get("a", {})), torch.tanh, make(toy.SeededLinear, toy.HIDDEN, toy.HIDDEN, 2),
+        Injector(**inject.get("b", {})), torch.tanh, make(toy.SeededLinear, toy.HIDDEN, toy.HIDDEN, 3), torch.tanh,
+        make(toy.SeededLinear, toy.HIDDEN, toy.HIDDEN, 4), tied(toy.head),
+    ]  # fmt: skip
+
+
 def micro_batches(n: int, size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """toy's micro-batches with fp16 inputs (DeepSpeed's fp16 expects first-stage inputs in fp16)."""
     return [(x.half(), y) for x, y in toy.micro_batches(n, size)]
@@ -136,7 +158,8 @@ def build(case: dict[str, Any], world: int, inject: bool = True) -> tuple[Any, P
 
     allow_fp16_on_cpu()
     torch.manual_seed(1234)
-    model = PipelineModule(layers=layers(case.get("inject") if inject else None), num_stages=case["stages"],
+    build_layers = tied_layers if case.get("tied") else layers
+    model = PipelineModule(layers=build_layers(case.get("inject") if inject else None), num_stages=case["stages"],
                            loss_fn=toy.loss_fn, partition_method="uniform")  # fmt: skip
     kwargs = {} if case.get("ds_optimizer") else {"optimizer": make_optimizer(case)}
     engine, *_ = deepspeed.initialize(model=model, config=ds_config(case), model_parameters=model.parameters(),
@@ -168,7 +191,11 @@ def masters(engine: Any, model: nn.Module) -> dict[str, torch.Tensor]:
 
         opt._hp_optimizer_states_linked = False
         opt._lazy_init_hp_params_optimizer_state()
-        pairs = [(p, safe_get_full_fp32_param(p)) for p in model.parameters()]
+        tied_sync = getattr(engine, "_tied", None)  # FDG's: the tied copies are not ZeRO's
+        own = model.parameters() if tied_sync is None else tied_sync.without(model.parameters())
+        pairs = [(p, safe_get_full_fp32_param(p)) for p in own]
+    # FDG's tied copies: the masters their tied optimizer steps
+    pairs += [(c.tie.param, c.master) for c in getattr(getattr(engine, "_tied", None), "copies", [])]
     return {names[id(p)]: m.detach().float().cpu().clone() for p, m in pairs}
 
 
@@ -280,6 +307,18 @@ def swap(rank: int, world: int, case: dict[str, Any], save_dir: str, phase: str)
             "engine": type(engine).__name__, "stage_id": engine.stage_id,
             "deepspeed_scale": _deepspeed_scale(engine.optimizer),
             "fdg_scale": None if fdg is None else scale_of(engine)}  # fmt: skip
+
+
+def load_refused(rank: int, world: int, case: dict[str, Any], save_dir: str) -> str | None:
+    """Load a checkpoint FDG must refuse; the error (None: loaded)."""
+    import fdg_schedule
+
+    engine, _, _ = build(case, world)
+    try:
+        engine.load_checkpoint(save_dir)
+    except fdg_schedule.FDGConfigError as err:
+        return str(err)
+    return None
 
 
 def _basic_state(engine: Any) -> list[dict[str, Any]]:
