@@ -416,6 +416,9 @@ def _dp_cases() -> list[dict[str, Any]]:
         {**base, "zero": 1, "optimizer": "adam"},
         # an overflow on one replica of stage 0 only (global rank 1): the all-reduced gradient overflows on both
         {**base, "inject": {"b": {"at": [4], "ranks": [1]}}},
+        # tied layers: the tied copy's gradient overflows on one replica of stage 0 only (global rank 0): its
+        # all-reduced contribution overflows on both, both replicas skip (Note [tied layers under fp16])
+        {**base, "tied": True, "optimizer": "adam", "inject": {"a": {"at": [4], "ranks": [0]}}},
     ]
 
 
@@ -431,6 +434,8 @@ def test_data_parallel_2_x_pipeline_2_equals_the_reference(tmp_path: Path) -> No
             assert a["scales"] == b["scales"]
             assert all(torch.equal(a["states"][-1][k], b["states"][-1][k]) for k in a["states"][-1])
     assert [r[2]["scales"][-1]["skipped"] for r in results] == [1, 1, 0, 0]
+    _copies_equal([r[3:] for r in results], cases[3:])
+    assert [r[3]["scales"][-1]["skipped_steps"] for r in results] == [1, 1, 0, 0]  # the tied copy's overflow
 
 
 ERRORS = [
