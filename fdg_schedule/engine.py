@@ -290,7 +290,7 @@ class FDGPipelineEngine(FDGCheckpoints):
             with self.fdg_state.last_prediction:  # the forward's predicted weights, back to w after
                 DeepSpeedEngine.backward(self, scaled, scale_wrt_gas=False)
             carried = loss.detach().float()
-            self._tied.after_backward(self.fdg_state.scaling.backward_scale())  # fp16: unscaled by S
+            self._tied.after_backward(self.fdg_state.scaling.backward_scale)  # fp16: unscaled by S
         else:
             grads, carried = self.fdg_state.received.pop(buffer_id)
             if self.fdg_config.grad_shrink != 1.0:
@@ -300,7 +300,7 @@ class FDGPipelineEngine(FDGCheckpoints):
             self.fdg_state.meter.before_backward(self.fdg_state.tick, buffer_id)  # the live weights are w_bwd
             with self._delayed.backward(held, stored, lambda: self._stage_forward(inputs)) as outputs:
                 stage_backward(self, floating(outputs), grads, self._where)
-            self._tied.after_backward(self.fdg_state.scaling.backward_scale())  # before the reduce; fp16: unscaled
+            self._tied.after_backward(self.fdg_state.scaling.backward_scale)  # before the reduce; fp16: unscaled
         self.fdg_state.call_losses.append(carried)
         if not self.is_first_stage():
             sent = self.fdg_state.scaling.carry(carried)  # the loss and, with fp16, its scale

@@ -440,9 +440,12 @@ class TiedSync:
         tied = {id(p) for p in self.params()}
         return [p for p in params if id(p) not in tied]
 
-    def after_backward(self, scale: float | None = None) -> None:
+    def after_backward(self, scale: Callable[[], float | None] | None = None) -> None:
         """Take this stage's tied gradients out of the backward just run, averaged over its data-parallel group;
-        under fp16 divided by the ``scale`` the backward was made with (Note [tied layers under fp16])."""
+        under fp16 divided by ``scale()``, the scale the backward was made with (Note [tied layers under fp16]),
+        asked only where the stage holds a copy (under fp16 a host read)."""
+        if not self.copies:
+            return
         grads = [c.take_gradient() for c in self.copies]
         if self.dp_size > 1:  # as DeepSpeed averages gradients; in fp32
             with self.collective("the tied-gradient all-reduce"):
@@ -450,10 +453,11 @@ class TiedSync:
                     dist.all_reduce(g, group=self.dp_group)
             for g in grads:
                 g.div_(self.dp_size)
-        if scale is not None and self.copies:
+        made_with = None if scale is None or not self.fp16 else scale()
+        if made_with is not None:
             finite = self._finite if self._finite is not None else torch.ones((), dtype=torch.bool)
             for g in grads:
-                g.mul_(1.0 / scale)
+                g.mul_(1.0 / made_with)
                 finite = finite.to(g.device) & torch.isfinite(g).all()
             self._finite = finite
         for c, g in zip(self.copies, grads):
