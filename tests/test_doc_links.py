@@ -155,3 +155,19 @@ def test_evidence_lives_under_results() -> None:
     """Only guides (.md) at docs/'s top; JSON, pictures, diffs and dated folders go under docs/results/<topic>/."""
     stray = [p.name for p in (ROOT / "docs").iterdir() if p.name != "results" and (p.is_dir() or p.suffix != ".md")]
     assert not stray, f"evidence at docs/'s top level: {stray}"
+
+
+CELL_CHARS = 1000
+
+
+@pytest.mark.parametrize("guide", [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))], ids=lambda p: p.name)
+def test_guide_table_cells_are_short(guide: Path) -> None:
+    """A table cell of thousands of characters belongs in prose or a section of its own."""
+    long_cells = [
+        f"{guide.name}:{number}: a cell of {len(cell)} characters"
+        for number, line in prose_lines(guide.read_text(encoding="utf-8"))
+        if line.lstrip().startswith("|")
+        for cell in line.split("|")
+        if len(cell) > CELL_CHARS
+    ]
+    assert not long_cells, "\n".join(long_cells)
