@@ -134,3 +134,40 @@ def test_a_missing_file_and_a_missing_anchor_are_reported(tmp_path: Path) -> Non
     problems = broken_links(page, tmp_path)
     assert len(problems) == 2
     assert "no file missing.md" in problems[0] and "no heading with the anchor #absent" in problems[1]
+
+
+GUIDE_LINES = 420  # issue 43: each top-level guide answers first and stays short; evidence lives in docs/results/
+README_LINES = 210
+
+
+@pytest.mark.parametrize("guide", sorted((ROOT / "docs").glob("*.md")), ids=lambda p: p.name)
+def test_top_level_guides_are_short(guide: Path) -> None:
+    lines = len(guide.read_text(encoding="utf-8").splitlines())
+    assert lines <= GUIDE_LINES, f"{guide.name} has {lines} lines; move detail to a reference page or docs/results/"
+
+
+def test_readme_is_short() -> None:
+    lines = len((ROOT / "README.md").read_text(encoding="utf-8").splitlines())
+    assert lines <= README_LINES, f"README.md has {lines} lines"
+
+
+def test_evidence_lives_under_results() -> None:
+    """Only guides (.md) at docs/'s top; JSON, pictures, diffs and dated folders go under docs/results/<topic>/."""
+    stray = [p.name for p in (ROOT / "docs").iterdir() if p.name != "results" and (p.is_dir() or p.suffix != ".md")]
+    assert not stray, f"evidence at docs/'s top level: {stray}"
+
+
+CELL_CHARS = 1000
+
+
+@pytest.mark.parametrize("guide", [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))], ids=lambda p: p.name)
+def test_guide_table_cells_are_short(guide: Path) -> None:
+    """A table cell of thousands of characters belongs in prose or a section of its own."""
+    long_cells = [
+        f"{guide.name}:{number}: a cell of {len(cell)} characters"
+        for number, line in prose_lines(guide.read_text(encoding="utf-8"))
+        if line.lstrip().startswith("|")
+        for cell in line.split("|")
+        if len(cell) > CELL_CHARS
+    ]
+    assert not long_cells, "\n".join(long_cells)
