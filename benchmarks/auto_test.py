@@ -17,7 +17,8 @@ warm-up selection, the analysis and the pass criterion. Every arm of every task 
   tokens, 80 / 10 / 10 % train / validation / test; 2 epochs of micro-batch 8; AdamW lr 1e-3 betas
   (0.9, 0.95) eps 1e-8 weight decay 0.1, clipping 1.0, DeepSpeed's WarmupCosineLR to 0.1x; K = 4 with
   the decoder blocks spread evenly (``type:BlockPipe``); metric: test loss, relative to BP (%).
-- gpt2: the benchmark's GPT-2 (docs/lm_convergence_model.json) on Shakespeare, the same protocol for 3 epochs.
+- gpt2: the benchmark's GPT-2 (docs/results/convergence/lm_convergence_model.json) on Shakespeare, the same
+  protocol for 3 epochs.
 
 Arms: ``bp`` (K = 1), ``auto`` and ``none`` (K = 4, ``weights: "stashed"``, ``grad_shrink`` 1). Each
 task's warm-up (ResNet: 2 epochs at 0.1 x lr; LM: 10 % of the steps) is BP's choice on seed 99
@@ -79,7 +80,7 @@ LLAMA = {
     "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128, "vocab_size": 4096,
     "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 0, "rms_norm_eps": 1e-6,
 }  # fmt: skip
-GPT2_MODEL = ROOT / "docs" / "lm_convergence_model.json"
+GPT2_MODEL = ROOT / "docs" / "results" / "convergence" / "lm_convergence_model.json"
 
 
 def machine() -> dict[str, str]:

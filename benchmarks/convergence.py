@@ -70,7 +70,7 @@ parser.add_argument(
     help="pipeline.fdg.staleness_every of every FDG run (default: the config's, 100); the recipe and "
     "resnet_reference.py print each stage's median per epoch, kept in the JSON and tabled in the report",
 )
-parser.add_argument("--out", default=str(ROOT / "docs" / "convergence"))
+parser.add_argument("--out", default=str(ROOT / "docs" / "results" / "convergence" / "convergence"))
 parser.add_argument("--fdg-only", action="store_true", help="skip the BP and 1F1B baselines (e.g. a K=3 add-on)")
 parser.add_argument(
     "--reuse",

@@ -1,4 +1,5 @@
-"""Where FDG's loss under AdamW comes from: its delays one at a time, on docs/lm_convergence.md's GPT-2.
+"""Where FDG's loss under AdamW comes from: its delays one at a time, on the GPT-2 of
+docs/results/convergence/lm_convergence.md.
 
     export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 PYTHONPATH=$PWD
     python benchmarks/delay_anatomy.py --stages 4 --modes sync,fdg,own,cross,consistent

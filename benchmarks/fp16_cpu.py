@@ -1,4 +1,5 @@
-"""Run a recipe with DeepSpeed's fp16 on a CPU without fp16 kernels: the fp16 evidence runs of docs/performance.md.
+"""Run a recipe with DeepSpeed's fp16 on a CPU without fp16 kernels: the fp16 evidence runs
+of docs/results/performance/issue5-bars-and-fp16.md.
 
 DeepSpeed's CPU accelerator reports fp16 support only where oneDNN has fp16 kernels (AVX512-FP16 or AMX-FP16);
 elsewhere ``deepspeed.initialize`` refuses ``"fp16": {"enabled": true}`` with ``ValueError: Type fp16 is not

@@ -1,4 +1,5 @@
-"""BP vs FDG on one small GPT-2 and the same Shakespeare tokens; writes docs/lm_convergence.{md,png}.
+"""BP vs FDG on one small GPT-2 and the same Shakespeare tokens; writes lm_convergence.{md,png} in
+docs/results/convergence/.
 
     export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 PYTHONPATH=$PWD
     python benchmarks/lm_convergence.py run --micro_batches 800     # the runs, one after another
@@ -8,9 +9,9 @@ Tied against untied embeddings at K = 2 (issue 16; FDG needs the engine's tied-w
 
     python benchmarks/lm_convergence.py run --runs bp_tied,bp_untied,fdg_k2_b0.5_tied,fdg_k2_b0.5_untied
     python benchmarks/lm_convergence.py report --runs bp_tied,bp_untied,fdg_k2_b0.5_tied,fdg_k2_b0.5_untied \
-        --picture docs/lm_convergence_tied.png
+        --picture docs/results/convergence/lm_convergence_tied.png
 
-Every run starts from the same weights (seed 1234, docs/lm_convergence_model.json), reads the same
+Every run starts from the same weights (seed 1234, docs/results/convergence/lm_convergence_model.json), reads the same
 training blocks in the same order (the recipe's shuffled sampler, seed 1234) in micro-batches of 8
 sequences × 128 tokens and takes one optimizer step per micro-batch: BP with batch 8; FDG with one
 step per stage per tick (``accumulate: 1``). K=2 runs are real DeepSpeed jobs of recipes/train_lm.py
@@ -44,8 +45,8 @@ Run names say what runs (any combination; the runs of docs/results/staleness/exp
                                                   stepped once per optimizer step, fill and drain ticks
                                                   included); without it the rate is constant
     <any DeepSpeed run above>_tied / _untied      the model with its LM head tied to the input embedding
-                                                  (docs/lm_convergence_model.json, tie_word_embeddings
-                                                  true), or that same model untied by the recipe's
+                                                  (docs/results/convergence/lm_convergence_model.json,
+                                                  tie_word_embeddings true), or that same model untied by the recipe's
                                                   --untie (the head starts as a copy of the embedding);
                                                   without the suffix the model is the file's, untied
                                                   from the start (its own head initialisation)
@@ -68,11 +69,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = ROOT / "docs" / "lm_convergence_model.json"
+MODEL = ROOT / "docs" / "results" / "convergence" / "lm_convergence_model.json"
 OUT = Path(os.environ.get("LM_CONVERGENCE_OUT", ROOT / "runs" / "lm_convergence"))
 GAS = 4  # ticks per train_batch call in the FDG configs (lm_fdg_k2.json)
 
-RUNS = "bp,fdg_k2_b0.5,fdg_k2_b1.0,ref_k2_b0.5,ref_k3_b0.5,ref_k3_b1.0"  # the docs/lm_convergence.md runs
+RUNS = "bp,fdg_k2_b0.5,fdg_k2_b1.0,ref_k2_b0.5,ref_k3_b0.5,ref_k3_b1.0"  # docs/results/convergence/lm_convergence.md
 TIE_RUNS = "bp_tied,bp_untied,fdg_k2_b0.5_tied,fdg_k2_b0.5_untied"  # tied vs untied at K = 2
 NAME = re.compile(
     r"^(?:bp|(?P<kind>fdg|ref)_k(?P<K>\d+)_b(?P<beta>[\d.]+)(?:_(?P<weights>stashed))?"
@@ -428,7 +429,7 @@ def main() -> None:
     parser.add_argument("--runs", default=RUNS, help=f"comma-separated run names (see above); tied: {TIE_RUNS}")
     parser.add_argument("--micro_batches", type=int, default=800)
     parser.add_argument("--eval_every", type=int, default=100, help="micro-batches between evaluations")
-    parser.add_argument("--picture", type=Path, default=ROOT / "docs" / "lm_convergence.png")
+    parser.add_argument("--picture", type=Path, default=MODEL.parent / "lm_convergence.png")
     parser.add_argument("--table", type=Path, default=None, help="also write the report's table here")
     args = parser.parse_args()
     runs = [parse_run(name) for name in args.runs.split(",")]  # a bad name fails before any run

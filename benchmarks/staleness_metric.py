@@ -1,4 +1,4 @@
-"""The staleness metric per stage, as the engine reports it, on docs/lm_convergence.md's GPT-2.
+"""The staleness metric per stage, as the engine reports it, on docs/results/convergence/lm_convergence.md's GPT-2.
 
     export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 PYTHONPATH=$PWD
     python benchmarks/staleness_metric.py run --runs fdg_k2_b1.0,fdg_k2_b1.0_stashed_p0.0_first

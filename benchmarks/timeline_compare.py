@@ -4,7 +4,7 @@
     .venv/bin/deepspeed --num_gpus 2 benchmarks/timeline_compare.py --schedule 1f1b
     .venv/bin/deepspeed --num_gpus 2 benchmarks/timeline_compare.py --schedule fdg
     python -m fdg_schedule.timeline compare --fdg runs/timeline/fdg --one-f-one-b runs/timeline/1f1b \\
-        --out docs/timeline.png
+        --out docs/results/performance/timeline.png
 
 Both runs read the same synthetic micro-batches and record micro-batches [start, start + ticks)
 after a warm-up: FDG through its ``pipeline.fdg.trace`` key, 1F1B by instrumenting DeepSpeed's own

@@ -1,6 +1,6 @@
 """fp16 on one FDG stage: which scale the loss gets, the scales that travel with the messages, the scale of each step.
 
-Note [loss scale per stage] (in :mod:`fdg_schedule.loss_scale`) is the rule; docs/fdg.md, "fp16 and the
+Note [loss scale per stage] (in :mod:`fdg_schedule.loss_scale`) is the rule; docs/fdg-reference.md, "fp16 and the
 loss scale", draws it tick by tick. Per tick, on a stage with fp16 on (:class:`StageScaling`):
 
     WaitActivation   the activation's control word brought the ceiling: min of the upstream stages' scales

@@ -3,7 +3,7 @@
 Note [loss scale per stage]: under 1F1B one scale serves every stage (each step all-reduces an overflow
 flag over all of them). FDG steps each stage alone, so every stage k holds a scale ``s_k`` of its own,
 the largest scale its recent gradients tolerate, and a micro-batch's loss is scaled by the minimum of
-the stages' scales as it passes them (:mod:`fdg_schedule.fp16` carries it; docs/fdg.md, "fp16 and the
+the stages' scales as it passes them (:mod:`fdg_schedule.fp16` carries it; docs/fdg-reference.md, "fp16 and the
 loss scale", draws it tick by tick). After each optimizer step the stage updates ``s_k`` with the scale
 ``S`` its gradients were made with and whether they overflowed:
 

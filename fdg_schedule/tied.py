@@ -33,7 +33,7 @@ Note [tied layers across stages]
     at global tick tau (its forward's tick + d_s, d_s = 2(K-1-s)); the contribution joins P at tick
     tau + 1 and is applied at the first tied step t* = accumulate * ceil((tau + 1) / accumulate), so
     its delay, counted as d_s is, is d_s + (t* - tau) = d_s + 1 + (-(tau + 1) mod accumulate) ticks
-    (d_s + 1 with accumulate 1: one tick more than the stage's other gradients). docs/fdg.md, "Tied
+    (d_s + 1 with accumulate 1: one tick more than the stage's other gradients). docs/fdg-reference.md, "Tied
     layers across stages", is the user-facing definition; ``fdg_reference(..., ties=...)`` the judge.
 
 bf16 and fp16: the tied optimizer steps an fp32 master of each copy and writes it into the (bf16 / fp16)

@@ -1,7 +1,7 @@
 """fp16 under FDG: DeepSpeed's fp16 optimizers with a loss scale per stage, against the reference (real ranks, gloo).
 
 Note [loss scale per stage] in fdg_schedule/loss_scale.py is the rule, Note [fp16 in the reference] in
-fdg_schedule/reference.py its statement in one process; docs/fdg.md, "fp16 and the loss scale", draws it.
+fdg_schedule/reference.py its statement in one process; docs/fdg-reference.md, "fp16 and the loss scale", draws it.
 DeepSpeed refuses fp16 on a CPU without fp16 kernels; the ranks allow it (Note [fp16 on this CPU] in
 fp16_workers.py). Each launch trains several cases in turn (Note [one launch, several calls] in dist_harness.py).
 """

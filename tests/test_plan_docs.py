@@ -41,7 +41,7 @@ def test_fit_link_recovers_latency_and_bandwidth() -> None:
 
 def test_the_stored_calibration_renders_every_variant() -> None:
     calibration = load("plan_calibration")
-    result = json.loads((ROOT / "docs" / "plan_calibration.json").read_text())
+    result = json.loads((ROOT / "docs" / "results" / "scaling" / "plan_calibration.json").read_text())
     text = calibration.markdown(result)
     for model in ("resnet32", "transformer"):
         assert f"**{model}**" in text
