@@ -78,7 +78,11 @@ def arm_setup(arm: str) -> tuple[int, str, str | None]:
 
 
 def run_lm(task: str, arm: str, seed: int, muon_lr: float) -> dict[str, Any]:
-    """One run of the auto test's LM protocol (``auto_test.run_lm``) with the arm's optimizer and K."""
+    """One run of the auto test's LM protocol with the arm's optimizer and K.
+
+    The data order, schedule, FDG block and evaluation restate ``auto_test.run_lm`` line for line rather than
+    parameterise it: that runner is pre-registered (docs/results/auto-preregistration.md) and stays unchanged
+    while its test runs."""
     import torch
     from deepspeed.runtime.lr_schedules import WarmupCosineLR
     from transformers import LlamaConfig
