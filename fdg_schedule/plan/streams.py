@@ -78,12 +78,11 @@ def fdg_thread_streams(stages: int, micro_batches: int, accumulate: int = 1) -> 
 
 
 def _fdg_ticks(stages: int, stage: int, micro_batches: int, accumulate: int, drain: bool) -> Iterator[Stream]:
-    ticks = [(tick, None) for tick in range(micro_batches)]
+    # a segment of micro_batches ticks, then (drain) the 2(K-1) ticks that finish the ones in flight
+    schedule: list[tuple[int, int | None]] = [(tick, None) for tick in range(micro_batches)]
     if drain and stages > 1:
-        ticks += [(tick, micro_batches) for tick in range(micro_batches, micro_batches + 2 * (stages - 1))]
-    for tick, limit in ticks:
-        if limit is not None and tick > fdg.ticks.last_tick(limit, stages):
-            break
+        schedule += [(tick, micro_batches) for tick in range(micro_batches, micro_batches + 2 * (stages - 1))]
+    for tick, limit in schedule:
         lowered = fdg.add_exchange(fdg.fdg_tick(stages, stage, tick, accumulate, limit), stages)
         yield [Action(a.op, a.micro_batch, stage) for a in lowered if a.op is not Op.LOAD]
 
