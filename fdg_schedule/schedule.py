@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 from collections.abc import Iterator
 
 from deepspeed.runtime.pipe.schedule import (
@@ -46,7 +47,8 @@ from deepspeed.runtime.pipe.schedule import (
     ReduceGrads,
 )
 
-from fdg_schedule import ticks
+from fdg_schedule import actions, ticks
+from fdg_schedule.actions import Op as ActionOp
 from fdg_schedule.errors import FDGRuntimeError
 
 
@@ -252,51 +254,55 @@ class FDGTrainSchedule(PipeSchedule):
             yield iter([ReduceGrads(), LocalOptimizerStep()])
 
     def tick_instructions(self, tick: int) -> Iterator[PipeInstruction]:
-        """Everything this stage does at segment tick ``tick``, in order; the limit is re-read after each."""
+        """Everything this stage does at segment tick ``tick``, in order; the limit is re-read after each.
+
+        The compute is :func:`fdg_schedule.actions.fdg_tick`'s, lowered to DeepSpeed instructions: the
+        wait for a gradient before each delayed backward, for an activation before each forward, the
+        tick's one :class:`Exchange` and :class:`AdvanceTick` at its end. The plan is regenerated after
+        each instruction that may learn the end of the data or of the labels (Note [end of data]).
+        """
         bwd = ticks.backward_micro_batch(tick, self.stages, self.stage_id, self.limit)
-        if not self.is_last_stage and bwd is not None:
-            yield WaitGrad(self._buffer(bwd), micro_batch=bwd)
-            yield from self._backward_and_step(bwd)
+        for action in itertools.takewhile(_before_forward, self._plan(tick)):  # a non-last stage's backward
+            if action.op is ActionOp.BACKWARD:
+                yield WaitGrad(self._buffer(bwd), micro_batch=bwd)
+            yield self._lower(action)
         fwd = self._forward(tick)
         if fwd is not None and not self.is_first_stage:
             yield WaitActivation(self._buffer(fwd), micro_batch=fwd)  # may learn the end
-        # Every stage agrees on whether a micro-batch enters the pipeline at this tick.
-        entering = ticks.forward_micro_batch(tick, 0, self.limit)
-        if entering is not None and self.is_last_stage and not self.is_first_stage:
+        for load in [action for action in self._plan(tick) if action.op is ActionOp.LOAD]:
             # Note [labels read when the inputs are]: the last stage reads micro-batch t's labels at
             # tick t, with stage 0's inputs, and keeps the K-1 in flight; both iterators stay aligned.
-            yield FDGLoad(0, micro_batch=entering)
-        fwd = self._forward(tick)
-        if fwd is not None and self.is_first_stage:
-            yield FDGLoad(self._buffer(fwd), micro_batch=fwd)  # may learn the end
-            if (
-                self.stages == 1
-                and self._learned_at == tick
-                and self.limit is not None
-                and self.limit % self.accumulate
-            ):
-                # K = 1 learns the end one tick after its last backward: the partial accumulation is
-                # stepped now, before this tick's AdvanceTick can move the learning rate.
-                yield from [ReduceGrads(), LocalOptimizerStep()]
-        fwd = self._forward(tick)
-        if fwd is not None:
-            yield FDGForward(self._buffer(fwd), micro_batch=fwd)
-            if self.is_last_stage:  # delay 0: fwd == bwd
-                yield from self._backward_and_step(fwd)
-        yield self._exchange(tick, fwd, bwd)
+            labels = self.is_last_stage and not self.is_first_stage
+            yield FDGLoad(0 if labels else self._buffer(load.micro_batch), micro_batch=load.micro_batch)  # may learn
+        if self.stages == 1 and self._learned_at == tick and self.limit is not None and self.limit % self.accumulate:
+            # K = 1 learns the end one tick after its last backward: the partial accumulation is
+            # stepped now, before this tick's AdvanceTick can move the learning rate.
+            yield from [ReduceGrads(), LocalOptimizerStep()]
+        plan = self._plan(tick)
+        forward = next((action for action in plan if action.op is ActionOp.FORWARD), None)
+        if forward is not None:
+            yield self._lower(forward)
+            plan = self._plan(tick)  # the last stage's forward may have found its labels ended
+            yield from (self._lower(action) for action in plan[plan.index(forward) + 1 :])
+        yield self._exchange(tick, None if forward is None else forward.micro_batch, bwd)
         yield AdvanceTick(entered=ticks.forward_micro_batch(tick, 0, self.limit) is not None)
 
     def _forward(self, tick: int) -> int | None:
         return ticks.forward_micro_batch(tick, self.stage_id, self.limit)
 
-    def _backward_and_step(self, micro_batch: int) -> list[PipeInstruction]:
-        cmds: list[PipeInstruction] = [FDGBackward(self._buffer(micro_batch), micro_batch=micro_batch)]
-        # The smaller: a drain that starts after the data ended sees an earlier end in the labels too.
-        ends = [end for end in (self.limit, self._labels_end) if end is not None]
-        last = min(ends) - 1 if ends else None
-        if ticks.steps_after_backward(micro_batch, self.accumulate, last):
-            cmds += [ReduceGrads(), LocalOptimizerStep()]
-        return cmds
+    def _plan(self, tick: int) -> list[actions.Action]:
+        return actions.fdg_tick(self.stages, self.stage_id, tick, self.accumulate, self.limit, self._labels_end)
+
+    def _lower(self, action: actions.Action) -> PipeInstruction:
+        if action.op is ActionOp.FORWARD:
+            return FDGForward(self._buffer(action.micro_batch), micro_batch=action.micro_batch)
+        if action.op is ActionOp.BACKWARD:
+            return FDGBackward(self._buffer(action.micro_batch), micro_batch=action.micro_batch)
+        if action.op is ActionOp.ALLREDUCE:
+            return ReduceGrads()
+        if action.op is ActionOp.STEP:
+            return LocalOptimizerStep()
+        raise FDGRuntimeError(f"stage {self.stage_id}: the schedule cannot lower action {action}")
 
     def _exchange(self, tick: int, fwd: int | None, bwd: int | None) -> Exchange:
         # What the neighbours need next tick is exactly what they will forward / back-propagate.
@@ -313,8 +319,13 @@ class FDGTrainSchedule(PipeSchedule):
             send_end=self.limit if passes_end else None,
         )
 
-    def _buffer(self, micro_batch: int) -> int:
+    def _buffer(self, micro_batch: int | None) -> int:
+        assert micro_batch is not None
         return micro_batch % self.num_pipe_buffers()
+
+
+def _before_forward(action: actions.Action) -> bool:
+    return action.op not in (ActionOp.LOAD, ActionOp.FORWARD)
 
 
 def render(schedule: FDGTrainSchedule) -> list[str]:

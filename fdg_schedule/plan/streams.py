@@ -1,17 +1,11 @@
 """Per-rank instruction streams of every schedule the planner compares, as plain action lists.
 
-FDG's stream is translated from the engine's own generator (:class:`fdg_schedule.schedule.FDGTrainSchedule`)
-and DeepSpeed's 1F1B from ``deepspeed.runtime.pipe.schedule.TrainSchedule``: the planner times what
+FDG's stream is the engine's own schedule (:mod:`fdg_schedule.actions`, which the engine lowers to its
+instructions) and DeepSpeed's 1F1B from ``deepspeed.runtime.pipe.schedule.TrainSchedule``: the planner times what
 the engines execute. GPipe, interleaved 1F1B and ZB-H1 are written here from their papers' orderings.
 
-An action's compact text (torch pipelining's style) is ``<op><micro-batch>`` with a chunk suffix
-for interleaved schedules (``F3``, ``B0.1`` = backward of micro-batch 0 on chunk 1):
-
-    F  forward                 B  backward (input and weight gradients)
-    I  input-gradient backward (ZB's "B")         W  weight-gradient backward (ZB's "W")
-    sa / sg  send activation / gradient           ra / rg  receive activation / gradient
-    R  data-parallel gradient all-reduce          S  optimizer step
-    P  a collective over the pipeline's stages (DeepSpeed's per-batch loss broadcast)
+The ops are the one alphabet of :class:`fdg_schedule.actions.Op`; a stream action's compact text is
+``<op><micro-batch>`` (``F3``, ``rg5``), its rank implied by the stream it is in.
 
 Chunks are virtual stages: with ``v`` chunks per rank (interleaved 1F1B) the model is cut into
 ``K * v`` pieces and chunk ``c`` runs on rank ``c % K``; otherwise chunk = stage = rank.
@@ -21,32 +15,15 @@ Sends are non-blocking unless ``blocking`` (then the sender waits for the receiv
 from __future__ import annotations
 
 import dataclasses
-import enum
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 from deepspeed.runtime.pipe import schedule as ds
 
-from fdg_schedule import schedule as fdg
-from fdg_schedule.schedule import FDGTrainSchedule
+from fdg_schedule import actions as fdg
+from fdg_schedule.actions import COMPUTE, RECVS, SENDS, Op
 
-
-class Op(enum.Enum):
-    FORWARD = "F"
-    BACKWARD = "B"
-    BACKWARD_INPUT = "I"
-    BACKWARD_WEIGHT = "W"
-    SEND_ACTIVATION = "sa"
-    SEND_GRAD = "sg"
-    RECV_ACTIVATION = "ra"
-    RECV_GRAD = "rg"
-    ALLREDUCE = "R"
-    STEP = "S"
-    PIPE_COLLECTIVE = "P"
-
-
-COMPUTE = frozenset({Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT, Op.STEP})
-SENDS = frozenset({Op.SEND_ACTIVATION, Op.SEND_GRAD})
-RECVS = frozenset({Op.RECV_ACTIVATION, Op.RECV_GRAD})
+# The one alphabet (fdg_schedule.actions); re-exported for the simulator.
+__all__ = ["COMPUTE", "RECVS", "SENDS", "Action", "Op", "Stream"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,10 +50,10 @@ Stream = list[Action]
 def fdg_streams(stages: int, micro_batches: int, accumulate: int = 1, drain: bool = True) -> list[Stream]:
     """Every stage's actions for a segment of ``micro_batches`` FDG ticks (then a drain).
 
-    Translated instruction by instruction from ``FDGTrainSchedule(...).steps()``: ``WaitGrad`` /
-    ``WaitActivation`` become receives, the tick's ``Exchange`` becomes the non-blocking sends of
-    what this tick produced (so a gradient leaves only after the tick's forward, as in the engine),
-    ``ReduceGrads`` the all-reduce, ``LocalOptimizerStep`` the step. Loads and tick ends cost nothing.
+    The ticks of :func:`fdg_schedule.actions.fdg_tick` lowered by
+    :func:`~fdg_schedule.actions.add_exchange`: receives before the backward / forward that waits for
+    them, the non-blocking sends of what the tick produced at its end (so a gradient leaves only after
+    the tick's forward, as in the engine). Loads cost nothing here.
     """
     return [[a for tick in _fdg_ticks(stages, stage, micro_batches, accumulate, drain) for a in tick]
             for stage in range(stages)]  # fmt: skip
@@ -101,50 +78,13 @@ def fdg_thread_streams(stages: int, micro_batches: int, accumulate: int = 1) -> 
 
 
 def _fdg_ticks(stages: int, stage: int, micro_batches: int, accumulate: int, drain: bool) -> Iterator[Stream]:
-    calls = [FDGTrainSchedule(micro_batches, stages, stage, accumulate=accumulate)]
+    # a segment of micro_batches ticks, then (drain) the 2(K-1) ticks that finish the ones in flight
+    schedule: list[tuple[int, int | None]] = [(tick, None) for tick in range(micro_batches)]
     if drain and stages > 1:
-        calls.append(FDGTrainSchedule(2 * (stages - 1), stages, stage, micro_batches, accumulate, drain=True))
-    for schedule in calls:
-        for tick in schedule.steps():  # each tick is produced lazily; _fdg_tick reads it once
-            yield _fdg_tick(tick, stage)
-
-
-# FDG instruction -> planner action; the schedule's loads and tick ends cost nothing here.
-_FDG_OPS: dict[type[ds.PipeInstruction], Op | None] = {
-    fdg.WaitGrad: Op.RECV_GRAD,
-    fdg.WaitActivation: Op.RECV_ACTIVATION,
-    fdg.FDGForward: Op.FORWARD,
-    fdg.FDGBackward: Op.BACKWARD,
-    ds.ReduceGrads: Op.ALLREDUCE,
-    fdg.LocalOptimizerStep: Op.STEP,
-    fdg.FDGLoad: None,
-    fdg.AdvanceTick: None,
-}
-
-
-def _fdg_tick(tick: Iterable[ds.PipeInstruction], stage: int) -> Stream:
-    out: Stream = []
-    forwarded = backpropagated = None
-    for cmd in tick:
-        if isinstance(cmd, fdg.Exchange):
-            # the non-blocking sends of what this tick produced (a gradient leaves after the forward)
-            if cmd.send_activation is not None:
-                out.append(Action(Op.SEND_ACTIVATION, forwarded, stage))
-            if cmd.send_grad is not None:
-                out.append(Action(Op.SEND_GRAD, backpropagated, stage))
-            continue
-        if type(cmd) not in _FDG_OPS:
-            raise ValueError(f"the planner does not know FDG instruction {type(cmd).__name__}; teach plan/streams.py")
-        op = _FDG_OPS[type(cmd)]
-        if op is None:
-            continue
-        micro_batch = getattr(cmd, "micro_batch", None)
-        out.append(Action(op, micro_batch, stage))
-        if op is Op.FORWARD:
-            forwarded = micro_batch
-        elif op is Op.BACKWARD:
-            backpropagated = micro_batch
-    return out
+        schedule += [(tick, micro_batches) for tick in range(micro_batches, micro_batches + 2 * (stages - 1))]
+    for tick, limit in schedule:
+        lowered = fdg.add_exchange(fdg.fdg_tick(stages, stage, tick, accumulate, limit), stages)
+        yield [Action(a.op, a.micro_batch, stage) for a in lowered if a.op is not Op.LOAD]
 
 
 # ---------------------------------------------------------------------------------------------------
