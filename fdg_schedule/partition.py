@@ -9,16 +9,11 @@ A stage's time per micro-batch (``f``, ``b``, ``r``, ``s``: its layers' summed `
 
 Both schedules run at the pace of their slowest stage, so the split minimises the largest of these.
 
-Memory per stage, in bytes (``I`` = the stage's input per micro-batch, ``A`` = what autograd saves
-per micro-batch, ``W`` = its weights, ``static`` = weights + gradients + optimizer state):
-
-    FDG, delay d = 2(K-1-k)   held between ticks   d(I + A) "stored", d·I "recomputed"; + d·W "stashed"
-                              peak in a tick       held + static, + A when "recomputed" reruns a forward;
-                                                   the last stage (d = 0): I + A + static
-    1F1B                      peak                 n(I + A) + static, n = min(K-k, micro_batches) in flight
-
-``held`` is what ``engine.held_bytes()`` reports at a tick's end. With ``memory_limit`` every
-stage's peak must fit in it.
+Memory per stage, in bytes: :mod:`fdg_schedule.stage_memory` (the model the planner uses too), for
+example FDG stage k with delay d = 2(K-1-k) holds d(I + A) between ticks with activations "stored"
+(``I`` = the stage's input per micro-batch, ``A`` = what autograd saves per micro-batch), plus its
+static bytes (weights + gradients + optimizer state, as measured). ``held`` is what
+``engine.held_bytes()`` reports at a tick's end. With ``memory_limit`` every stage's peak must fit in it.
 
 Note [exact bisection]: times are summed in integer picoseconds, so a stage's time is the same
 integer wherever it is computed. "Can every stage take between L and T?" is answered by one sweep
@@ -39,7 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from fdg_schedule.profile import ModelProfile
+from fdg_schedule import stage_memory
+from fdg_schedule.profile_format import ModelProfile
 
 SCHEDULES = ("fdg", "1f1b")
 PICOSECONDS = 10**12
@@ -269,7 +265,7 @@ class _Costs:
         self.time_prefixes = [self.time_prefix(k) for k in range(stages)]
         self.saved = _prefix(column("saved_bytes"))
         self.weights = _prefix(column("param_bytes"))
-        self.static = _prefix(2 * column("param_bytes") + column("optimizer_state_bytes"))
+        self.static = _prefix(stage_memory.static_bytes(column("param_bytes"), column("optimizer_state_bytes")))
         self.inputs = np.array([profile.input_bytes_of(i) for i in range(self.layers)] + [0], dtype=np.int64)
         self._memory_lasts: list[np.ndarray] | None = None  # per stage, filled on the first reach()
 
@@ -280,18 +276,10 @@ class _Costs:
         return self.time_recompute if self.recomputes(k) else self.time_plain
 
     def _coefficients(self, k: int) -> tuple[int, int, int, int, int, int]:
-        """Multipliers of (A, I, W) in stage k's peak and in its held bytes (see the module docstring)."""
-        o, last = self.objective, k == self.stages - 1
-        if o.schedule == "1f1b":
-            n = min(self.stages - k, o.micro_batches)
-            return n, n, 0, n, n, 0
-        d = 2 * (self.stages - 1 - k)
-        stash = d if o.weights == "stashed" else 0
-        if last:
-            return 1, 1, 0, 0, 0, 0
-        if o.activations == "recomputed":
-            return 1, d, stash, 0, d, stash
-        return d, d, stash, d, d, stash
+        """Multipliers of (A, I, W) in stage k's peak and in its held bytes (:mod:`fdg_schedule.stage_memory`)."""
+        o = self.objective
+        peak, held = stage_memory.stage_footprint(o.schedule, self.stages, k, o.activations, o.weights, o.micro_batches)
+        return peak.saved, peak.inputs, peak.weights, held.saved, held.inputs, held.weights
 
     def memory(self, k: int, start: int, stop: int) -> tuple[int, int]:
         """Stage k's (peak, held) bytes when it holds layers ``start:stop``."""
