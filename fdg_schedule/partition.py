@@ -157,9 +157,9 @@ def balanced_partition(
 
     Exact (Note [the split solver] in :mod:`fdg_schedule.contiguous_split`) and deterministic. ``own``,
     per layer: whether it gives a stage trainable parameters of its own; when given, every stage holds
-    at least one such layer (FDG steps tied layers apart, so a stage of tied layers only would have an empty optimizer). Raises
-    ValueError when there are fewer layers than stages or when no split fits ``objective.memory_limit``
-    (and ``own``).
+    at least one such layer (FDG steps tied layers apart, so a stage of tied layers only would have an
+    empty optimizer). Raises ValueError when there are fewer layers than stages or when no split fits
+    ``objective.memory_limit`` (and ``own``).
     """
     objective = objective or Objective()
     costs = _Costs(profile, stages, objective, own)
