@@ -9,26 +9,16 @@ A stage's time per micro-batch (``f``, ``b``, ``r``, ``s``: its layers' summed `
 
 Both schedules run at the pace of their slowest stage, so the split minimises the largest of these.
 
-Memory per stage, in bytes (``I`` = the stage's input per micro-batch, ``A`` = what autograd saves
-per micro-batch, ``W`` = its weights, ``static`` = weights + gradients + optimizer state):
+Memory per stage, in bytes: :mod:`fdg_schedule.stage_memory` (the model the planner uses too), for
+example FDG stage k with delay d = 2(K-1-k) holds d(I + A) between ticks with activations "stored"
+(``I`` = the stage's input per micro-batch, ``A`` = what autograd saves per micro-batch), plus its
+static bytes (weights + gradients + optimizer state, as measured). ``held`` is what
+``engine.held_bytes()`` reports at a tick's end. With ``memory_limit`` every stage's peak must fit in it.
 
-    FDG, delay d = 2(K-1-k)   held between ticks   d(I + A) "stored", d·I "recomputed"; + d·W "stashed"
-                              peak in a tick       held + static, + A when "recomputed" reruns a forward;
-                                                   the last stage (d = 0): I + A + static
-    1F1B                      peak                 n(I + A) + static, n = min(K-k, micro_batches) in flight
-
-``held`` is what ``engine.held_bytes()`` reports at a tick's end. With ``memory_limit`` every
-stage's peak must fit in it.
-
-Note [exact bisection]: times are summed in integer picoseconds, so a stage's time is the same
-integer wherever it is computed. "Can every stage take between L and T?" is answered by one sweep
-over the stages: for each start of stage k, the interval of stops whose time lies in [L, T] and
-whose memory fits (``searchsorted`` on prefix sums: adding a layer never lowers a stage's time or
-memory), then the stops some reachable start reaches (interval counting). Bisection over the
-integer T with L = 0 finds the least bottleneck T* exactly; a second bisection over L with T = T*
-then picks, among the optimal splits, one whose fastest stage is as slow as possible: the slack
-is spread over the stages rather than left on one, so a stage predicted below the bottleneck has
-room for prediction error. Each check is O(K·N log N) numpy work; 1,000 layers split in milliseconds.
+The split itself is :func:`fdg_schedule.contiguous_split.solve` (Note [the split solver]), the
+solver the planner uses too: times are summed in integer picoseconds, so a stage's time is the
+same integer wherever it is computed and the least bottleneck is exact; among the splits with it,
+the one whose fastest stage is slowest (the slack spread over the stages).
 """
 
 from __future__ import annotations
@@ -39,7 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from fdg_schedule.profile import ModelProfile
+from fdg_schedule import contiguous_split, stage_memory
+from fdg_schedule.profile_format import ModelProfile
 
 SCHEDULES = ("fdg", "1f1b")
 PICOSECONDS = 10**12
@@ -164,11 +155,11 @@ def balanced_partition(
 ) -> Partition:
     """The contiguous split of ``profile``'s layers into ``stages`` stages with the smallest bottleneck.
 
-    Exact (Note [exact bisection]) and deterministic. ``own``, per layer: whether it gives a stage
-    trainable parameters of its own; when given, every stage holds at least one such layer (FDG
-    steps tied layers apart, so a stage of tied layers only would have an empty optimizer). Raises
-    ValueError when there are fewer layers than stages or when no split fits ``objective.memory_limit``
-    (and ``own``).
+    Exact (Note [the split solver] in :mod:`fdg_schedule.contiguous_split`) and deterministic. ``own``,
+    per layer: whether it gives a stage trainable parameters of its own; when given, every stage holds
+    at least one such layer (FDG steps tied layers apart, so a stage of tied layers only would have an
+    empty optimizer). Raises ValueError when there are fewer layers than stages or when no split fits
+    ``objective.memory_limit`` (and ``own``).
     """
     objective = objective or Objective()
     costs = _Costs(profile, stages, objective, own)
@@ -180,35 +171,15 @@ def balanced_partition(
             f"cannot cut {n} layers into {stages} stages each holding a layer with parameters of its own: "
             f"{sum(map(bool, own))} such layers (the others are tied or hold no parameters); use fewer stages"
         )
-    high = int(max(prefix[-1] for prefix in costs.time_prefixes))
-    reach = costs.reach(high)
-    if reach is None:
-        assert objective.memory_limit is not None  # without a limit every split is feasible at ``high``
+    parts = contiguous_split.solve(n, stages, costs.time_matrix, costs.allowed_matrix)
+    if parts is None:
+        assert objective.memory_limit is not None  # without a limit every split with a layer of its own is allowed
         raise ValueError(
             f"no split of {n} layers into {stages} stages fits memory_limit {objective.memory_limit} bytes "
             f"({objective.memory_limit / 2**20:.0f} MiB) per stage for {objective.describe()}; raise the limit"
             f" or use more stages{'' if objective.recomputes else ', or FDG activations recomputed'}"
         )
-    plain = np.diff(costs.time_plain)
-    # Below the largest layer or an even share of the work, no split exists (stage times are at least plain).
-    low = max(int(plain.max()), -(-int(costs.time_plain[-1]) // stages)) - 1
-    while high - low > 1:  # the least bottleneck
-        mid = (low + high) // 2
-        candidate = costs.reach(mid)
-        if candidate is None:
-            low = mid
-        else:
-            high, reach = mid, candidate
-    bottleneck, floor = high, 0
-    above = min(bottleneck, int(costs.time_recompute[-1]) // stages) + 1  # the fastest stage is at most average
-    while above - floor > 1:  # among those splits, the largest least stage time
-        mid = (floor + above) // 2
-        candidate = costs.reach(bottleneck, mid)
-        if candidate is None:
-            above = mid
-        else:
-            floor, reach = mid, candidate
-    plan = evaluate_partition(profile, costs.cuts(reach), objective)
+    plan = evaluate_partition(profile, parts, objective)
     return plan if own is None else dataclasses.replace(plan, own=tuple(bool(o) for o in own))
 
 
@@ -269,9 +240,8 @@ class _Costs:
         self.time_prefixes = [self.time_prefix(k) for k in range(stages)]
         self.saved = _prefix(column("saved_bytes"))
         self.weights = _prefix(column("param_bytes"))
-        self.static = _prefix(2 * column("param_bytes") + column("optimizer_state_bytes"))
+        self.static = _prefix(stage_memory.static_bytes(column("param_bytes"), column("optimizer_state_bytes")))
         self.inputs = np.array([profile.input_bytes_of(i) for i in range(self.layers)] + [0], dtype=np.int64)
-        self._memory_lasts: list[np.ndarray] | None = None  # per stage, filled on the first reach()
 
     def recomputes(self, k: int) -> bool:
         return self.objective.recomputes and k < self.stages - 1
@@ -280,18 +250,10 @@ class _Costs:
         return self.time_recompute if self.recomputes(k) else self.time_plain
 
     def _coefficients(self, k: int) -> tuple[int, int, int, int, int, int]:
-        """Multipliers of (A, I, W) in stage k's peak and in its held bytes (see the module docstring)."""
-        o, last = self.objective, k == self.stages - 1
-        if o.schedule == "1f1b":
-            n = min(self.stages - k, o.micro_batches)
-            return n, n, 0, n, n, 0
-        d = 2 * (self.stages - 1 - k)
-        stash = d if o.weights == "stashed" else 0
-        if last:
-            return 1, 1, 0, 0, 0, 0
-        if o.activations == "recomputed":
-            return 1, d, stash, 0, d, stash
-        return d, d, stash, d, d, stash
+        """Multipliers of (A, I, W) in stage k's peak and in its held bytes (:mod:`fdg_schedule.stage_memory`)."""
+        o = self.objective
+        peak, held = stage_memory.stage_footprint(o.schedule, self.stages, k, o.activations, o.weights, o.micro_batches)
+        return peak.saved, peak.inputs, peak.weights, held.saved, held.inputs, held.weights
 
     def memory(self, k: int, start: int, stop: int) -> tuple[int, int]:
         """Stage k's (peak, held) bytes when it holds layers ``start:stop``."""
@@ -302,53 +264,21 @@ class _Costs:
         inputs = int(self.inputs[start])
         return a * saved + i * inputs + w * weights + static, held_a * saved + held_i * inputs + held_w * weights
 
-    def _memory_last(self, k: int) -> np.ndarray:
-        """For every start, the last stop of stage k within the memory limit and leaving a layer per later stage."""
-        cap = np.full(self.layers + 1, self.layers - (self.stages - 1 - k), dtype=np.int64)
+    def time_matrix(self, k: int) -> np.ndarray:
+        """Stage k's time in picoseconds for every (start, stop): the solver's cost."""
+        prefix = self.time_prefix(k)
+        return prefix[None, :] - prefix[:, None]
+
+    def allowed_matrix(self, k: int) -> np.ndarray:
+        """For every (start, stop): stage k then holds a layer of its own and its peak fits the memory limit."""
+        allowed = np.arange(self.layers + 1)[None, :] >= self.least_stop[:, None]
         limit = self.objective.memory_limit
         if limit is None:
-            return cap
+            return allowed
         a, i, w, *_ = self._coefficients(k)
-        grows = a * self.saved + w * self.weights + self.static  # nondecreasing in the stop
-        allowed = limit + grows - i * self.inputs  # peak(start, stop) <= limit  <=>  grows[stop] <= allowed[start]
-        return np.minimum(cap, np.searchsorted(grows, allowed, side="right") - 1)
-
-    def reach(self, bottleneck: int, floor: int = 0) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None:
-        """Per stage: where it may start and its stop interval per start, if some split covers the model.
-
-        For a start i, stage k may stop at any j in [first[i], last[i]] (empty when first > last):
-        its time lies in [floor, bottleneck] and its memory fits (neither falls as a stage takes
-        more layers). None when no split covers the model.
-        """
-        n = self.layers
-        if self._memory_lasts is None:
-            self._memory_lasts = [self._memory_last(k) for k in range(self.stages)]
-        bounds = {}  # per time prefix (plain, recomputing): first and last stop within the time window
-        for prefix in {id(p): p for p in self.time_prefixes}.values():
-            first = np.maximum(np.searchsorted(prefix, prefix + floor, side="left"), self.least_stop)
-            bounds[id(prefix)] = first, np.searchsorted(prefix, prefix + bottleneck, side="right") - 1
-        starts = np.arange(n + 1) == 0
-        history = []
-        for k in range(self.stages):
-            first, time_last = bounds[id(self.time_prefixes[k])]
-            last = np.minimum(time_last, self._memory_lasts[k])
-            history.append((starts, first, last))
-            usable = starts & (first <= last)
-            # Stops some usable start reaches: +1 where its interval opens, -1 after it closes.
-            opened = np.bincount(first[usable], minlength=n + 2)[: n + 2]
-            closed = np.bincount(last[usable] + 1, minlength=n + 2)[: n + 2]
-            starts = np.cumsum(opened - closed)[: n + 1] > 0
-        return history if starts[n] else None
-
-    def cuts(self, history: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> list[int]:
-        """Boundaries from a feasible sweep, from the last stage back, each at the first start that works."""
-        positions = np.arange(self.layers + 1)
-        stop, parts = self.layers, [self.layers]
-        for k in range(self.stages - 1, -1, -1):
-            starts, first, last = history[k]
-            stop = int(np.flatnonzero(starts & (positions < stop) & (first <= stop) & (last >= stop))[0])
-            parts.append(stop)
-        return parts[::-1]
+        grows = a * self.saved + w * self.weights + self.static  # the bytes that grow with the stop
+        peak = grows[None, :] - grows[:, None] + (i * self.inputs)[:, None]
+        return allowed & (peak <= limit)
 
 
 def rescaled(profile: ModelProfile, plan: Partition, measured_s: Sequence[float]) -> ModelProfile:

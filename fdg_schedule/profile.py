@@ -25,29 +25,20 @@ the engine's ``held_bytes()`` counts them: per save, parameters and buffers excl
 ``optimizer_state_bytes`` (after one step). Layers are profiled on a deep copy (or a fresh build
 of a ``LayerSpec``) under a forked RNG: the caller's weights and random stream are untouched.
 
-The file (``ModelProfile.save`` / ``load``) is JSON::
-
-    {"format": "fdg_schedule.profile/1", "micro_batch": 32, "device": "cpu", "dtype": "float32",
-     "input_bytes": 393216, "key": "…", "meta": {…},
-     "layers": [{"name": "CifarStem", "forward_s": …, "backward_s": …, "recompute_s": …,
-                 "step_s": …, "params": 448, "param_bytes": 1792, "activation_bytes": …,
-                 "saved_bytes": …, "optimizer_state_bytes": …}, …]}
-
-``params`` and ``optimizer_state_bytes`` may be absent (read as 0): a profile estimated elsewhere
-(for example by the planner from FLOPs) needs only the other eight layer fields.
+The file (``ModelProfile.save`` / ``load``) is JSON in the one torch-free format the planner reads
+too: :mod:`fdg_schedule.profile_format` (this module re-exports its :class:`LayerCost` and
+:class:`ModelProfile`).
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import datetime
 import hashlib
 import json
 import os
 import platform
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
@@ -58,132 +49,14 @@ import torch
 from torch import Tensor, nn
 
 from fdg_schedule import host_memory
+from fdg_schedule.profile_format import FORMAT, LayerCost, ModelProfile
+from fdg_schedule.tensors import cloned, detached, flat, leaves, map_tensors, nbytes
 
-FORMAT = "fdg_schedule.profile/1"
+__all__ = ["FORMAT", "LayerCost", "ModelProfile", "cached_profile", "describe", "layer_name", "profile_layers"]
 # How layers are timed; part of the cache key, so a profile cached by an older way of timing is measured
 # again. 2: the input is copied before the clock starts (Note [the input is copied before the clock starts]).
 TIMING = 2
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerCost:
-    """What one layer costs per micro-batch (seconds and bytes); see the module docstring."""
-
-    name: str
-    forward_s: float
-    backward_s: float
-    recompute_s: float
-    step_s: float
-    param_bytes: int
-    activation_bytes: int
-    saved_bytes: int
-    params: int = 0  # trainable parameters (what DeepSpeed's "parameters" method balances)
-    optimizer_state_bytes: int = 0
-
-    def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if field.name != "name" and (not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0):
-                raise ValueError(f"layer {self.name!r}: {field.name} must be a number >= 0, got {value!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelProfile:
-    """Per-layer costs of one model at one micro-batch size on one device and dtype."""
-
-    layers: tuple[LayerCost, ...]
-    micro_batch: int
-    """Samples per micro-batch the layers were timed with."""
-    device: str
-    """Where they ran, e.g. ``"cpu"`` or ``"cuda:0"`` (``meta["device_name"]`` names the hardware)."""
-    dtype: str
-    """Floating dtype of weights and inputs, e.g. ``"float32"``, ``"bfloat16"``."""
-    input_bytes: int = 0
-    """Bytes of one micro-batch's input to layer 0 (what a recomputing stage 0 holds per micro-batch)."""
-    key: str = ""
-    """The cache key (:func:`profile_key`): same key, same model, micro-batch, device, dtype and optimizer."""
-    meta: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """How it was measured: repeats, warm-up, optimizer, threads, torch version, date."""
-
-    @property
-    def names(self) -> list[str]:
-        return [layer.name for layer in self.layers]
-
-    def input_bytes_of(self, layer: int) -> int:
-        """Bytes a stage starting at ``layer`` receives per micro-batch."""
-        return self.input_bytes if layer == 0 else self.layers[layer - 1].activation_bytes
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "format": FORMAT,
-            "micro_batch": self.micro_batch,
-            "device": self.device,
-            "dtype": self.dtype,
-            "input_bytes": self.input_bytes,
-            "key": self.key,
-            "meta": self.meta,
-            "layers": [dataclasses.asdict(layer) for layer in self.layers],
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any], source: str = "profile") -> ModelProfile:
-        """Read a profile dict; a missing or wrong field is an error naming ``source`` and the field."""
-        if not isinstance(data, dict):
-            raise ValueError(f"{source}: a profile must be a JSON object, got {type(data).__name__}")
-        fmt = data.get("format", FORMAT)
-        if fmt != FORMAT:
-            raise ValueError(f"{source}: format {fmt!r} is not {FORMAT!r}; re-profile with this version")
-        missing = [key for key in ("layers", "micro_batch", "device", "dtype") if key not in data]
-        if missing:
-            raise ValueError(f"{source}: missing key(s) {missing}")
-        required = [f.name for f in dataclasses.fields(LayerCost) if f.default is dataclasses.MISSING]
-        known = {f.name for f in dataclasses.fields(LayerCost)}
-        layers = []
-        for i, layer in enumerate(data["layers"]):
-            absent = [key for key in required if key not in layer]
-            if absent:
-                raise ValueError(f"{source}: layer {i} lacks {absent} (each layer needs {required})")
-            try:
-                layers.append(LayerCost(**{k: v for k, v in layer.items() if k in known}))
-            except ValueError as error:
-                raise ValueError(f"{source}: layer {i}: {error}") from None
-        if not layers:
-            raise ValueError(f"{source}: the profile has no layers")
-        return cls(
-            layers=tuple(layers),
-            micro_batch=int(data["micro_batch"]),
-            device=str(data["device"]),
-            dtype=str(data["dtype"]),
-            input_bytes=int(data.get("input_bytes", 0)),
-            key=str(data.get("key", "")),
-            meta=dict(data.get("meta", {})),
-        )
-
-    def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write the JSON atomically (a reader never sees half a file); returns the path."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(self.to_dict(), f, indent=1)
-        os.replace(tmp, path)
-        return path
-
-    @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> ModelProfile:
-        try:
-            text = Path(path).read_text()
-        except FileNotFoundError:
-            raise FileNotFoundError(
-                f"no layer profile at {path}; make one with fdg_schedule.profile.cached_profile(layers, "
-                "sample_batch, cache_dir) (see docs/performance.md)"
-            ) from None
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path}: not a JSON layer profile ({error})") from None
-        return cls.from_dict(data, source=str(path))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -316,8 +189,8 @@ class _Passes:
         self.params = [p for p in module.parameters() if p.requires_grad] if module is not None else []
         self.opt = optimizer(self.params) if self.params else None
         # A stage's input needs a gradient unless it is the data (layer 0), as in DeepSpeed's pipeline.
-        self.leaf = _leaf(x, requires_grad=input_needs_grad)
-        self.grads = _output_grads(run(_clone(self.leaf)))
+        self.leaf = leaves(x, requires_grad=input_needs_grad)
+        self.grads = _output_grads(run(cloned(self.leaf)))
 
     def round(self) -> tuple[float, float, float, float]:
         """Seconds of (forward with autograd, backward, optimizer step, forward without autograd).
@@ -351,13 +224,13 @@ class _Passes:
     def output(self) -> Any:
         """The output of a forward without autograd, detached: the next layer's input."""
         with torch.no_grad():
-            return _detach(self.run(_clone(self.leaf)))
+            return detached(self.run(cloned(self.leaf)))
 
     def cost(self, name: str, rounds: Sequence[tuple[float, float, float, float]]) -> LayerCost:
         """Medians of ``rounds`` (as :meth:`round` returns them) and the sizes, as a :class:`LayerCost`."""
         module, opt = self.module, self.opt
         state = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())} if module else set()
-        saved = _saved_bytes(lambda: self.run(_clone(self.leaf)), state)
+        saved = _saved_bytes(lambda: self.run(cloned(self.leaf)), state)
         states = opt.state.values() if opt else ()
         state_bytes = sum(_nbytes(v) for state_ in states for v in state_.values() if torch.is_tensor(v))
         out = self.output()
@@ -464,7 +337,7 @@ def profile_key(
     device = torch.device(device) if device is not None else _default_device()
     described = {
         "layers": [_describe_layer(layer) for layer in layers],
-        "inputs": [(tuple(t.shape), str(t.dtype)) for t in _tensors(inputs)],
+        "inputs": [(tuple(t.shape), str(t.dtype)) for t in flat(inputs)],
         "device": _device_name(device),
         "threads": torch.get_num_threads(),
         "dtype": str(dtype),
@@ -575,24 +448,16 @@ def _describe_optimizer(optimizer: OptimizerFactory) -> str:
     return str(getattr(optimizer, "__qualname__", optimizer))
 
 
-def _tensors(x: Any) -> list[Tensor]:
-    if torch.is_tensor(x):
-        return [x]
-    if isinstance(x, (tuple, list)):
-        return [t for item in x for t in _tensors(item)]
-    return []
-
-
 def _floating(x: Any) -> list[Tensor]:
-    return [t for t in _tensors(x) if t.is_floating_point()]
+    return [t for t in flat(x) if t.is_floating_point()]
 
 
 def _nbytes(x: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in _tensors(x))
+    return nbytes(flat(x))
 
 
 def _leading_size(x: Any) -> int:
-    tensors = _tensors(x)
+    tensors = flat(x)
     return int(tensors[0].shape[0]) if tensors and tensors[0].dim() > 0 else 1
 
 
@@ -601,39 +466,18 @@ def _floating_dtype(x: Any) -> torch.dtype | None:
     return floating[0].dtype if floating else None
 
 
-def _map(x: Any, fn: Callable[[Tensor], Tensor]) -> Any:
-    if torch.is_tensor(x):
-        return fn(x)
-    if isinstance(x, (tuple, list)):
-        return tuple(_map(item, fn) for item in x)
-    return x
-
-
 def _to(x: Any, device: torch.device, dtype: torch.dtype | None) -> Any:
     def move(t: Tensor) -> Tensor:
         if dtype is not None and t.is_floating_point():
             return t.to(device=device, dtype=dtype)
         return t.to(device)
 
-    return _map(x, move)
-
-
-def _leaf(x: Any, requires_grad: bool) -> Any:
-    return _map(x, lambda t: t.detach().requires_grad_(requires_grad and t.is_floating_point()))
-
-
-def _clone(x: Any) -> Any:
-    # As the engine does: a layer may write into its input; the leaf stays untouched.
-    return _map(x, lambda t: t.clone())
+    return map_tensors(x, move)
 
 
 def _fresh(x: Any) -> Any:
     """A copy of the leaf ``x`` that is a leaf itself (its gradient lands on the copy, as on a stage's input)."""
-    return _map(x, lambda t: t.detach().clone().requires_grad_(t.requires_grad))
-
-
-def _detach(x: Any) -> Any:
-    return _map(x, lambda t: t.detach())
+    return map_tensors(x, lambda t: t.detach().clone().requires_grad_(t.requires_grad))
 
 
 def _output_grads(out: Any) -> list[Tensor]:

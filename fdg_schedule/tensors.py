@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -12,6 +13,24 @@ HOST = torch.device("cpu")  # host memory (gloo moves bytes from there; control 
 
 def as_tuple(x: Any) -> tuple[Any, ...]:
     return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def flat(x: Any) -> list[Tensor]:
+    """Every tensor in ``x``, in order, through nested tuples and lists (other items are skipped)."""
+    if torch.is_tensor(x):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [t for item in x for t in flat(item)]
+    return []
+
+
+def map_tensors(x: Any, fn: Callable[[Tensor], Tensor]) -> Any:
+    """``x`` with ``fn`` applied to every tensor, through nested tuples and lists (lists become tuples)."""
+    if torch.is_tensor(x):
+        return fn(x)
+    if isinstance(x, (tuple, list)):
+        return tuple(map_tensors(item, fn) for item in x)
+    return x
 
 
 def floating(x: Any) -> list[Tensor]:
@@ -59,9 +78,12 @@ def detached(x: Any) -> Any:
 
 def leaves(x: Any, requires_grad: bool) -> Any:
     """``x`` as autograd leaves; floating ones require gradients when ``requires_grad``."""
-    if torch.is_tensor(x):
-        return x.detach().requires_grad_(requires_grad and x.is_floating_point())
-    return tuple(leaves(t, requires_grad) for t in x)
+    return map_tensors(x, lambda t: t.detach().requires_grad_(requires_grad and t.is_floating_point()))
+
+
+def cloned(x: Any) -> Any:
+    """A copy of every tensor in ``x`` (a layer may write into its input; the original stays untouched)."""
+    return map_tensors(x, lambda t: t.clone())
 
 
 def on_cpu(x: Any) -> Any:

@@ -8,8 +8,10 @@ import random
 import pytest
 
 from fdg_schedule.partition import (
+    PICOSECONDS,
     Objective,
     Partition,
+    _Costs,
     balanced_partition,
     evaluate_partition,
     parameter_split,
@@ -267,3 +269,38 @@ def test_rescaled_profile_predicts_what_was_measured_and_moves_the_cut() -> None
         rescaled(profile, plan, [1.0])
     with pytest.raises(ValueError, match="must be > 0 seconds"):
         rescaled(profile, plan, [1.0, 0.0])
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_the_planners_split_is_the_partitioners_on_the_same_costs(seed: int) -> None:
+    """One solver: the planner's ``best_split`` given the partitioner's stage times and memory finds the same
+    bottleneck with its own tie rule, and the same parts with the partitioner's (``spread``)."""
+    from fdg_schedule.plan.split import best_split
+
+    rng = random.Random(2000 + seed)
+    profile = random_profile(rng, rng.randint(2, 9))
+    n = len(profile.layers)
+    for objective in OBJECTIVES:
+        for stages in range(1, min(5, n) + 1):
+            limit = None if rng.random() < 0.5 else rng.choice([2**20, 2**22, 2**24])
+            limited = Objective(**{**objective.__dict__, "memory_limit": limit})
+
+            costs = _Costs(profile, stages, limited)  # the partitioner's stage times and peaks, as callbacks
+
+            def time(a: int, b: int, k: int, costs: _Costs = costs) -> float:
+                return int(costs.time_prefix(k)[b] - costs.time_prefix(k)[a]) / PICOSECONDS
+
+            def peak(a: int, b: int, k: int, costs: _Costs = costs) -> float:
+                return costs.memory(k, a, b)[0]
+
+            memory = peak if limit is not None else None
+            spread = best_split(n, stages, time, memory, limit if limit is not None else float("inf"), spread=True)
+            plain = best_split(n, stages, time, memory, limit if limit is not None else float("inf"))
+            try:
+                plan = balanced_partition(profile, stages, limited)
+            except ValueError:
+                assert spread is None and plain is None
+                continue
+            assert spread == plan.parts, (seed, limited, stages)
+            assert plain is not None
+            assert evaluate_partition(profile, plain, limited).bottleneck_s == plan.bottleneck_s

@@ -210,7 +210,8 @@ def test_memory_in_a_prediction_is_static_plus_held() -> None:
     model = CostModel(bytes_per_param=16.0)
     p = predict(profile, Variant("fdg"), 4, Cluster(), model=model)
     static = 2 * 40 / 4 * 16  # 2 layers x 10 parameters x 16 bytes
-    assert p.memory_bytes == pytest.approx([static + d * 200 for d in (6, 4, 2)] + [static + 200])
+    # per micro-batch in flight: 2 layers x 100 saved bytes and the stage's input of 10 bytes
+    assert p.memory_bytes == pytest.approx([static + d * 210 for d in (6, 4, 2)] + [static + 210])
     assert p.fits
 
 
@@ -226,12 +227,12 @@ def test_no_split_fits_a_tiny_memory_limit_and_the_plan_says_so() -> None:
 
 
 def test_recommend_picks_the_fastest_that_fits() -> None:
-    # Per layer: 100 bytes held per micro-batch in flight, 10 parameters x 16 bytes. With 1120 bytes per
-    # device 1F1B's balanced K=4 split fits (stage 0: 2 layers x (4 x 100 + 160)); FDG's stage 0 holds
-    # 6 micro-batches, so FDG must move layers off it (1, 2, 3, 2) and its slowest stage does 3 layers.
-    # At K=2 neither fits.
+    # Per layer: 100 bytes held per micro-batch in flight, 10 parameters x 16 bytes; per stage its input,
+    # 10 bytes per micro-batch in flight. With 1160 bytes per device 1F1B's balanced K=4 split fits
+    # (stage 0: 4 x (2 x 100 + 10) + 2 x 160); FDG's stage 0 holds 6 micro-batches, so FDG must move
+    # layers off it (1, 2, 3, 2) and its slowest stage does 3 layers. At K=2 neither fits.
     profile = uniform_profile(8, saved=100.0)
-    cluster = Cluster(gpus_per_node=8, memory=1120.0)
+    cluster = Cluster(gpus_per_node=8, memory=1160.0)
     result = plan(profile, cluster, [2, 4], [Variant("fdg"), Variant("1f1b")], micro_batches=lambda k: 4 * k)
     by = {(p.variant.name, p.stages): p for p in result.predictions}
     assert not by[("fdg current/stored", 2)].fits and not by[("deepspeed 1f1b", 2)].fits

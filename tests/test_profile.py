@@ -130,7 +130,7 @@ def test_file_round_trip_and_errors(measured: ModelProfile, tmp_path: Path) -> N
     minimal = {"micro_batch": 4, "device": "cpu", "dtype": "float32"}
     minimal["layers"] = [{k: v for k, v in layer.items() if k in planner_fields} for layer in data["layers"]]
     assert ModelProfile.from_dict(minimal).layers[0].params == 0
-    with pytest.raises(ValueError, match="forward_s must be a number >= 0, got -1"):
+    with pytest.raises(ValueError, match="forward_s must be a finite number >= 0, got -1"):
         LayerCost("x", -1, 0, 0, 0, 0, 0, 0)
     with pytest.raises(ValueError, match=r"p.json: missing key\(s\) \['micro_batch'\]"):
         ModelProfile.from_dict({"layers": [], "device": "cpu", "dtype": "float32"}, source="p.json")
@@ -168,3 +168,63 @@ def test_optimizer_from_ds_config() -> None:
     adamw = optimizer_from_ds_config({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95]}}})
     assert isinstance(adamw(params), torch.optim.AdamW)
     assert isinstance(optimizer_from_ds_config({})(params), torch.optim.SGD)  # a client optimizer: SGD stands in
+
+
+# Files both former writers produced before there was one format module: the profiler's (integer bytes,
+# params, optimizer state, a cache key) and the planner's --save-profile (eight layer fields, fractional
+# sizes, no key). Both load with the profiler's and with the planner's reader, to the same profile.
+PROFILER_FILE = {
+    "format": "fdg_schedule.profile/1", "micro_batch": 4, "device": "cpu", "dtype": "float32",
+    "input_bytes": 128, "key": "0123456789abcdef", "meta": {"repeats": 3},
+    "layers": [{"name": "Linear", "forward_s": 1e-4, "backward_s": 2e-4, "recompute_s": 1e-4, "step_s": 1e-5,
+                "params": 72, "param_bytes": 288, "activation_bytes": 256, "saved_bytes": 128,
+                "optimizer_state_bytes": 288}],
+}  # fmt: skip
+PLANNER_FILE = {
+    "format": "fdg_schedule.profile/1", "micro_batch": 4, "device": "H100", "dtype": "bfloat16",
+    "input_bytes": 64.0, "meta": {"source": "flops"},
+    "layers": [{"name": "l0", "forward_s": 1.0, "backward_s": 2.0, "recompute_s": 1.0, "step_s": 0.0,
+                "param_bytes": 40.5, "activation_bytes": 10.0, "saved_bytes": 100.0}],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("data", [PROFILER_FILE, PLANNER_FILE], ids=["profiler", "planner"])
+def test_one_format_reads_both_former_writers_files(data: dict, tmp_path: Path) -> None:
+    from fdg_schedule import profile_format
+    from fdg_schedule.plan import costs
+
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    profile = ModelProfile.load(path)
+    assert profile is not None and costs.ModelProfile is ModelProfile is profile_format.ModelProfile
+    planner = costs.load_profile(path)
+    assert planner.layers == profile.layers and planner.input_bytes == profile.input_bytes == data["input_bytes"]
+    assert planner.meta == {**profile.meta, "source": str(path)}
+    layer = data["layers"][0]
+    assert profile.layers[0].params == layer.get("params", 0)
+    assert profile.layers[0].optimizer_state_bytes == layer.get("optimizer_state_bytes", 0)
+    assert profile.key == data.get("key", "")
+    # Written back, both forms load to the same profile.
+    assert ModelProfile.from_dict(json.loads(json.dumps(profile.to_dict()))) == profile
+    assert costs.profile_to_dict(profile) == profile.to_dict()
+
+
+def test_the_format_module_imports_no_torch() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, importlib.util, types\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'torch' or name.startswith('torch.'):\n"
+        "            raise ImportError('torch is blocked')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "spec = importlib.util.spec_from_file_location('profile_format', 'fdg_schedule/profile_format.py')\n"
+        "module = importlib.util.module_from_spec(spec); sys.modules['profile_format'] = module\n"
+        "spec.loader.exec_module(module)\n"
+        "print(module.ModelProfile.__name__)\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == "ModelProfile", result.stderr

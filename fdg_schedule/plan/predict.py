@@ -8,12 +8,14 @@ What a stage costs per micro-batch, with ``f, b, r, s`` its layers' forward, bac
 step seconds, ``A`` what autograd saves, ``I`` its input and ``W`` its parameter bytes:
 
     schedule                   forward   backward          held per micro-batch in flight
-    FDG stored                 f         b                 A            (+ W if stashed)
+    FDG stored                 f         b                 I + A        (+ W if stashed)
     FDG recomputed             r         f + b             I (+ A while its backward runs) (+ W)
-    FDG, last stage            f         b                 A, freed in the same tick
-    1F1B, GPipe, interleaved   f         b                 A
-    ZB-H1                      f         I: q b, W: (1-q) b  A; I frees all but w A, W the rest
+    FDG, last stage            f         b                 I + A, freed in the same tick
+    1F1B, GPipe, interleaved   f         b                 I + A
+    ZB-H1                      f         I: q b, W: (1-q) b  I + A; I frees all but w A, W the rest
 
+(held bytes: :mod:`fdg_schedule.stage_memory`, the model the partitioner uses too; the stage's input
+is held with each micro-batch in flight, as ``engine.held_bytes()`` counts it).
 ``"stashed"`` also copies W at each forward and twice at each backward (in and out of the
 parameters) at ``copy_bandwidth``. Every stage also holds ``bytes_per_param`` per parameter
 (weights, gradients, optimizer state). Steady state: FDG is simulated for a long segment and timed
@@ -27,7 +29,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from fdg_schedule import ticks
+from fdg_schedule import stage_memory as memory_model
 from fdg_schedule.plan import streams as st
 from fdg_schedule.plan.cluster import Cluster, Placement
 from fdg_schedule.plan.costs import ModelProfile
@@ -215,15 +217,16 @@ def chunk_costs(
     for c in range(count):
         span = prefix.span(bounds[c], bounds[c + 1])
         rank, last = c % K, c == count - 1
-        forward, backward, held, extra = span.forward_s, span.backward_s, span.saved_bytes, 0.0
+        forward, backward = span.forward_s, span.backward_s
         if variant.schedule == "fdg" and not last:  # the last stage runs plain autograd (delay 0)
             if variant.activations == "recomputed":
                 forward, backward = span.recompute_s, span.forward_s + span.backward_s
-                held, extra = span.input_bytes, span.saved_bytes
             if variant.weights == "stashed":
-                held += span.param_bytes
                 forward += 2 * span.param_bytes / model.copy_bandwidth
                 backward += 4 * span.param_bytes / model.copy_bandwidth
+        one = memory_model.per_micro_batch(variant.schedule, last, variant.activations, variant.weights)
+        sizes = (span.saved_bytes, span.input_bytes, span.param_bytes)
+        held, extra = one.held.bytes(*sizes), one.backward_extra.bytes(*sizes)
         input_fraction = 1.0 if c == 0 else model.input_fraction  # ZB-H1's first stage runs one full B
         out.append(
             ChunkCosts(
@@ -233,7 +236,7 @@ def chunk_costs(
                 allreduce_s=placement.allreduce_s(rank, span.param_bytes),
                 backward_input_s=(backward + model.overhead_s) * input_fraction,
                 held_bytes=held,
-                weight_grad_bytes=held * (0.0 if c == 0 else model.weight_grad_fraction),
+                weight_grad_bytes=span.saved_bytes * (0.0 if c == 0 else model.weight_grad_fraction),
                 backward_extra_bytes=extra,
                 static_bytes=span.param_bytes / profile.dtype_bytes * model.bytes_per_param,
                 to_next=None if last else _link(placement, rank, (c + 1) % K, span.output_bytes),
@@ -288,30 +291,24 @@ def stage_work(
 def stage_memory(
     profile: ModelProfile, variant: Variant, stages: int, micro_batches: int, model: CostModel
 ) -> Any:  # fmt: skip
-    """Bytes stage ``k`` holds with layers ``[a, b)`` (the formulas the simulator is tested against)."""
+    """Bytes stage ``k`` holds with layers ``[a, b)`` at its peak: static plus :mod:`fdg_schedule.stage_memory`."""
     prefix = _Prefix(profile)
 
     def memory(a: int, b: int, k: int) -> float:
         s = prefix.span(a, b)
         static = s.param_bytes / profile.dtype_bytes * model.bytes_per_param
-        last = k == stages - 1
-        if variant.schedule == "fdg":
-            if last:
-                return static + s.saved_bytes
-            d = ticks.delay(stages, k)
-            recompute = variant.activations == "recomputed"
-            per = (s.input_bytes if recompute else s.saved_bytes) + (
-                s.param_bytes if variant.weights == "stashed" else 0.0
+        sizes = (s.saved_bytes, s.input_bytes, s.param_bytes)
+        if variant.schedule in memory_model.SCHEDULES:
+            peak, _ = memory_model.stage_footprint(
+                variant.schedule, stages, k, variant.activations, variant.weights, micro_batches
             )
-            return static + d * per + (s.saved_bytes if recompute else 0.0)
-        if variant.schedule == "gpipe":
-            return static + micro_batches * s.saved_bytes
+            return static + peak.bytes(*sizes)
         if variant.schedule == "zbh1":  # k + 1 micro-batches wait for W, K - k for I (1F1B's)
             w = 0.0 if k == 0 else model.weight_grad_fraction
-            return static + min(stages - k, micro_batches) * s.saved_bytes + min(k, micro_batches) * w * s.saved_bytes
-        if variant.schedule == "interleaved":
-            return static  # per-chunk memory depends on the interleaving; the simulation checks it
-        return static + min(stages - k, micro_batches) * s.saved_bytes
+            flight = memory_model.in_flight("1f1b", stages, k, micro_batches)
+            one = memory_model.per_micro_batch("zbh1", k == stages - 1).held
+            return static + flight * one.bytes(*sizes) + min(k, micro_batches) * w * s.saved_bytes
+        return static  # interleaved: per-chunk memory depends on the interleaving; the simulation checks it
 
     return memory
 

@@ -1,46 +1,54 @@
-"""Where to cut the layers into stages: the contiguous split whose slowest stage is fastest, within a memory limit.
+"""Where the planner cuts the layers into stages: :func:`fdg_schedule.contiguous_split.solve` on callbacks.
 
-A dynamic program over (stages so far, layers so far) with prefix sums: ``O(K n^2)`` for ``n``
-layers. The cost and memory of a stage are callbacks of (first layer, end layer, stage index), so
-each schedule brings its own notion of a stage's work and of what it holds (e.g. FDG's stage k
-keeps ``2(K-1-k)`` micro-batches, 1F1B's ``K-k``).
+The cost and memory of a stage are callbacks of (first layer, end layer, stage index), so each
+schedule brings its own notion of a stage's work and of what it holds (e.g. FDG's stage k keeps
+``2(K-1-k)`` micro-batches, 1F1B's ``K-k``: :mod:`fdg_schedule.stage_memory`). The solver is the
+partitioner's (Note [the split solver]), with the planner's tie rule unless told ``spread``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
+
+from fdg_schedule import contiguous_split
+
 StageFn = Callable[[int, int, int], float]
 
 
 def best_split(layers: int, stages: int, cost: StageFn, memory: StageFn | None = None,
-               limit: float = float("inf")) -> list[int] | None:  # fmt: skip
+               limit: float = float("inf"), spread: bool = False) -> list[int] | None:  # fmt: skip
     """Boundaries ``[0, b1, ..., layers]`` minimising ``max_k cost(b_k, b_k+1, k)``, or None if none fits.
 
     ``memory(a, b, k)`` must stay ``<= limit`` for every stage; every stage gets at least one layer.
-    Ties go to the split that puts fewer layers on earlier stages (they hold more under FDG and 1F1B).
+    Ties go to the split that puts more layers on earlier stages (for every stop, the last start
+    within ``contiguous_split.TIE`` of the least bottleneck); ``spread=True``: the partitioner's
+    rule instead, among the splits with the least bottleneck the one whose fastest stage is slowest.
     """
     if stages < 1 or stages > layers:
         raise ValueError(f"cannot cut {layers} layers into {stages} stages (each stage needs a layer)")
-    inf = float("inf")
-    # best[k][j]: smallest bottleneck for layers [0, j) on stages 0..k-1; cut[k][j] the last boundary
-    best = [[inf] * (layers + 1) for _ in range(stages + 1)]
-    cut = [[-1] * (layers + 1) for _ in range(stages + 1)]
-    best[0][0] = 0.0
-    for k in range(1, stages + 1):
-        # stage k-1 ends at j; stages after it need one layer each
-        for j in range(k, layers - (stages - k) + 1):
-            for i in range(j - 1, k - 2, -1):
-                if best[k - 1][i] == inf:
-                    continue
-                if memory is not None and memory(i, j, k - 1) > limit:
-                    continue
-                value = max(best[k - 1][i], cost(i, j, k - 1))
-                if value < best[k][j] - 1e-15:
-                    best[k][j], cut[k][j] = value, i
-    if best[stages][layers] == inf:
-        return None
-    bounds = [layers]
-    for k in range(stages, 0, -1):
-        bounds.append(cut[k][bounds[-1]])
-    return bounds[::-1]
+
+    def matrix(fn: StageFn, k: int, empty: float) -> np.ndarray:
+        """``fn`` of stage k at every (start, stop) it may take (stages before and after it need a layer each)."""
+        out = np.full((layers + 1, layers + 1), empty)
+        for i in range(k, layers - (stages - 1 - k)):
+            for j in range(i + 1, layers - (stages - 1 - k) + 1):
+                out[i, j] = fn(i, j, k)
+        return out
+
+    costs: dict[int, np.ndarray] = {}
+    fits: dict[int, np.ndarray] = {}
+
+    def cost_of(k: int) -> np.ndarray:
+        if k not in costs:
+            costs[k] = matrix(cost, k, np.inf)
+        return costs[k]
+
+    def allowed(k: int) -> np.ndarray:
+        assert memory is not None
+        if k not in fits:
+            fits[k] = matrix(memory, k, np.inf) <= limit
+        return fits[k]
+
+    return contiguous_split.solve(layers, stages, cost_of, allowed if memory is not None else None, spread)
