@@ -65,12 +65,17 @@ def test_no_import_circle() -> None:
 
 def test_install_is_on_top_and_ticks_at_the_bottom() -> None:
     graph = import_graph()
-    assert graph["fdg_schedule.ticks"] == set()
-    importers = {name for name, edges in graph.items() if "fdg_schedule.install" in edges}
+    assert graph["fdg_schedule.sched.ticks"] == set()
+    importers = {name for name, edges in graph.items() if "fdg_schedule.runtime.install" in edges}
     assert importers <= {"fdg_schedule"}, importers  # only the package's __init__ re-exports it
-    for low in ("fdg_schedule.schedule", "fdg_schedule.view", "fdg_schedule.tracking", "fdg_schedule.timeline"):
-        assert "fdg_schedule.engine" not in graph[low], f"{low} imports the engine"
-    assert graph["fdg_schedule.launch"] == set()  # Note [a rank does not import the package]
+    for low in (
+        "fdg_schedule.sched.schedule",
+        "fdg_schedule.observability.view",
+        "fdg_schedule.corrections.tracking",
+        "fdg_schedule.observability.timeline",
+    ):
+        assert "fdg_schedule.runtime.engine" not in graph[low], f"{low} imports the engine"
+    assert graph["fdg_schedule.tools.launch"] == set()  # Note [a rank does not import the package]
 
 
 def test_the_check_finds_a_circle() -> None:
@@ -132,5 +137,7 @@ def test_every_module_the_deepspeed_hook_loads_can_be_imported_first() -> None:
     )
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout.split("REPORT")[-1])
-    assert "fdg_schedule.pipe_partition" in report, f"the hook no longer loads pipe_partition: {sorted(report)}"
+    assert "fdg_schedule.partitioning.pipe_partition" in report, (
+        f"the hook no longer loads pipe_partition: {sorted(report)}"
+    )
     assert {name: result for name, result in report.items() if result != "ok"} == {}

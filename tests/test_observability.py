@@ -18,9 +18,9 @@ import pytest
 import toy
 from dist_harness import run_ranks
 
-from fdg_schedule import tracking
-from fdg_schedule.schedule import AdvanceTick
-from fdg_schedule.view import MicroBatchNumbers
+from fdg_schedule.corrections import tracking
+from fdg_schedule.observability.view import MicroBatchNumbers
+from fdg_schedule.sched.schedule import AdvanceTick
 
 GAS, CALLS, WINDOW = 3, 3, {"start_tick": 1, "ticks": 6}
 _COLLECTIVES = ("all_reduce", "broadcast", "broadcast_object_list", "all_gather", "all_gather_object",
@@ -88,7 +88,7 @@ def _collectives_recorded() -> Iterator[list[tuple[str, tuple[int, ...]]]]:
 def observed_job(rank: int, world: int, tmp: str) -> dict[str, Any]:
     """FDG with W&B + trace + CSV (not logged in: offline by default), then a traced stock 1F1B job."""
     import fdg_schedule
-    from fdg_schedule import observe, timeline
+    from fdg_schedule.observability import observe, timeline
 
     tmp_path = Path(tmp)
     for key in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_RUN_GROUP"):
@@ -205,7 +205,7 @@ def test_wandb_runs_per_stage_in_one_group(job: tuple[Path, list[dict[str, Any]]
 
 @pytest.mark.distributed
 def test_fdg_trace_has_both_ranks_in_schedule_order(job: tuple[Path, list[dict[str, Any]]]) -> None:
-    from fdg_schedule import timeline
+    from fdg_schedule.observability import timeline
 
     tmp, _ = job
     merged = timeline.merge(tmp / "fdg_trace")
@@ -236,7 +236,7 @@ def test_fdg_trace_has_both_ranks_in_schedule_order(job: tuple[Path, list[dict[s
 
 @pytest.mark.distributed
 def test_one_f_one_b_trace_and_comparison(job: tuple[Path, list[dict[str, Any]]]) -> None:
-    from fdg_schedule import timeline
+    from fdg_schedule.observability import timeline
 
     tmp, _ = job
     trace = timeline.load(tmp / "1f1b_trace")

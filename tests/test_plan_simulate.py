@@ -10,12 +10,12 @@ import random
 
 import pytest
 
-from fdg_schedule import schedule as fdg_schedule
-from fdg_schedule import ticks
 from fdg_schedule.plan import streams as st
 from fdg_schedule.plan.predict import fdg_window
 from fdg_schedule.plan.simulate import ChunkCosts, Deadlock, Link, simulate
 from fdg_schedule.plan.streams import Action, Op
+from fdg_schedule.sched import schedule as fdg_schedule
+from fdg_schedule.sched import ticks
 
 
 def chain(forward: list[float], backward: list[float], exchange: tuple[float, float] = (0.0, 0.0), step: float = 0.0,

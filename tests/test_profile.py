@@ -11,8 +11,14 @@ import torch
 import toy
 from torch import nn
 
-from fdg_schedule import profile as profiling
-from fdg_schedule.profile import LayerCost, ModelProfile, layer_name, optimizer_from_ds_config, profile_layers
+from fdg_schedule.partitioning import profile as profiling
+from fdg_schedule.partitioning.profile import (
+    LayerCost,
+    ModelProfile,
+    layer_name,
+    optimizer_from_ds_config,
+    profile_layers,
+)
 
 
 @pytest.fixture(scope="module")

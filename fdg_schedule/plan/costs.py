@@ -1,6 +1,6 @@
 """What the planner knows about a model: per-layer times and sizes, read from a profile, a trace or an estimate.
 
-The layer fields are those of the profiler's JSON (``fdg_schedule.profile``, format
+The layer fields are those of the profiler's JSON (``fdg_schedule.partitioning.profile``, format
 ``fdg_schedule.profile/1``), per micro-batch of ``micro_batch`` samples:
 
     forward_s      forward with autograd recording (stored activations, 1F1B, GPipe, ...)
@@ -12,8 +12,8 @@ The layer fields are those of the profiler's JSON (``fdg_schedule.profile``, for
     activation_bytes  its output (what crosses a stage boundary cut after this layer)
     saved_bytes    what autograd keeps for its backward (parameters excluded)
 
-Note [planner profile loader]: :func:`load_profile` reads the format ``fdg_schedule.profile`` writes,
-with dataclasses of the same field names. They are still two copies: ``fdg_schedule.profile`` imports
+Note [planner profile loader]: :func:`load_profile` reads the format ``fdg_schedule.partitioning.profile`` writes,
+with dataclasses of the same field names. They are still two copies: ``fdg_schedule.partitioning.profile`` imports
 torch at module level and holds integer byte counts, the planner is torch-free and takes fractional
 FLOP-based estimates. The follow-up is one torch-free format module that both import.
 """
@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fdg_schedule.schedule import Kind
+from fdg_schedule.sched.schedule import Kind
 
 PROFILE_FORMAT = "fdg_schedule.profile/1"
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "float64": 8}
@@ -166,14 +166,14 @@ def profile_from_trace(
 ) -> ModelProfile:
     """One "layer" per traced stage, timed by the medians of its forward, backward and step events.
 
-    A trace (``pipeline.fdg.trace``, merged by ``python -m fdg_schedule.timeline merge``) has times
+    A trace (``pipeline.fdg.trace``, merged by ``python -m fdg_schedule.observability.timeline merge``) has times
     but no sizes: ``activation_bytes[k]`` (stage k's output) and ``param_bytes[k]`` default to 0.
     The planner can then re-time that split under other schedules and clusters, but not re-split it.
     """
     ranks = trace.get("otherData", {}).get("ranks")
     if not ranks:
         raise ValueError(f"{source}: no 'otherData.ranks'; merge the per-rank parts with "
-                         "`python -m fdg_schedule.timeline merge <dir>` first")  # fmt: skip
+                         "`python -m fdg_schedule.observability.timeline merge <dir>` first")  # fmt: skip
     stage_of = {int(rank): int(meta["stage_id"]) for rank, meta in ranks.items()}
     stages = max(stage_of.values()) + 1
     timed = (Kind.FORWARD.value, Kind.BACKWARD.value, Kind.STEP.value)  # the trace's "cat" is the instruction's kind

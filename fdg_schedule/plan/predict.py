@@ -27,12 +27,12 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from fdg_schedule import ticks
 from fdg_schedule.plan import streams as st
 from fdg_schedule.plan.cluster import Cluster, Placement
 from fdg_schedule.plan.costs import ModelProfile
 from fdg_schedule.plan.simulate import ChunkCosts, Link, Timeline, simulate
 from fdg_schedule.plan.split import best_split
+from fdg_schedule.sched import ticks
 
 SCHEDULES = ("fdg", "1f1b", "gpipe", "interleaved", "zbh1")
 

@@ -1,6 +1,6 @@
 """Per-rank instruction streams of every schedule the planner compares, as plain action lists.
 
-FDG's stream is translated from the engine's own generator (:class:`fdg_schedule.schedule.FDGTrainSchedule`)
+FDG's stream is translated from the engine's own generator (:class:`fdg_schedule.sched.schedule.FDGTrainSchedule`)
 and DeepSpeed's 1F1B from ``deepspeed.runtime.pipe.schedule.TrainSchedule``: the planner times what
 the engines execute. GPipe, interleaved 1F1B and ZB-H1 are written here from their papers' orderings.
 
@@ -26,8 +26,8 @@ from collections.abc import Iterable, Iterator
 
 from deepspeed.runtime.pipe import schedule as ds
 
-from fdg_schedule import schedule as fdg
-from fdg_schedule.schedule import FDGTrainSchedule
+from fdg_schedule.sched import schedule as fdg
+from fdg_schedule.sched.schedule import FDGTrainSchedule
 
 
 class Op(enum.Enum):

@@ -51,7 +51,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule
 from deepspeed.runtime import utils as ds_utils
 from torch import nn
 
-from fdg_schedule.pipe_partition import parse_parts
+from fdg_schedule.partitioning.pipe_partition import parse_parts
 
 Layer: TypeAlias = LayerSpec | nn.Module
 
