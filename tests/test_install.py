@@ -171,7 +171,7 @@ def refusals(rank: int, world: int) -> dict[str, Any]:
     out["opted_out"] = out["opted_out_fix"] = attempt(pipeline=FDG)
     out["opted_out_explicit"] = attempt(initialize=fdg_schedule.initialize, pipeline=FDG)
     out["opted_out_stock"] = attempt()
-    fdg_schedule.runtime.install()
+    fdg_schedule.install()
     out["opted_out_then_install"] = attempt(pipeline=FDG)
     del os.environ["FDG_SCHEDULE_AUTO_INSTALL"]
     fdg_schedule.uninstall()
@@ -188,7 +188,7 @@ REFUSALS = {  # case -> what the error says
     "opted_out": OPT_OUT_MESSAGE,
     "opted_out_fix": "or unset FDG_SCHEDULE_AUTO_INSTALL, or remove",
     "uninstalled": "fdg_schedule.uninstall() was called, so deepspeed.initialize does not build the FDG",
-    "uninstalled_fix": "or call fdg_schedule.runtime.install(), or remove",
+    "uninstalled_fix": "or call fdg_schedule.install(), or remove",
 }
 
 

@@ -156,7 +156,8 @@ def parse_balanced(method: str) -> tuple[Path, Objective]:
     if not path:
         raise ValueError(
             f"partition_method {method!r} needs a layer profile: 'balanced:<profile.json>'; make one with "
-            "fdg_schedule.partitioning.profile.cached_profile(layers, sample_inputs, cache_dir) (see docs/performance.md)"
+            "fdg_schedule.partitioning.profile.cached_profile(layers, sample_inputs, cache_dir) "
+            "(see docs/performance.md)"
         )
     fields: dict[str, Any] = {}
     for key, value in urllib.parse.parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)):

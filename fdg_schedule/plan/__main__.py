@@ -25,10 +25,9 @@ from fdg_schedule.plan.cluster import CLUSTERS, Cluster, parse_bandwidth, parse_
 from fdg_schedule.plan.flops import GPUS, TRANSFORMERS, Efficiency, estimate_resnet, estimate_transformer, gpu_named
 from fdg_schedule.plan.predict import SCHEDULES, CostModel, Variant
 from fdg_schedule.plan.recommend import OBJECTIVES, plan, plot, table
-from fdg_schedule.zoo import resnet as resnet_zoo
+from fdg_schedule.zoo.resnet_shapes import NAMES as RESNETS  # torch-free; estimate_resnet imports the zoo
 
 DEFAULT_STAGES = "2,3,4,6,8,12,16,24,32,48,64"
-RESNETS = tuple(resnet_zoo.MODELS)  # CIFAR ResNets, WRNs, torchvision ResNets
 FDG_MODES = ("current/stored", "current/recomputed", "stashed/stored", "stashed/recomputed")
 
 

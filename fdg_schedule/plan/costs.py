@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fdg_schedule.sched.schedule import Kind
+from fdg_schedule.sched.kinds import Kind
 
 PROFILE_FORMAT = "fdg_schedule.profile/1"
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "float64": 8}

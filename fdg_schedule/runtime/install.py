@@ -203,7 +203,7 @@ def _mentions_schedule(ds_config: Mapping[str, Any] | None) -> bool:
 
 def _switched_off_message() -> str:
     if _switch is False:
-        why, undo = "fdg_schedule.uninstall() was called", "call fdg_schedule.runtime.install()"
+        why, undo = "fdg_schedule.uninstall() was called", "call fdg_schedule.install()"
     else:
         why, undo = f"{AUTO_INSTALL_ENV}={os.environ.get(AUTO_INSTALL_ENV)} is set", f"unset {AUTO_INSTALL_ENV}"
     return (

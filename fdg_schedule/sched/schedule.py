@@ -36,7 +36,6 @@ iterator longer than the inputs gives no such sign: then the partial accumulatio
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections.abc import Iterator
 
 from deepspeed.runtime.pipe.schedule import (
@@ -48,18 +47,7 @@ from deepspeed.runtime.pipe.schedule import (
 
 from fdg_schedule.runtime.errors import FDGRuntimeError
 from fdg_schedule.sched import ticks
-
-
-class Kind(enum.Enum):
-    """What an instruction's time counts as: ``fdg_stats["<kind>_s"]``, W&B ``fdg/<kind>_s``, trace category."""
-
-    FORWARD = "forward"
-    BACKWARD = "backward"
-    STEP = "step"
-    REDUCE = "reduce"
-    WAIT = "wait"
-    LOAD = "load"
-    EXCHANGE = "exchange"
+from fdg_schedule.sched.kinds import Kind
 
 
 class _Short:
