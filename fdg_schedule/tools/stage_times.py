@@ -6,21 +6,20 @@
 
 FDG engines count their own time per instruction kind (``engine.fdg_stats``) and their ticks;
 DeepSpeed's ``PipelineEngine`` does not, so the clock times its instruction handlers during
-``train_batch()`` through a copy of the instruction map on the engine instance (the class and other
-engines are untouched) and counts its backward passes. Compute is forward + backward (+ the
+``train_batch()`` through the public per-instruction hook (:func:`fdg_schedule.runtime.dispatch.observe`)
+and counts its backward passes. Compute is forward + backward (+ the
 recomputed forward, which runs inside it) + optimizer step + gradient all-reduce; wait is time
 blocked on a neighbour.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
 
 from fdg_schedule.partitioning.partition import Partition, balanced_partition, rescaled
+from fdg_schedule.runtime import dispatch
 
 COMPUTE = ("forward_s", "backward_s", "step_s", "reduce_s")
 
@@ -97,26 +96,14 @@ class StageClock:
             s.RecvGrad: "wait_s",
         }
         self._stock = {kind: 0.0 for kind in (*COMPUTE, "wait_s", "micro_batches")}
-        table = dict(type(self.engine)._INSTRUCTION_MAP)
-        for cls, kind in kinds.items():
-            table[cls] = _timed(table[cls], self._stock, kind, cls is s.BackwardPass, self._training)
-        self.engine._INSTRUCTION_MAP = table  # DeepSpeed's dispatch loop reads self._INSTRUCTION_MAP
 
+        def on_instruction(view: Any, cmd: Any, start: float, end: float) -> None:
+            kind = kinds.get(type(cmd))
+            if kind is not None and self._training[0]:
+                self._stock[kind] += end - start
+                self._stock["micro_batches"] += type(cmd) is s.BackwardPass
 
-def _timed(
-    fn: Callable[..., Any], stats: dict[str, float], kind: str, counts: bool, training: list[bool]
-) -> Callable[..., Any]:
-    def timed(self: Any, **kwargs: Any) -> Any:
-        if not training[0]:
-            return fn(self, **kwargs)
-        start = time.perf_counter()
-        try:
-            return fn(self, **kwargs)
-        finally:
-            stats[kind] += time.perf_counter() - start
-            stats["micro_batches"] += counts
-
-    return timed
+        dispatch.observe(self.engine, on_instruction)  # the public per-instruction hook
 
 
 def stage_report(engine: Any, clock: StageClock) -> str | None:
