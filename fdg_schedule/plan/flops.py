@@ -268,7 +268,7 @@ def _op_counter() -> type:
     """The operator counter, defined on first use: the planner imports no torch until it counts."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    class _OpCounter(TorchDispatchMode):  # type: ignore[misc]
+    class _OpCounter(TorchDispatchMode):
         """Counts FLOPs of the operators PyTorch's flop counter knows, and bytes moved by all others."""
 
         def __init__(self) -> None:
