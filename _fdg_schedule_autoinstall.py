@@ -3,9 +3,9 @@
 ``fdg_schedule_autoinstall.pth``, installed with the package, runs :func:`watch` at every interpreter
 start. That puts a :class:`DeepSpeedImportWatcher` first on ``sys.meta_path``: it answers no import
 but ``deepspeed``'s, and once ``deepspeed/__init__.py`` has run it hands the module to
-``fdg_schedule.install.guard`` and leaves ``sys.meta_path``. Until a program imports DeepSpeed,
+``fdg_schedule.runtime.install.guard`` and leaves ``sys.meta_path``. Until a program imports DeepSpeed,
 nothing of fdg_schedule, torch or DeepSpeed is loaded: this module uses only ``sys``, already loaded
-(see Note [the start-up hook] in fdg_schedule/install.py).
+(see Note [the start-up hook] in fdg_schedule/runtime/install.py).
 """
 
 import sys
@@ -61,10 +61,16 @@ class _GuardAfterExec:
         return getattr(self.loader, name)
 
 
+# The guard to run on DeepSpeed, as an entry point ("module:function") resolved only once DeepSpeed is
+# imported: this hook is the bottom layer (it imports nothing of fdg_schedule; fdg_schedule.runtime.install
+# imports it), so there is no import circle between the two.
+GUARD = "fdg_schedule.runtime.install:guard"
+
+
 def _guard(deepspeed):
-    # import_module, not "from fdg_schedule import install": the package exports a function of that name.
     from importlib import import_module
 
-    guard = getattr(import_module("fdg_schedule.install"), "guard", None)
+    module, _, function = GUARD.partition(":")
+    guard = getattr(import_module(module), function, None)
     if guard is not None:  # None: an older fdg_schedule shadows this one on sys.path; it hooks in when imported
         guard(deepspeed)

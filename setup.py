@@ -1,7 +1,7 @@
 """Ships fdg_schedule's start-up hook, a .pth file at the root of site-packages, in wheels and editable installs.
 
 Everything else about the package is in pyproject.toml. The hook is one line that Python's ``site``
-runs at interpreter start (see Note [the start-up hook] in fdg_schedule/install.py).
+runs at interpreter start (see Note [the start-up hook] in fdg_schedule/runtime/install.py).
 """
 
 import os

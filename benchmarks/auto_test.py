@@ -232,7 +232,7 @@ def run_lm(task: str, arm: str, seed: int, warmup: bool, smoke: bool) -> dict[st
     config_fdg = FDGConfig(**fdg) if fdg is not None else FDGConfig()
     choice = None
     if fdg is not None and fdg["corrections"] == "auto":  # decided as at initialize, logged as the engine does
-        from fdg_schedule import auto_corrections
+        from fdg_schedule.corrections import auto_corrections
 
         config_fdg, made = auto_corrections.resolve(config_fdg, optimizers[0], schedulers[0], stages)
         choice = made.line() if made is not None else None

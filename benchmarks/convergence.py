@@ -35,8 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "train_resnet.py"
 REFERENCE = ROOT / "benchmarks" / "resnet_reference.py"
 sys.path.insert(0, str(ROOT))  # run as a script: the package is in the repository root
-from fdg_schedule import staleness_log  # noqa: E402
-from fdg_schedule.launch import free_port, remove_shared_memory  # noqa: E402
+from fdg_schedule.tools import staleness_log  # noqa: E402
+from fdg_schedule.tools.launch import free_port, remove_shared_memory  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("--model", default="resnet20")

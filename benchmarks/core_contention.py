@@ -13,15 +13,16 @@ reaches at most
     ceiling ×BP = 2 × (ms per iteration alone) / (ms per iteration in a pair)
 
 Rounds alternate so a slow stretch of a shared machine falls on both modes alike. Every worker keeps
-freed memory (``fdg_schedule.host_memory``; ``--freed-memory system`` leaves glibc's default), as the
+freed memory (``fdg_schedule.runtime.host_memory``; ``--freed-memory system`` leaves glibc's default), as the
 throughput benchmark's ranks do; ``--bind-cores`` puts worker r on core r, as its ``--bind-cores``.
 
 A pipeline also runs in lock-step: each FDG tick needs the neighbour's previous tick, so at K = 2 a
 tick lasts as long as the slower stage *in that tick* (docs/performance.md, benchmarks/lockstep_jitter.py).
 When the time of identical work varies from iteration to iteration, that costs even perfectly
 balanced stages. A third kind of round measures it without a pipeline: in a "halves" round worker 0
-trains the first of the two stages the library's partitioner cuts (:func:`fdg_schedule.partition.balanced_partition`
-on :func:`fdg_schedule.profile.profile_layers`) and worker 1 the second, with no communication, and
+trains the first of the two stages the library's partitioner cuts
+(:func:`fdg_schedule.partitioning.partition.balanced_partition`
+on :func:`fdg_schedule.partitioning.profile.profile_layers`) and worker 1 the second, with no communication, and
 their i-th iterations, started together at the round's barrier, give
 
     lock-step cost = mean over i of max(a_i, b_i) / max(mean a, mean b) - 1
@@ -68,7 +69,7 @@ def worker(
     import torch
     from bench_models import build_layers, fixed_data, loss_fn
 
-    from fdg_schedule import host_memory
+    from fdg_schedule.runtime import host_memory
 
     if host["retain"]:
         host_memory.retain_freed_memory()
@@ -141,8 +142,8 @@ def balanced_cut(model: str) -> tuple[int, list[float]]:
     import torch
     from bench_models import fixed_data, loss_fn, model_layers
 
-    from fdg_schedule.partition import balanced_partition
-    from fdg_schedule.profile import profile_layers
+    from fdg_schedule.partitioning.partition import balanced_partition
+    from fdg_schedule.partitioning.profile import profile_layers
 
     torch.set_num_threads(1)
     x, y = fixed_data(model, 1)[0]
@@ -206,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=8, help="rounds of each mode, alternating")
     parser.add_argument("--iterations", type=int, default=6, help="training iterations per round")
     parser.add_argument(
-        "--freed-memory", choices=("retain", "system"), default="retain", help="fdg_schedule.host_memory"
+        "--freed-memory", choices=("retain", "system"), default="retain", help="fdg_schedule.runtime.host_memory"
     )
     parser.add_argument("--bind-cores", action="store_true", help="worker r and all its threads on core r")
     parser.add_argument(
@@ -223,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
         "fdg_order": args.halves_order == "fdg",
     }
     if host["retain"]:  # the profile behind the halves' cut too
-        from fdg_schedule import host_memory
+        from fdg_schedule.runtime import host_memory
 
         host_memory.retain_freed_memory()
     print(f"command: python benchmarks/core_contention.py {' '.join(sys.argv[1:] if argv is None else argv)}")

@@ -39,9 +39,9 @@ from throughput import model_profile  # noqa: E402
 from throughput_variants import LR, MOMENTUM, split_objective  # noqa: E402
 from torch import nn  # noqa: E402
 
-from fdg_schedule.config import FDGConfig  # noqa: E402
-from fdg_schedule.partition import balanced_partition  # noqa: E402
-from fdg_schedule.staleness import Corrections  # noqa: E402
+from fdg_schedule.corrections.staleness import Corrections  # noqa: E402
+from fdg_schedule.partitioning.partition import balanced_partition  # noqa: E402
+from fdg_schedule.runtime.config import FDGConfig  # noqa: E402
 
 VARIANTS = {
     "none": {},

@@ -80,18 +80,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--gas", type=int, default=16, help="micro-batches per window (DeepSpeed's GAS)")
     parser.add_argument(
-        "--freed-memory", choices=("retain", "system"), default="retain", help="fdg_schedule.host_memory"
+        "--freed-memory", choices=("retain", "system"), default="retain", help="fdg_schedule.runtime.host_memory"
     )
     args = parser.parse_args(argv)
     if args.freed_memory == "retain":
-        from fdg_schedule import host_memory
+        from fdg_schedule.runtime import host_memory
 
         host_memory.retain_freed_memory()
 
     import deepspeed
     import torch
 
-    from fdg_schedule.launch import free_port, remove_shared_memory
+    from fdg_schedule.tools.launch import free_port, remove_shared_memory
 
     torch.set_num_threads(1)
     port = free_port()

@@ -210,7 +210,7 @@ def run_deepspeed(
     run: Run, micro_batches: int, eval_every: int, root: Path = OUT, adjust: Callable[[dict], None] | None = None
 ) -> None:
     """The run as a DeepSpeed job of recipes/train_lm.py, into ``root/<name>``; ``adjust`` edits its ds_config."""
-    from fdg_schedule.launch import free_port, remove_shared_memory
+    from fdg_schedule.tools.launch import free_port, remove_shared_memory
 
     name, stages = run.name, run.stages
     out = root / name

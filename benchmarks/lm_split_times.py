@@ -4,9 +4,9 @@
     python benchmarks/lm_split_times.py --out <file>.json [--split 4:0,1,2,4,8 ...]
 
 Times every pipeline layer of benchmarks/lm_convergence.py's GPT-2 (embedding, 6 blocks, head with the
-loss) on one micro-batch of 8 × 128 tokens with its AdamW step (fdg_schedule.profile, one thread), then
+loss) on one micro-batch of 8 × 128 tokens with its AdamW step (fdg_schedule.partitioning.profile, one thread), then
 predicts each split's per-stage tick time under FDG with ``"stashed"`` weights and stored activations
-(fdg_schedule.partition). The pipeline runs at its slowest stage's pace, so BP's time (the whole model on
+(fdg_schedule.partitioning.partition). The pipeline runs at its slowest stage's pace, so BP's time (the whole model on
 one worker) over the slowest stage's time is the speed-up the split allows at best, with a core per stage
 and no communication. Splits: the decoder blocks spread evenly (lm_convergence's default,
 ``type:BlockPipe``), DeepSpeed's ``uniform``, the recipe's default (``balanced``: least slowest-stage time),
@@ -24,7 +24,7 @@ from deepspeed.runtime.utils import partition_uniform
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lm_convergence import MODEL, gpt2_setup  # noqa: E402
 
-from fdg_schedule import partition, profile  # noqa: E402
+from fdg_schedule.partitioning import partition, profile  # noqa: E402
 from fdg_schedule.zoo import hf_lm  # noqa: E402
 
 

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: the package is in the repository root
     sys.path.insert(0, str(ROOT))
 
-from fdg_schedule.launch import free_port, remove_shared_memory  # noqa: E402
+from fdg_schedule.tools.launch import free_port, remove_shared_memory  # noqa: E402
 
 
 def per_tick(events: list[dict[str, Any]]) -> tuple[dict[int, float], dict[int, float]]:

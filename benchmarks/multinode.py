@@ -51,7 +51,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from fdg_schedule.launch import free_port, remove_shared_memory  # noqa: E402
+from fdg_schedule.tools.launch import free_port, remove_shared_memory  # noqa: E402
 
 IN, HIDDEN, CLASSES, BLOCKS = 16, 32, 4, 7  # the MLP: 7 (linear, tanh) blocks and a linear head: 8 layers
 MICRO, GAS, CALLS = 4, 4, 3  # per data-parallel rank; 12 micro-batches, then a drain

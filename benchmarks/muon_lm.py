@@ -58,7 +58,7 @@ def muon(stage: Any, muon_lr: float) -> Any:
     from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
 
-    from fdg_schedule import optim
+    from fdg_schedule.runtime import optim
 
     params = {"muon_lr": muon_lr, **MUON}
     set_optimizer_flags(SimpleNamespace(optimizer_name="muon", optimizer_params=params), stage)
@@ -87,7 +87,8 @@ def run_lm(task: str, arm: str, seed: int, muon_lr: float) -> dict[str, Any]:
     from deepspeed.runtime.lr_schedules import WarmupCosineLR
     from transformers import LlamaConfig
 
-    from fdg_schedule import FDGConfig, auto_corrections, fdg_reference
+    from fdg_schedule import FDGConfig, fdg_reference
+    from fdg_schedule.corrections import auto_corrections
     from fdg_schedule.zoo import hf_lm
 
     torch.set_num_threads(1)

@@ -21,8 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: the package is in the repository root
     sys.path.insert(0, str(ROOT))
 
-from fdg_schedule.partition import Objective, balanced_partition  # noqa: E402
-from fdg_schedule.profile import LayerCost, ModelProfile  # noqa: E402
+from fdg_schedule.partitioning.partition import Objective, balanced_partition  # noqa: E402
+from fdg_schedule.partitioning.profile import LayerCost, ModelProfile  # noqa: E402
 
 
 def synthetic_profile(layers: int, seed: int = 0) -> ModelProfile:

@@ -43,8 +43,8 @@ import throughput_variants as variants  # noqa: E402  (its models and optimizer 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from fdg_schedule.launch import run  # noqa: E402
 from fdg_schedule.plan import CLUSTERS, CostModel, LayerCost, ModelProfile, Variant, predict  # noqa: E402
+from fdg_schedule.tools.launch import run  # noqa: E402
 
 VARIANTS = {  # throughput.py name -> planner variant
     "bp": None,
@@ -64,7 +64,7 @@ def measure_layers(model: str, warmup: int = 3, repeats: int = 15) -> ModelProfi
     """Time each layer of ``model`` alone in this process (one thread); medians of ``repeats`` rounds.
 
     Note [planner profile loader]: this is the profiler's measurement in miniature; once
-    ``fdg_schedule.profile`` is merged, its ``profile_layers`` replaces it.
+    ``fdg_schedule.partitioning.profile`` is merged, its ``profile_layers`` replaces it.
     """
     torch.set_num_threads(1)
     torch.manual_seed(0)

@@ -40,11 +40,11 @@ from deepspeed.runtime.utils import set_random_seed
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-from fdg_schedule import auto_corrections
-from fdg_schedule import ticks as tick_math
-from fdg_schedule.config import FDGConfig
-from fdg_schedule.reference import ReferenceState, fdg_reference
-from fdg_schedule.staleness_log import format_line
+from fdg_schedule.corrections import auto_corrections
+from fdg_schedule.corrections.reference import ReferenceState, fdg_reference
+from fdg_schedule.runtime.config import FDGConfig
+from fdg_schedule.sched import ticks as tick_math
+from fdg_schedule.tools.staleness_log import format_line
 from fdg_schedule.zoo import resnet, vision_data
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -207,7 +207,7 @@ class StalenessProbe:
                     ]
 
     def line(self, until: float) -> str | None:
-        """The recipe's per-epoch line (fdg_schedule.staleness_log) of the measurements whose backward ran
+        """The recipe's per-epoch line (fdg_schedule.tools.staleness_log) of the measurements whose backward ran
         before tick ``until`` (the engine reports one in the call of its backward) and not in an earlier line."""
         now = [[value for at, value in v if at < until] for v in self.values]
         self.values = [[(at, value) for at, value in v if at >= until] for v in self.values]

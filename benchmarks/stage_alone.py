@@ -5,7 +5,8 @@
     python benchmarks/stage_alone.py --models resnet8_tiny --stages 3 --ticks 6    # a smoke run
 
 This machine has two cores, so a K = 3 or 4 pipeline cannot run with a core per stage. Instead, for
-each model the layers are profiled (``fdg_schedule.profile``), split for K (``fdg_schedule.partition``,
+each model the layers are profiled (``fdg_schedule.partitioning.profile``), split for K
+(``fdg_schedule.partitioning.partition``,
 FDG with stored or recomputed activations), and each stage's FDG tick then runs alone, in this one
 process, one stage after another: the stage's layers, fed the activations the earlier layers compute
 on fixed micro-batches, holding its delay d = 2(K-1-k) micro-batches in flight. A tick of stage k < K-1
@@ -56,8 +57,8 @@ import bench_models  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from fdg_schedule.partition import Objective, balanced_partition  # noqa: E402
-from fdg_schedule.profile import ModelProfile, profile_layers  # noqa: E402
+from fdg_schedule.partitioning.partition import Objective, balanced_partition  # noqa: E402
+from fdg_schedule.partitioning.profile import ModelProfile, profile_layers  # noqa: E402
 
 LR, MOMENTUM = 0.01, 0.9
 

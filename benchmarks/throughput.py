@@ -34,8 +34,8 @@ peak RSS belongs to it): RSS after building and peak RSS while training, per sta
 Output: ``<out>/throughput.json`` and ``<out>/throughput.md`` (tables) and the command that made them.
 
 Splits: the library profiles the model's layers on this machine (one thread, the benchmark's
-optimizer; :func:`fdg_schedule.profile.profile_layers`) and balances each pipeline variant for its
-own schedule and modes (:func:`fdg_schedule.partition.balanced_partition`); the ``*_by_params``
+optimizer; :func:`fdg_schedule.partitioning.profile.profile_layers`) and balances each pipeline variant for its
+own schedule and modes (:func:`fdg_schedule.partitioning.partition.balanced_partition`); the ``*_by_params``
 variants run DeepSpeed's default "parameters" split of the same model, side by side. The report keeps
 the profile and each split's predicted per-stage time next to the measured one.
 
@@ -71,10 +71,10 @@ from throughput_measure import memory_worker, throughput_worker  # noqa: E402
 from throughput_report import markdown, summarize  # noqa: E402
 from throughput_variants import LR, MOMENTUM, STAGES, split_key, split_objective, variants  # noqa: E402
 
-from fdg_schedule import host_memory  # noqa: E402
-from fdg_schedule.launch import run  # noqa: E402
-from fdg_schedule.partition import balanced_partition, evaluate_partition, parameter_split  # noqa: E402
-from fdg_schedule.profile import ModelProfile, profile_layers  # noqa: E402
+from fdg_schedule.partitioning.partition import balanced_partition, evaluate_partition, parameter_split  # noqa: E402
+from fdg_schedule.partitioning.profile import ModelProfile, profile_layers  # noqa: E402
+from fdg_schedule.runtime import host_memory  # noqa: E402
+from fdg_schedule.tools.launch import run  # noqa: E402
 
 
 def model_profile(model: str) -> ModelProfile:
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--freed-memory",
         choices=("retain", "system"),
         default="retain",
-        help="retain: every process keeps freed memory (fdg_schedule.host_memory); system: glibc's default",
+        help="retain: every process keeps freed memory (fdg_schedule.runtime.host_memory); system: glibc's default",
     )
     parser.add_argument(
         "--bind-cores",

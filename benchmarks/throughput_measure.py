@@ -14,7 +14,7 @@ from deepspeed.accelerator import get_accelerator
 from throughput_variants import DeepSpeedVariant, Variant, build_variant
 from torch import nn
 
-from fdg_schedule import host_memory
+from fdg_schedule.runtime import host_memory
 
 
 def throughput_worker(rank: int, world: int, plan: dict[str, Any]) -> dict[str, Any]:

@@ -214,9 +214,9 @@ def markdown(report: dict[str, Any]) -> str:
 
 def _rebalanced(result: dict[str, Any]) -> list[str]:
     """Per pipeline variant, the split balanced on the profile rescaled to its measured stage compute."""
-    from fdg_schedule.partition import evaluate_partition
-    from fdg_schedule.profile import ModelProfile
-    from fdg_schedule.stage_times import rebalanced_advice
+    from fdg_schedule.partitioning.partition import evaluate_partition
+    from fdg_schedule.partitioning.profile import ModelProfile
+    from fdg_schedule.tools.stage_times import rebalanced_advice
 
     if "profile" not in result:
         return []

@@ -3,7 +3,7 @@
 Models (``bench_models.py``) are flat layer lists ``PipelineModule`` can cut anywhere, fed fixed
 synthetic data; variants are plain backprop (``bp``), DeepSpeed's 1F1B, FDG in every mode and
 DeepSpeed data parallelism. Pipelines are split by the library's balanced partitioner
-(:mod:`fdg_schedule.partition`), each for its own schedule and modes; the ``*_by_params`` variants
+(:mod:`fdg_schedule.partitioning.partition`), each for its own schedule and modes; the ``*_by_params`` variants
 use DeepSpeed's default ``partition_method="parameters"`` split instead, for the comparison.
 """
 
@@ -21,7 +21,7 @@ from bench_models import MODELS, build_layers, fixed_data, loss_fn, model_layers
 from deepspeed.accelerator import get_accelerator
 from torch import nn
 
-from fdg_schedule.shm_link import Link, message_bytes
+from fdg_schedule.exchange.shm_link import Link, message_bytes
 
 STAGES = 2  # this machine has 2 cores: one per stage
 TIMEOUT = timedelta(seconds=120)  # the plain halves' waits on each other
@@ -53,8 +53,8 @@ def split_key(spec: dict[str, Any]) -> str:
 
 
 def split_objective(key: str) -> Any:
-    """The :class:`fdg_schedule.partition.Objective` of a split key (its time is predicted for it)."""
-    from fdg_schedule.partition import Objective
+    """The :class:`fdg_schedule.partitioning.partition.Objective` of a split key (its time is predicted for it)."""
+    from fdg_schedule.partitioning.partition import Objective
 
     key = key.removesuffix("p")
     if "m" in key:

@@ -3,12 +3,12 @@
     export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 PYTHONPATH=$PWD
     .venv/bin/deepspeed --num_gpus 2 benchmarks/timeline_compare.py --schedule 1f1b
     .venv/bin/deepspeed --num_gpus 2 benchmarks/timeline_compare.py --schedule fdg
-    python -m fdg_schedule.timeline compare --fdg runs/timeline/fdg --one-f-one-b runs/timeline/1f1b \\
+    python -m fdg_schedule.observability.timeline compare --fdg runs/timeline/fdg --one-f-one-b runs/timeline/1f1b \\
         --out docs/results/performance/timeline.png
 
 Both runs read the same synthetic micro-batches and record micro-batches [start, start + ticks)
 after a warm-up: FDG through its ``pipeline.fdg.trace`` key, 1F1B by instrumenting DeepSpeed's own
-engine with ``fdg_schedule.timeline.trace_one_f_one_b``. Each schedule's stages are split by measured
+engine with ``fdg_schedule.observability.timeline.trace_one_f_one_b``. Each schedule's stages are split by measured
 layer times for that schedule (``--partition balanced``, the profile cached in ``runs/profiles``);
 ``--partition uniform`` gives DeepSpeed's equal layer counts instead.
 """
@@ -22,7 +22,8 @@ from deepspeed.pipe import LayerSpec, PipelineModule
 from torch import nn
 
 import fdg_schedule  # noqa: F401  (selects the engine from pipeline.schedule)
-from fdg_schedule import observe, pipe_partition, timeline
+from fdg_schedule.observability import observe, timeline
+from fdg_schedule.partitioning import pipe_partition
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--schedule", choices=["fdg", "1f1b"], required=True)

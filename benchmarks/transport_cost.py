@@ -3,7 +3,7 @@
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 PYTHONPATH=$PWD python benchmarks/transport_cost.py
     ... --sizes 1,16 --rounds 3 --ticks 50          # fewer, for a quick look
 
-Two ranks, each an FDG stage's :class:`fdg_schedule.comm.NeighbourExchange` (the engine's own class),
+Two ranks, each an FDG stage's :class:`fdg_schedule.exchange.comm.NeighbourExchange` (the engine's own class),
 exchange as the engine does at K = 2 and nothing else: each tick stage 0 waits for the gradient of
 the tick before, then posts an activation of the given size (fp32) and the gradient's receive;
 stage 1 waits for the activation, then posts a gradient of the same size and its loss with the next
@@ -42,7 +42,7 @@ def ticks_of_exchange(rank: int, transport: str, mib: float, ticks: int) -> dict
     import torch
     import torch.distributed as dist
 
-    from fdg_schedule.comm import NeighbourExchange
+    from fdg_schedule.exchange.comm import NeighbourExchange
 
     comm = NeighbourExchange(
         prev_rank=None if rank == 0 else 0, next_rank=1 if rank == 0 else None, device=torch.device("cpu"),
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     sizes = [float(s) for s in args.sizes.split(",")]
     from throughput import engine_version  # the commit the engine ran at
 
-    from fdg_schedule.launch import run
+    from fdg_schedule.tools.launch import run
 
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     per_rank = run(all_rounds, 2, sizes, args.rounds, args.ticks, deadline_s=1800)

@@ -3,7 +3,7 @@
 The config switches a job: with the package installed, ``deepspeed.initialize`` builds an
 :class:`FDGPipelineEngine` for a ``PipelineModule`` whose config says
 ``"pipeline": {"schedule": "fdg"}``, and DeepSpeed's own engine, untouched, for any other config
-(see Note [the start-up hook] in :mod:`fdg_schedule.install`). ``import fdg_schedule`` does the same
+(see Note [the start-up hook] in :mod:`fdg_schedule.runtime.install`). ``import fdg_schedule`` does the same
 where the package is only on ``PYTHONPATH``. ``fdg_schedule.initialize(...)`` builds the FDG engine
 even with ``FDG_SCHEDULE_AUTO_INSTALL=0``, which makes ``deepspeed.initialize`` refuse FDG configs.
 
@@ -15,13 +15,13 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from fdg_schedule.config import FDGConfig, FDGConfigError
-from fdg_schedule.errors import DataExhausted, FDGRuntimeError
-from fdg_schedule.install import initialize, install, uninstall, watch_deepspeed
+from fdg_schedule.runtime.config import FDGConfig, FDGConfigError
+from fdg_schedule.runtime.errors import DataExhausted, FDGRuntimeError
+from fdg_schedule.runtime.install import initialize, install, uninstall, watch_deepspeed
 
 if TYPE_CHECKING:
-    from fdg_schedule.engine import FDGPipelineEngine
-    from fdg_schedule.reference import fdg_reference
+    from fdg_schedule.corrections.reference import fdg_reference
+    from fdg_schedule.runtime.engine import FDGPipelineEngine
 
 __all__ = [
     "DataExhausted",
@@ -36,7 +36,7 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-_LAZY = {"FDGPipelineEngine": "fdg_schedule.engine", "fdg_reference": "fdg_schedule.reference"}
+_LAZY = {"FDGPipelineEngine": "fdg_schedule.runtime.engine", "fdg_reference": "fdg_schedule.corrections.reference"}
 
 
 def __getattr__(name: str) -> Any:

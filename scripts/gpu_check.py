@@ -132,7 +132,8 @@ def dropout_replayed(world: int, stages: int) -> dict[str, Any]:
 
 def resumed(world: int, stages: int, root: str) -> dict[str, Any]:
     """Saved after 2 calls with micro-batches in flight; a new engine loads it and trains 2 calls: the weights equal
-    training straight on (Note [host tensors stay on the host] in fdg_schedule/checkpoint.py: the control word)."""
+    training straight on (Note [host tensors stay on the host] in fdg_schedule/checkpointing/checkpoint.py: the
+    control word)."""
     import engine_workers
 
     spec = case(stages, weights="stashed", optimizer="adam")
@@ -230,7 +231,7 @@ def single_rank(rank: int, world: int) -> dict[str, Any]:
 
 
 def run_part(part: str) -> dict[str, Any]:
-    from fdg_schedule.launch import run
+    from fdg_schedule.tools.launch import run
 
     gpus = torch.cuda.device_count() if on_gpu() else 0
     with tempfile.TemporaryDirectory() as tmp:

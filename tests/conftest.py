@@ -9,7 +9,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# Note [preloaded ranks] in fdg_schedule/launch.py: ranks forked from a server that imported these once.
+# Note [preloaded ranks] in fdg_schedule/tools/launch.py: ranks forked from a server that imported these once.
 # torch._dynamo: every torch optimizer imports it when first built (4-7 s of each launch's ranks); the Muon
 # module: DeepSpeed's bf16 and ZeRO optimizers import it (and torch._inductor) when built (2-5 s).
 PRELOAD = ["torch", "torch._dynamo", "deepspeed", "deepspeed.runtime.pipe.engine",

@@ -1,4 +1,5 @@
-"""Run a function on N real ranks for a test: :func:`fdg_schedule.launch.run` with the rendezvous in the test's tmp dir.
+"""Run a function on N real ranks for a test: :func:`fdg_schedule.tools.launch.run` with the rendezvous in the test's
+tmp dir.
 
 A rank's exception reaches pytest with its traceback; a rank that does not finish in time is
 killed and the test fails naming it. Worker functions live at module level so they pickle.
@@ -31,8 +32,8 @@ def run_ranks(
     Ranks in ``expect_exit`` must die with that exit code instead of returning (their result is None).
     """
     # Imported here: a rank imports this module for calls_in_turn and must not import the package through it
-    # (Note [a rank does not import the package] in fdg_schedule/launch.py).
-    from fdg_schedule.launch import run
+    # (Note [a rank does not import the package] in fdg_schedule/tools/launch.py).
+    from fdg_schedule.tools.launch import run
 
     return run(worker, world_size, *args, deadline_s=deadline_s, expect_exit=expect_exit, workdir=tmp_path)
 

@@ -601,7 +601,7 @@ def _recorded_calls(engine: Any, it: Any, calls: int) -> dict[str, Any]:
     import sys
     import traceback
 
-    from fdg_schedule import comm
+    from fdg_schedule.exchange import comm
 
     host_kept = {id(s["step"]) for s in engine.optimizer.state.values() if torch.is_tensor(s.get("step"))}
     recording = [False]

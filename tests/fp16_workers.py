@@ -249,7 +249,7 @@ def _offline_wandb(directory: str) -> None:
 def _close_wandb(engine: Any) -> None:
     import wandb
 
-    from fdg_schedule import observe
+    from fdg_schedule.observability import observe
 
     observe.close_observers(engine)
     if wandb.run is not None:  # DeepSpeed's own run on rank 0
@@ -334,7 +334,7 @@ def _basic_state(engine: Any) -> list[dict[str, Any]]:
 
 def _deepspeed_scale(optimizer: Any) -> dict[str, Any]:
     """What DeepSpeed's own fp16 scaler of the wrapper holds (under 1F1B: the scale it trains with)."""
-    from fdg_schedule import fp16_optimizer
+    from fdg_schedule.precision import fp16_optimizer
 
     return fp16_optimizer.loaded_state(optimizer)
 

@@ -12,9 +12,9 @@ import json
 import pathlib
 from typing import Any
 
-from fdg_schedule import grid
 from fdg_schedule.plan import streams
-from fdg_schedule.schedule import FDGTrainSchedule, render
+from fdg_schedule.sched import grid
+from fdg_schedule.sched.schedule import FDGTrainSchedule, render
 
 PATH = pathlib.Path(__file__).parent / "golden" / "schedule.json"
 

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from fdg_schedule import actions
-from fdg_schedule.actions import Action, Op
+from fdg_schedule.sched import actions
+from fdg_schedule.sched.actions import Action, Op
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4])
@@ -37,7 +37,7 @@ def test_text_form() -> None:
 
 def test_grid_is_the_engine_schedule() -> None:
     """The compute letters of FDGTrainSchedule's instructions are the grid's, tick by tick."""
-    from fdg_schedule.schedule import FDGTrainSchedule, render
+    from fdg_schedule.sched.schedule import FDGTrainSchedule, render
 
     for stages, accumulate, limit in itertools.product((2, 3, 4), (1, 2), (None, 5)):
         grid = actions.fdg_grid(stages, 0, 14, accumulate, limit)
@@ -59,7 +59,7 @@ def test_actions_import_no_torch() -> None:
         "        raise ImportError('no ' + name)\n"
         "    return real(name, *a, **k)\n"
         "builtins.__import__ = guard\n"
-        "import fdg_schedule.actions as m\n"
+        "import fdg_schedule.sched.actions as m\n"
         "print(len(m.fdg_grid(3, 0, 8)))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)

@@ -1,4 +1,5 @@
-"""``pipeline.fdg.corrections`` (Note [the auto rule] in fdg_schedule/auto_corrections.py): the keys "auto" picks
+"""``pipeline.fdg.corrections`` (Note [the auto rule] in fdg_schedule/corrections/auto_corrections.py): the keys
+"auto" picks
 per optimizer family, K, accumulate and scheduler; the config's errors; the reference resolving "auto" itself;
 a resume that would choose otherwise refused on every rank."""
 
@@ -14,8 +15,8 @@ from deepspeed.runtime.lr_schedules import OneCycle, WarmupCosineLR, WarmupDecay
 from dist_harness import run_ranks_calls
 
 from fdg_schedule import FDGConfig, fdg_reference
-from fdg_schedule.auto_corrections import FOREVER, check_resume, choose, recorded, resolve, schedule_of
-from fdg_schedule.config import FDGConfigError
+from fdg_schedule.corrections.auto_corrections import FOREVER, check_resume, choose, recorded, resolve, schedule_of
+from fdg_schedule.runtime.config import FDGConfigError
 
 ADAM_KEYS = {"delay_momentum_raise": 1.0, "predict_decay": 0.0, "predict_horizon": "first_stage"}
 
@@ -189,7 +190,7 @@ def test_the_choice_goes_into_each_stages_wandb_config() -> None:
     """tracking.run_config (what each stage's W&B run is given): "auto" and the keys it chose, no internal field."""
     from types import SimpleNamespace
 
-    from fdg_schedule import tracking
+    from fdg_schedule.corrections import tracking
 
     opt = torch.optim.AdamW(_params(), lr=1e-3)
     config, _ = resolve(FDGConfig(corrections="auto", weights="stashed"), opt, WarmupCosineLR(opt, 50), 4)
@@ -206,7 +207,7 @@ def test_the_choice_goes_into_each_stages_wandb_config() -> None:
 def test_the_reference_decides_once_across_calls() -> None:
     """A run in several fdg_reference calls (one ReferenceState) keeps the first call's choice, as the engine keeps
     what it chose at initialize: the peak lr of 0.1, not the decayed lr a later call would read."""
-    from fdg_schedule.reference import ReferenceState
+    from fdg_schedule.corrections.reference import ReferenceState
 
     stages = toy.reference_stages([0, 3, 6, 9])
     opts = [torch.optim.SGD(s.parameters(), lr=0.1, momentum=0.9) for s in stages]

@@ -253,7 +253,7 @@ def shared_memory_link(rank: int, world: int, ticks: int) -> tuple[list[list[flo
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from throughput_variants import shared_memory_link as link_between_the_halves
 
-    from fdg_schedule.shm_link import Direction, ring_path
+    from fdg_schedule.exchange.shm_link import Direction, ring_path
 
     like = torch.zeros(3, 5)
     link = link_between_the_halves(like)

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.distributed
 
 
 def exchange(rank: int, world: int) -> dict:
-    from fdg_schedule.comm import NeighbourExchange
+    from fdg_schedule.exchange.comm import NeighbourExchange
 
     comm = NeighbourExchange(
         prev_rank=None if rank == 0 else 0,
@@ -49,10 +49,10 @@ def test_tuple_activations_gradients_and_loss_arrive_intact(tmp_path) -> None:
 
 
 def test_a_wait_with_no_receive_posted_prints_every_stages_plan(one_rank_group: None) -> None:
-    from fdg_schedule import grid
-    from fdg_schedule.comm import NeighbourExchange
-    from fdg_schedule.errors import FDGRuntimeError
-    from fdg_schedule.schedule import FDGTrainSchedule
+    from fdg_schedule.exchange.comm import NeighbourExchange
+    from fdg_schedule.runtime.errors import FDGRuntimeError
+    from fdg_schedule.sched import grid
+    from fdg_schedule.sched.schedule import FDGTrainSchedule
 
     schedule = FDGTrainSchedule(4, 2, 1)  # stage 1 of K = 2, at tick 1
     comm = NeighbourExchange(None, None, torch.device("cpu"), False, stage_id=1, timeout_s=5,
@@ -79,7 +79,7 @@ def test_a_wait_with_no_receive_posted_prints_every_stages_plan(one_rank_group: 
     ],
 )
 def test_the_path_follows_backend_and_device(backend: str, device: str, path: str) -> None:
-    from fdg_schedule.comm import choose_path, needs_host_group
+    from fdg_schedule.exchange.comm import choose_path, needs_host_group
 
     assert choose_path(backend, torch.device(device)).value == path
     # control words beside the data unless the data goes through a backend on an accelerator
@@ -97,8 +97,8 @@ class FakeWork:
 
 
 def test_watchdog_fails_the_stage_when_a_transfer_outlives_the_timeout() -> None:
-    from fdg_schedule.errors import FDGRuntimeError
-    from fdg_schedule.watchdog import Watchdog
+    from fdg_schedule.runtime.errors import FDGRuntimeError
+    from fdg_schedule.runtime.watchdog import Watchdog
 
     stuck: list[FDGRuntimeError] = []
     dog = Watchdog(0.2, "stage 1 (global rank 1)", on_stuck=stuck.append, poll_s=0.01, grace_s=0.2)
@@ -118,8 +118,8 @@ def test_watchdog_fails_the_stage_when_a_transfer_outlives_the_timeout() -> None
 
 
 def test_watchdog_leaves_a_main_thread_that_raised_alone() -> None:
-    from fdg_schedule.errors import FDGRuntimeError
-    from fdg_schedule.watchdog import Watchdog
+    from fdg_schedule.runtime.errors import FDGRuntimeError
+    from fdg_schedule.runtime.watchdog import Watchdog
 
     stuck: list[FDGRuntimeError] = []
     dog = Watchdog(0.05, "stage 0 (global rank 0)", on_stuck=stuck.append, poll_s=0.01, grace_s=0.5)
@@ -135,7 +135,7 @@ def test_watchdog_leaves_a_main_thread_that_raised_alone() -> None:
 
 def test_the_timeout_of_a_stream_ordered_transfer_runs_from_when_the_stream_reaches_it() -> None:
     """Note [a timeout without a blocking wait]: the host posts ahead of its stream; the clock starts at the stream."""
-    from fdg_schedule.watchdog import StreamWork, Watchdog
+    from fdg_schedule.runtime.watchdog import StreamWork, Watchdog
 
     reached, stuck = [False], []
     dog = Watchdog(0.1, "stage 1 (global rank 1)", on_stuck=stuck.append, poll_s=60, grace_s=60)  # polled here
@@ -170,8 +170,8 @@ def test_under_stream_each_link_gets_its_own_group_ready_before_the_first_tick(o
     Two exchanges are built (two engines in one process): the groups are made, and first used, once."""
     import torch.distributed as dist
 
-    from fdg_schedule import comm
-    from fdg_schedule.watchdog import StreamWork
+    from fdg_schedule.exchange import comm
+    from fdg_schedule.runtime.watchdog import StreamWork
 
     made, first_ops, posted = [], [], []
     monkeypatch.setattr(comm, "_link_groups", {})
@@ -209,7 +209,7 @@ def test_send_buffers_live_until_their_transfer_completes() -> None:
     import gc
     import weakref
 
-    from fdg_schedule.watchdog import InFlightSends
+    from fdg_schedule.runtime.watchdog import InFlightSends
 
     kept = InFlightSends()
     work = FakeWork()
@@ -227,8 +227,8 @@ def test_send_buffers_live_until_their_transfer_completes() -> None:
 
 
 def test_control_words_are_read_only_from_host_memory() -> None:
-    from fdg_schedule.errors import FDGRuntimeError
-    from fdg_schedule.guards import read_host
+    from fdg_schedule.runtime.errors import FDGRuntimeError
+    from fdg_schedule.runtime.guards import read_host
 
     assert read_host(torch.tensor([-1], dtype=torch.int64)) == [-1]
     with pytest.raises(FDGRuntimeError, match="read_host\\(\\) is for tensors in host memory, got one on meta"):
@@ -236,7 +236,7 @@ def test_control_words_are_read_only_from_host_memory() -> None:
 
 
 def test_a_coalesced_batch_work_stands_for_its_sends_and_receives() -> None:
-    from fdg_schedule.comm import split_works
+    from fdg_schedule.exchange.comm import split_works
 
     assert split_works(["s1", "s2", "r1"], 2, 1) == (["s1", "s2"], ["r1"])  # gloo: one work per operation
     assert split_works(["all"], 2, 1) == (["all"], ["all"])  # NCCL: one work for the batch
@@ -247,7 +247,7 @@ def test_a_coalesced_batch_work_stands_for_its_sends_and_receives() -> None:
 
 
 def _pair(rank: int, shm: bool, timeout_s: float = 30):
-    from fdg_schedule.comm import NeighbourExchange
+    from fdg_schedule.exchange.comm import NeighbourExchange
 
     return NeighbourExchange(
         prev_rank=None if rank == 0 else 0,
@@ -328,7 +328,7 @@ def growing_activations(rank: int, world: int, sizes: list[int]) -> dict:
     """dynamic_shape=True through shared memory, in the engine's order at K = 2: an activation that outgrows
     the link's slots gets a new link. Stage 0 back-propagates micro-batch t - 2 at tick t; stage 1 forwards
     and back-propagates micro-batch t - 1; both drain at the end."""
-    from fdg_schedule.comm import NeighbourExchange
+    from fdg_schedule.exchange.comm import NeighbourExchange
 
     comm = NeighbourExchange(
         prev_rank=None if rank == 0 else 0, next_rank=1 if rank == 0 else None, device=torch.device("cpu"),
@@ -371,8 +371,8 @@ def test_an_activation_that_outgrows_its_slots_gets_a_new_link(tmp_path) -> None
 
 
 def test_the_shared_memory_transport_on_an_accelerator_path_is_an_error_naming_the_key(one_rank_group: None) -> None:
-    from fdg_schedule.comm import NeighbourExchange, Path
-    from fdg_schedule.errors import FDGRuntimeError
+    from fdg_schedule.exchange.comm import NeighbourExchange, Path
+    from fdg_schedule.runtime.errors import FDGRuntimeError
 
     with pytest.raises(FDGRuntimeError, match='pipeline.fdg.transport "shm" moves tensors in host memory') as err:
         NeighbourExchange(None, 1, torch.device("cpu"), False, stage_id=0, timeout_s=5, path=Path.STAGED,
@@ -382,7 +382,7 @@ def test_the_shared_memory_transport_on_an_accelerator_path_is_an_error_naming_t
 
 def out_of_step(rank: int, world: int) -> str | None:
     """Stage 0 leaves a gradient receive pending while its activation outgrows the link: an error, not a hang."""
-    from fdg_schedule.comm import NeighbourExchange
+    from fdg_schedule.exchange.comm import NeighbourExchange
 
     comm = NeighbourExchange(
         prev_rank=None if rank == 0 else 0, next_rank=1 if rank == 0 else None, device=torch.device("cpu"),
@@ -412,7 +412,7 @@ def neighbours_on_hosts(rank: int, world: int, hosts: list[str]) -> tuple[bool, 
     the next stage's pid it returns, and this rank's pid."""
     import os
 
-    from fdg_schedule import comm
+    from fdg_schedule.exchange import comm
 
     comm.host_id = lambda: hosts[rank]  # type: ignore[assignment]  (each rank its own process)
     found = comm.same_host_neighbours(rank - 1 if rank else None, rank + 1 if rank < world - 1 else None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fdg_schedule.config import FDGConfig, FDGConfigError, parse
+from fdg_schedule.runtime.config import FDGConfig, FDGConfigError, parse
 
 
 def _ds(fdg: dict | None = None, **extra) -> dict:

@@ -155,9 +155,9 @@ def test_reuse_runs_again_what_a_signal_killed(tmp_path: Path) -> None:
 
 
 def test_staleness_lines_are_read_back_and_tabled_per_stage(tmp_path: Path) -> None:
-    """The recipe's per-epoch staleness line round-trips through fdg_schedule.staleness_log, and the report
+    """The recipe's per-epoch staleness line round-trips through fdg_schedule.tools.staleness_log, and the report
     tables each stage's median over seeds and epochs in three windows of the run."""
-    from fdg_schedule import staleness_log
+    from fdg_schedule.tools import staleness_log
 
     line = staleness_log.format_line({1: (2.5e-3, 7), 0: (1.25e-2, 8)})
     assert line == "staleness: stage 0 1.250e-02 (8), stage 1 2.500e-03 (7)"

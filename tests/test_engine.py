@@ -17,8 +17,9 @@ import torch
 import toy
 from dist_harness import fdg_modules, run_ranks, run_ranks_calls, run_ranks_each
 
-from fdg_schedule import FDGConfig, fdg_reference, ticks
-from fdg_schedule.reference import ReferenceState
+from fdg_schedule import FDGConfig, fdg_reference
+from fdg_schedule.corrections.reference import ReferenceState
+from fdg_schedule.sched import ticks
 
 pytestmark = pytest.mark.distributed
 
@@ -456,7 +457,7 @@ def test_stock_1f1b_is_unchanged_by_the_import(tmp_path) -> None:
              (engine_workers.train, (cases, True))]  # fmt: skip
     before, stock, after_stock, imported = run_ranks_calls(2, tmp_path, calls, deadline_s=300)
     assert before == after_stock, "the stock runs loaded fdg_schedule modules"
-    assert "fdg_schedule.engine" not in after_stock[0]
+    assert "fdg_schedule.runtime.engine" not in after_stock[0]
     for rank in range(2):
         for i in range(len(cases)):
             assert stock[rank][i]["engine"] == imported[rank][i]["engine"] == "PipelineEngine"

@@ -11,7 +11,8 @@ import toy
 from deepspeed.runtime.lr_schedules import WarmupLR
 from dist_harness import run_ranks, run_ranks_calls
 
-from fdg_schedule import FDGConfig, fdg_reference, ticks
+from fdg_schedule import FDGConfig, fdg_reference
+from fdg_schedule.sched import ticks
 
 pytestmark = pytest.mark.distributed
 # The neighbours' messages through the process group (gloo), then through shared memory (a link whose socket
@@ -152,7 +153,7 @@ def test_only_a_data_parallel_group_waited_on_the_host_gets_the_fdg_timeout(one_
     its own. gloo waits on the host: pipeline.fdg.timeout bounds it and the error names the group."""
     import torch.distributed as dist
 
-    from fdg_schedule.replicas import Replicas
+    from fdg_schedule.checkpointing.replicas import Replicas
 
     class Grid:  # stage 1's replicas, global ranks 2 and 3 of K = 2 x DP 2
         dp_group, dp_groups, data_parallel_id, global_rank = [2, 3], [[0, 1], [2, 3]], 0, 2

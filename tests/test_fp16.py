@@ -1,7 +1,8 @@
 """fp16 under FDG: DeepSpeed's fp16 optimizers with a loss scale per stage, against the reference (real ranks, gloo).
 
-Note [loss scale per stage] in fdg_schedule/loss_scale.py is the rule, Note [fp16 in the reference] in
-fdg_schedule/reference.py its statement in one process; docs/fdg-reference.md, "fp16 and the loss scale", draws it.
+Note [loss scale per stage] in fdg_schedule/precision/loss_scale.py is the rule, Note [fp16 in the reference] in
+fdg_schedule/corrections/reference.py its statement in one process; docs/fdg-reference.md, "fp16 and the loss scale",
+draws it.
 DeepSpeed refuses fp16 on a CPU without fp16 kernels; the ranks allow it (Note [fp16 on this CPU] in
 fp16_workers.py). Each launch trains several cases in turn (Note [one launch, several calls] in dist_harness.py).
 """
@@ -18,8 +19,10 @@ import torch
 import toy
 from dist_harness import run_ranks, run_ranks_calls
 
-from fdg_schedule import FDGConfig, fdg_reference, ticks, tracking
-from fdg_schedule.reference import FP16, ReferenceState
+from fdg_schedule import FDGConfig, fdg_reference
+from fdg_schedule.corrections import tracking
+from fdg_schedule.corrections.reference import FP16, ReferenceState
+from fdg_schedule.sched import ticks
 
 pytestmark = pytest.mark.distributed
 

@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from fdg_schedule import grid, ticks
-from fdg_schedule.schedule import AdvanceTick, Exchange, FDGTrainSchedule
+from fdg_schedule.sched import grid, ticks
+from fdg_schedule.sched.schedule import AdvanceTick, Exchange, FDGTrainSchedule
 
 # Legend: L load, A / G wait for activation / gradient, F forward, B backward, R all-reduce, S step,
 # X[...] exchange (sa/sg send activation/gradient, ra/rg receive, se send the end of the data instead

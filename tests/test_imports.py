@@ -59,18 +59,128 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+HOOK = PACKAGE.parent / "_fdg_schedule_autoinstall.py"
+RUNTIME = ("sched", "runtime", "exchange", "checkpointing", "corrections", "partitioning", "precision", "observability")
+
+
+def full_graph() -> dict[str, set[str]]:
+    """The package's graph plus the start-up hook, whose ``import_module("...")`` strings count as imports."""
+    graph = import_graph()
+    edges: set[str] = set()
+    for node in ast.walk(ast.parse(HOOK.read_text())):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            names = [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+            edges |= {n for n in names if n and n.split(".")[0] == "fdg_schedule"}
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in graph:
+            edges.add(node.value)
+    graph["_fdg_schedule_autoinstall"] = edges
+    for name, mods in graph.items():
+        if name != "_fdg_schedule_autoinstall" and "_fdg_schedule_autoinstall" in _imported_names(name):
+            mods.add("_fdg_schedule_autoinstall")
+    return graph
+
+
+def _imported_names(module: str) -> set[str]:
+    path = PACKAGE.parent / (module.replace(".", "/") + ".py")
+    if not path.exists():
+        path = PACKAGE.parent / module.replace(".", "/") / "__init__.py"
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
 def test_no_import_circle() -> None:
     assert find_cycle(import_graph()) is None, " -> ".join(find_cycle(import_graph()) or [])
+    assert find_cycle(full_graph()) is None, " -> ".join(find_cycle(full_graph()) or [])
+
+
+def test_the_start_up_hook_imports_nothing_of_the_package() -> None:
+    assert full_graph()["_fdg_schedule_autoinstall"] == set()
+
+
+def test_the_runtime_never_imports_the_tools_the_zoo_or_the_planner() -> None:
+    graph = import_graph()
+    above = ("fdg_schedule.tools", "fdg_schedule.zoo", "fdg_schedule.plan")
+    for name, edges in graph.items():
+        if name.split(".")[1:2] and name.split(".")[1] in RUNTIME:
+            upward = {e for e in edges if e.startswith(above)}
+            assert not upward, f"{name} imports {upward}"
+
+
+def test_the_planner_imports_only_torch_free_modules() -> None:
+    graph = import_graph()
+    allowed = {
+        "fdg_schedule",
+        "fdg_schedule.sched",
+        "fdg_schedule.sched.actions",
+        "fdg_schedule.sched.kinds",
+        "fdg_schedule.sched.ticks",
+        "fdg_schedule.partitioning",
+        "fdg_schedule.partitioning.contiguous_split",
+        "fdg_schedule.partitioning.profile_format",
+        "fdg_schedule.partitioning.stage_memory",
+        "fdg_schedule.zoo",
+    }
+    allowed |= {"fdg_schedule.zoo.resnet", "fdg_schedule.zoo.resnet_shapes"}  # resnet: inside estimate_resnet only
+    allowed |= {"fdg_schedule.observability.timeline"}  # inside --trace only (a trace is read with the runtime's tools)
+    for name, edges in graph.items():
+        if name.startswith("fdg_schedule.plan"):
+            outside = {e for e in edges if not e.startswith("fdg_schedule.plan")} - allowed
+            assert not outside, f"{name} imports {outside}"
+
+
+# Importing torch or DeepSpeed fails in this process: the planner must not need them.
+NO_TORCH = """
+import sys
+
+
+class _Blocker:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "deepspeed", "torchvision"):  # numpy is allowed: the split solver's
+            raise ImportError(f"{name} is blocked in this test")
+        return None
+
+
+sys.meta_path.insert(0, _Blocker())
+"""
+
+
+def test_the_planner_runs_without_torch(tmp_path: Path) -> None:
+    (tmp_path / "sitecustomize.py").write_text(NO_TORCH)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(PACKAGE.parent)])}
+    env["FDG_SCHEDULE_AUTO_INSTALL"] = "0"
+    check = "import torch"
+    blocked = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=120)
+    assert "torch is blocked" in blocked.stderr, blocked.stderr  # the blocker works
+    plan = ["-m", "fdg_schedule.plan", "--model", "gpt-1.3b", "--gpu", "H100", "--micro-batch", "1"]
+    plan += ["--cluster", "h100-ib", "--stages", "4"]  # a whole plan: every schedule's streams simulated
+    for argv in (
+        ["-c", "import fdg_schedule.plan, fdg_schedule.plan.__main__"],
+        ["-m", "fdg_schedule.plan", "--help"],
+        plan,
+    ):
+        run = subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr
+    assert "Recommendation" in run.stdout, run.stdout
 
 
 def test_install_is_on_top_and_ticks_at_the_bottom() -> None:
     graph = import_graph()
-    assert graph["fdg_schedule.ticks"] == set()
-    importers = {name for name, edges in graph.items() if "fdg_schedule.install" in edges}
+    assert graph["fdg_schedule.sched.ticks"] == set()
+    importers = {name for name, edges in graph.items() if "fdg_schedule.runtime.install" in edges}
     assert importers <= {"fdg_schedule"}, importers  # only the package's __init__ re-exports it
-    for low in ("fdg_schedule.schedule", "fdg_schedule.view", "fdg_schedule.tracking", "fdg_schedule.timeline"):
-        assert "fdg_schedule.engine" not in graph[low], f"{low} imports the engine"
-    assert graph["fdg_schedule.launch"] == set()  # Note [a rank does not import the package]
+    for low in (
+        "fdg_schedule.sched.schedule",
+        "fdg_schedule.observability.view",
+        "fdg_schedule.corrections.tracking",
+        "fdg_schedule.observability.timeline",
+    ):
+        assert "fdg_schedule.runtime.engine" not in graph[low], f"{low} imports the engine"
+    assert graph["fdg_schedule.tools.launch"] == set()  # Note [a rank does not import the package]
 
 
 def test_the_check_finds_a_circle() -> None:
@@ -132,5 +242,7 @@ def test_every_module_the_deepspeed_hook_loads_can_be_imported_first() -> None:
     )
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout.split("REPORT")[-1])
-    assert "fdg_schedule.pipe_partition" in report, f"the hook no longer loads pipe_partition: {sorted(report)}"
+    assert "fdg_schedule.partitioning.pipe_partition" in report, (
+        f"the hook no longer loads pipe_partition: {sorted(report)}"
+    )
     assert {name: result for name, result in report.items() if result != "ok"} == {}

@@ -26,9 +26,9 @@ import pytest
 import torch
 from dist_harness import run_ranks
 
-from fdg_schedule.config import FDGConfigError
-from fdg_schedule.install import TESTED_DEEPSPEED, UNTESTED_DEEPSPEED_ENV, check_deepspeed_version
-from fdg_schedule.launch import free_port, remove_shared_memory
+from fdg_schedule.runtime.config import FDGConfigError
+from fdg_schedule.runtime.install import TESTED_DEEPSPEED, UNTESTED_DEEPSPEED_ENV, check_deepspeed_version
+from fdg_schedule.tools.launch import free_port, remove_shared_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "tests" / "plain_deepspeed_job.py"
@@ -87,7 +87,7 @@ def test_declared_requirements_match_what_the_code_needs() -> None:
 def test_the_config_is_read_where_deepspeed_reads_it(tmp_path: Path) -> None:
     import deepspeed
 
-    from fdg_schedule.install import _config_and_model, _stock_initialize, guard
+    from fdg_schedule.runtime.install import _config_and_model, _stock_initialize, guard
 
     guard(deepspeed)
     signature = inspect.signature(_stock_initialize[id(deepspeed)])
@@ -285,7 +285,7 @@ report["guarded"] = getattr(deepspeed.initialize, "__fdg_schedule_guard__", Fals
 report["initialize_is_deepspeeds"] = deepspeed.initialize.__wrapped__.__module__ == "deepspeed"
 report["same_class"] = deepspeed.PipelineEngine is PipelineEngine
 report["deepspeed_loader"] = type(deepspeed.__loader__).__name__
-report["engine_loaded"] = "fdg_schedule.engine" in sys.modules
+report["engine_loaded"] = "fdg_schedule.runtime.engine" in sys.modules
 report["still_watching"] = any(type(f).__name__ == "DeepSpeedImportWatcher" for f in sys.meta_path)
 class Mine(deepspeed.PipelineEngine):
     pass
@@ -407,7 +407,7 @@ def test_the_config_alone_switches_an_unmodified_script(
     assert code == 0, output[-3000:]
     assert len(hooked) == len(explicit) == 2
     for rank in hooked + explicit:
-        assert rank["engine"] == "fdg_schedule.engine.FDGPipelineEngine" and rank["is_pipeline_engine"]
+        assert rank["engine"] == "fdg_schedule.runtime.engine.FDGPipelineEngine" and rank["is_pipeline_engine"]
     assert _same_training(hooked, explicit), "the config-only run trained differently from `import fdg_schedule`"
     assert not _same_training(hooked, stock_run[2]), "FDG and 1F1B trained the same weights"
 
@@ -421,8 +421,10 @@ def test_a_stock_config_gets_deepspeeds_engine(stock_run: tuple[int, str, list[A
     assert len(results) == 2
     for rank in results:
         assert rank["engine"] == "deepspeed.runtime.pipe.engine.PipelineEngine" and rank["is_pipeline_engine"]
-        assert "fdg_schedule.engine" not in rank["modules"], "a stock config must not load fdg_schedule's engine"
-        assert "fdg_schedule.install" in rank["modules"], "the hook was not active"
+        assert "fdg_schedule.runtime.engine" not in rank["modules"], (
+            "a stock config must not load fdg_schedule's engine"
+        )
+        assert "fdg_schedule.runtime.install" in rank["modules"], "the hook was not active"
 
 
 @pytest.mark.distributed
@@ -438,4 +440,4 @@ def test_the_opt_out_makes_the_same_job_fail_at_initialize(pythons: dict[str, Pa
 def test_the_editable_install_switches_too(pythons: dict[str, Path], tmp_path: Path) -> None:
     code, output, (result,) = launch(pythons["editable"], FDG, tmp_path / "job", ranks=1)
     assert code == 0, output[-3000:]
-    assert result["engine"] == "fdg_schedule.engine.FDGPipelineEngine"
+    assert result["engine"] == "fdg_schedule.runtime.engine.FDGPipelineEngine"

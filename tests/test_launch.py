@@ -1,4 +1,4 @@
-"""fdg_schedule.launch: K local gloo ranks from Python, results in rank order, failures that reach the caller."""
+"""fdg_schedule.tools.launch: K local gloo ranks from Python, results in rank order, failures that reach the caller."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 import pytest
 from launch_workers import fails_on_rank_1, hangs, sum_of_ranks
 
-from fdg_schedule.launch import RankFailed, free_port, run
+from fdg_schedule.tools.launch import RankFailed, free_port, run
 
 pytestmark = pytest.mark.distributed
 
@@ -28,8 +28,8 @@ def test_results_come_back_in_rank_order_without_importing_the_package(tmp_path)
     if os.environ.get("FDG_LAUNCH_PRELOAD"):  # conftest.py sets it
         assert all(r["frozen"] > 10_000 for r in results), [r["frozen"] for r in results]
     # Note [a rank does not import the package]: a worker that does not import it gets stock DeepSpeed.
-    # Importing DeepSpeed loads only the start-up hook's guard (fdg_schedule.install), never the engine.
-    assert not any("fdg_schedule.engine" in r["fdg_schedule_modules"] for r in results)
+    # Importing DeepSpeed loads only the start-up hook's guard (fdg_schedule.runtime.install), never the engine.
+    assert not any("fdg_schedule.runtime.engine" in r["fdg_schedule_modules"] for r in results)
 
 
 def test_a_rank_that_raises_fails_the_run_with_its_traceback(tmp_path) -> None:
@@ -49,7 +49,7 @@ def test_only_an_nccl_rank_binds_its_device() -> None:
     every new group, which gloo cannot); an NCCL rank binds its own GPU (its communicator made at once)."""
     import torch
 
-    from fdg_schedule.launch import bound_device
+    from fdg_schedule.tools.launch import bound_device
 
     assert bound_device("gloo", 0) == {}
     assert bound_device("nccl", 3) == {"device_id": torch.device("cuda", 3)}

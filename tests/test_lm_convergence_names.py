@@ -9,7 +9,7 @@ from types import ModuleType
 
 import pytest
 
-from fdg_schedule import config as fdg_config
+from fdg_schedule.runtime import config as fdg_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

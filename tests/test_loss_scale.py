@@ -11,8 +11,8 @@ import pytest
 import torch
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
 
-from fdg_schedule.loss_scale import LossScale, ScaleConfig, as_float32, from_word, to_word
-from fdg_schedule.reference import FP16, ReferenceScale
+from fdg_schedule.corrections.reference import FP16, ReferenceScale
+from fdg_schedule.precision.loss_scale import LossScale, ScaleConfig, as_float32, from_word, to_word
 
 
 @pytest.fixture(autouse=True)
@@ -128,7 +128,7 @@ def test_deepspeeds_fp16_optimizer_steps_at_fdgs_scale_and_saves_deepspeeds_view
     from deepspeed.runtime.fp16.loss_scaler import LossScaleConfig
     from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 
-    from fdg_schedule import fp16_optimizer
+    from fdg_schedule.precision import fp16_optimizer
 
     weight = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))
     scale_config = LossScaleConfig(torch.float16, True, 1.0, {"init_scale": 2.0**8, "scale_window": 2,

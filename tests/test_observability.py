@@ -18,9 +18,9 @@ import pytest
 import toy
 from dist_harness import run_ranks
 
-from fdg_schedule import tracking
-from fdg_schedule.schedule import AdvanceTick
-from fdg_schedule.view import MicroBatchNumbers
+from fdg_schedule.corrections import tracking
+from fdg_schedule.observability.view import MicroBatchNumbers
+from fdg_schedule.sched.schedule import AdvanceTick
 
 GAS, CALLS, WINDOW = 3, 3, {"start_tick": 1, "ticks": 6}
 _COLLECTIVES = ("all_reduce", "broadcast", "broadcast_object_list", "all_gather", "all_gather_object",
@@ -88,7 +88,7 @@ def _collectives_recorded() -> Iterator[list[tuple[str, tuple[int, ...]]]]:
 def observed_job(rank: int, world: int, tmp: str) -> dict[str, Any]:
     """FDG with W&B + trace + CSV (not logged in: offline by default), then a traced stock 1F1B job."""
     import fdg_schedule
-    from fdg_schedule import observe, timeline
+    from fdg_schedule.observability import observe, timeline
 
     tmp_path = Path(tmp)
     for key in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_RUN_GROUP"):
@@ -205,7 +205,7 @@ def test_wandb_runs_per_stage_in_one_group(job: tuple[Path, list[dict[str, Any]]
 
 @pytest.mark.distributed
 def test_fdg_trace_has_both_ranks_in_schedule_order(job: tuple[Path, list[dict[str, Any]]]) -> None:
-    from fdg_schedule import timeline
+    from fdg_schedule.observability import timeline
 
     tmp, _ = job
     merged = timeline.merge(tmp / "fdg_trace")
@@ -236,7 +236,7 @@ def test_fdg_trace_has_both_ranks_in_schedule_order(job: tuple[Path, list[dict[s
 
 @pytest.mark.distributed
 def test_one_f_one_b_trace_and_comparison(job: tuple[Path, list[dict[str, Any]]]) -> None:
-    from fdg_schedule import timeline
+    from fdg_schedule.observability import timeline
 
     tmp, _ = job
     trace = timeline.load(tmp / "1f1b_trace")
@@ -289,3 +289,47 @@ def test_micro_batch_numbers_continue_across_drains() -> None:
     numbers.end_call()
     numbers.watch(AdvanceTick(entered=True))
     assert numbers(0) == 3  # the next segment's micro-batch 0
+
+
+def test_the_instruction_hook_observes_a_stock_engine_without_patching_its_class() -> None:
+    """dispatch.observe: DeepSpeed's PipelineEngine gets the hook on its instance; the class map is untouched."""
+    from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass
+
+    from fdg_schedule.runtime import dispatch
+
+    class Stock:
+        _INSTRUCTION_MAP = {
+            ForwardPass: lambda self, buffer_id: self.ran.append(("F", buffer_id)),
+            BackwardPass: lambda self, buffer_id: self.ran.append(("B", buffer_id)),
+        }
+
+        def __init__(self) -> None:
+            self.ran: list[tuple[str, int]] = []
+
+    class_map = dict(Stock._INSTRUCTION_MAP)
+    engine, seen, also = Stock(), [], []
+    dispatch.observe(engine, lambda view, cmd, start, end: seen.append((view, type(cmd), cmd.buffer_id, end >= start)))
+    dispatch.observe(engine, lambda view, cmd, start, end: also.append(type(cmd)))
+    engine._INSTRUCTION_MAP[ForwardPass](engine, buffer_id=3)
+    engine._INSTRUCTION_MAP[BackwardPass](engine, buffer_id=1)
+    assert engine.ran == [("F", 3), ("B", 1)]
+    assert seen == [(engine, ForwardPass, 3, True), (engine, BackwardPass, 1, True)]
+    assert also == [ForwardPass, BackwardPass]  # a second observer: called once each, not wrapped twice
+    assert class_map == Stock._INSTRUCTION_MAP and class_map == Stock()._INSTRUCTION_MAP
+
+
+def test_the_instruction_hook_joins_an_fdg_engines_observers() -> None:
+    from fdg_schedule.runtime import dispatch
+
+    class FDGLike:
+        fdg_stats: dict[str, float] = {}
+
+        def __init__(self) -> None:
+            self.observers: list[object] = []
+
+    engine, seen = FDGLike(), []
+    dispatch.observe(engine, lambda view, cmd, start, end: seen.append((view, cmd, start, end)))
+    (observer,) = engine.observers
+    observer.on_instruction(engine, "cmd", 1.0, 2.0)
+    observer.on_call_end(engine, 1.0)
+    assert seen == [(engine, "cmd", 1.0, 2.0)]

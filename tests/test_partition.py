@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from fdg_schedule.partition import (
+from fdg_schedule.partitioning.partition import (
     PICOSECONDS,
     Objective,
     Partition,
@@ -17,8 +17,8 @@ from fdg_schedule.partition import (
     parameter_split,
     rescaled,
 )
-from fdg_schedule.profile import LayerCost, ModelProfile
-from fdg_schedule.stage_times import rebalanced_advice
+from fdg_schedule.partitioning.profile import LayerCost, ModelProfile
+from fdg_schedule.tools.stage_times import rebalanced_advice
 
 OBJECTIVES = [
     Objective(),

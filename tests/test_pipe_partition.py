@@ -19,9 +19,9 @@ import torch
 import toy
 from dist_harness import run_ranks
 
-from fdg_schedule import pipe_partition
-from fdg_schedule.partition import Objective, balanced_partition
-from fdg_schedule.profile import ModelProfile, profile_layers
+from fdg_schedule.partitioning import pipe_partition
+from fdg_schedule.partitioning.partition import Objective, balanced_partition
+from fdg_schedule.partitioning.profile import ModelProfile, profile_layers
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +87,7 @@ def _partition_worker(rank: int, world: int, profile: str) -> dict[str, Any]:
     from deepspeed.pipe import PipelineModule
 
     import fdg_schedule  # noqa: F401  (installs the hook)
-    from fdg_schedule import profile as profiling
+    from fdg_schedule.partitioning import profile as profiling
 
     out: dict[str, Any] = {"stock": {}}
     # cached_profile: rank 0 measures, every rank gets the same profile and file; then it is cached.
@@ -132,7 +132,7 @@ def _report_after_training(method: str, stages: int, schedule: str) -> tuple[str
     import deepspeed
     from deepspeed.pipe import PipelineModule
 
-    from fdg_schedule.stage_times import StageClock, stage_report
+    from fdg_schedule.tools.stage_times import StageClock, stage_report
 
     torch.manual_seed(0)
     module = PipelineModule(layers=toy.layers(), num_stages=stages, loss_fn=toy.loss_fn, partition_method=method)

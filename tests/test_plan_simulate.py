@@ -10,12 +10,12 @@ import random
 
 import pytest
 
-from fdg_schedule import schedule as fdg_schedule
-from fdg_schedule import ticks
 from fdg_schedule.plan import streams as st
 from fdg_schedule.plan.predict import fdg_window
 from fdg_schedule.plan.simulate import ChunkCosts, Deadlock, Link, simulate
 from fdg_schedule.plan.streams import Action, Op
+from fdg_schedule.sched import schedule as fdg_schedule
+from fdg_schedule.sched import ticks
 
 
 def chain(forward: list[float], backward: list[float], exchange: tuple[float, float] = (0.0, 0.0), step: float = 0.0,
@@ -267,3 +267,39 @@ def test_zb_h1_holds_1f1bs_micro_batches_plus_what_deferred_w_passes_need(stages
     timeline = simulate(st.zbh1_streams(stages, factor * stages), costs)
     assert timeline.peak_bytes == [(stages - k) * a + k * w for k in range(stages)]
     assert max(timeline.peak_bytes) == stages * a  # the paper: ZB-H1's peak is 1F1B's
+
+
+def _deepspeed_generator_streams(stages: int, micro_batches: int) -> list[st.Stream]:
+    """The 1F1B streams read off DeepSpeed's own ``TrainSchedule`` (its instructions carry buffer ids:
+    on a stage the forward-side and the backward-side instructions each come in micro-batch order,
+    so counting each kind numbers them)."""
+    from deepspeed.runtime.pipe import schedule as ds
+
+    kinds = {
+        ds.RecvActivation: Op.RECV_ACTIVATION, ds.SendActivation: Op.SEND_ACTIVATION, ds.ForwardPass: Op.FORWARD,
+        ds.RecvGrad: Op.RECV_GRAD, ds.SendGrad: Op.SEND_GRAD, ds.BackwardPass: Op.BACKWARD,
+        ds.ReduceGrads: Op.ALLREDUCE, ds.OptimizerStep: Op.STEP,
+    }  # fmt: skip
+    streams = []
+    for stage in range(stages):
+        seen: dict[Op, int] = {}
+        stream: st.Stream = []
+        for step in ds.TrainSchedule(micro_batches=micro_batches, stages=stages, stage_id=stage).steps():
+            for cmd in step:
+                if isinstance(cmd, (ds.LoadMicroBatch, ds.ReduceTiedGrads)):
+                    continue
+                op = kinds[type(cmd)]
+                if op in (Op.ALLREDUCE, Op.STEP):
+                    stream.append(Action(op, None, stage))
+                    continue
+                seen[op] = seen.get(op, 0) + 1
+                stream.append(Action(op, seen[op] - 1, stage, blocking=op in st.SENDS))
+        streams.append([*stream, Action(Op.PIPE_COLLECTIVE, None, stage)])
+    return streams
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("micro_batches", [1, 2, 3, 4, 8, 13])
+def test_deepspeed_1f1b_restated_equals_deepspeeds_generator(stages: int, micro_batches: int) -> None:
+    """The planner's torch-free 1F1B is DeepSpeed's TrainSchedule, action for action."""
+    assert st.deepspeed_1f1b_streams(stages, micro_batches) == _deepspeed_generator_streams(stages, micro_batches)

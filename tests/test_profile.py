@@ -11,8 +11,14 @@ import torch
 import toy
 from torch import nn
 
-from fdg_schedule import profile as profiling
-from fdg_schedule.profile import LayerCost, ModelProfile, layer_name, optimizer_from_ds_config, profile_layers
+from fdg_schedule.partitioning import profile as profiling
+from fdg_schedule.partitioning.profile import (
+    LayerCost,
+    ModelProfile,
+    layer_name,
+    optimizer_from_ds_config,
+    profile_layers,
+)
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +196,7 @@ PLANNER_FILE = {
 
 @pytest.mark.parametrize("data", [PROFILER_FILE, PLANNER_FILE], ids=["profiler", "planner"])
 def test_one_format_reads_both_former_writers_files(data: dict, tmp_path: Path) -> None:
-    from fdg_schedule import profile_format
+    from fdg_schedule.partitioning import profile_format
     from fdg_schedule.plan import costs
 
     path = tmp_path / "p.json"
@@ -220,7 +226,8 @@ def test_the_format_module_imports_no_torch() -> None:
         "        if name == 'torch' or name.startswith('torch.'):\n"
         "            raise ImportError('torch is blocked')\n"
         "sys.meta_path.insert(0, Block())\n"
-        "spec = importlib.util.spec_from_file_location('profile_format', 'fdg_schedule/profile_format.py')\n"
+        "spec = importlib.util.spec_from_file_location(\n"
+        "    'profile_format', 'fdg_schedule/partitioning/profile_format.py')\n"
         "module = importlib.util.module_from_spec(spec); sys.modules['profile_format'] = module\n"
         "spec.loader.exec_module(module)\n"
         "print(module.ModelProfile.__name__)\n"

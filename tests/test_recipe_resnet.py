@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from deepspeed.runtime.config import DeepSpeedConfig
 
-from fdg_schedule import config as fdg_config
-from fdg_schedule.launch import free_port, remove_shared_memory
+from fdg_schedule.runtime import config as fdg_config
+from fdg_schedule.tools.launch import free_port, remove_shared_memory
 from fdg_schedule.zoo import vision_data
 
 ROOT = Path(__file__).resolve().parents[1]

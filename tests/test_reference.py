@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fdg_schedule import FDGConfig, fdg_reference
-from fdg_schedule.reference import ReferenceState
+from fdg_schedule.corrections.reference import ReferenceState
 
 MODES = [(w, a) for w in ("current", "stashed") for a in ("stored", "recomputed")]
 

@@ -7,9 +7,9 @@ import itertools
 import pytest
 from deepspeed.runtime.pipe.schedule import ReduceGrads
 
-from fdg_schedule import ticks
-from fdg_schedule.errors import FDGRuntimeError
-from fdg_schedule.schedule import (
+from fdg_schedule.runtime.errors import FDGRuntimeError
+from fdg_schedule.sched import ticks
+from fdg_schedule.sched.schedule import (
     AdvanceTick,
     Exchange,
     FDGBackward,

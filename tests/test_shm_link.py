@@ -1,4 +1,4 @@
-"""The shared-memory link accepts its neighbour only (Note [who may connect] in fdg_schedule/shm_link.py): a
+"""The shared-memory link accepts its neighbour only (Note [who may connect] in fdg_schedule/exchange/shm_link.py): a
 foreign connection to the abstract socket is refused and closed, and the neighbour still gets the link."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from fdg_schedule.shm_link import Link, LinkError, _socket_name
+from fdg_schedule.exchange.shm_link import Link, LinkError, _socket_name
 
 TIMEOUT = timedelta(seconds=30)
 

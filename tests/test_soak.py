@@ -12,7 +12,7 @@ import engine_workers
 import pytest
 from dist_harness import run_ranks
 
-from fdg_schedule import ticks
+from fdg_schedule.sched import ticks
 
 
 def _soak(tmp_path, n_ticks: int) -> list[dict]:

@@ -6,11 +6,11 @@ import random
 
 import pytest
 
-from fdg_schedule import stage_memory
-from fdg_schedule.partition import Objective, evaluate_partition
+from fdg_schedule.partitioning import stage_memory
+from fdg_schedule.partitioning.partition import Objective, evaluate_partition
+from fdg_schedule.partitioning.profile_format import LayerCost, ModelProfile
 from fdg_schedule.plan import Cluster, CostModel, Variant, predict
 from fdg_schedule.plan.predict import stage_memory as planner_stage_memory
-from fdg_schedule.profile_format import LayerCost, ModelProfile
 
 MODES = [("current", "stored"), ("current", "recomputed"), ("stashed", "stored"), ("stashed", "recomputed")]
 

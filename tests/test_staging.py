@@ -1,4 +1,5 @@
-"""fdg_schedule.staging: DeepSpeed's own pipeline sends through host memory where gloo moves accelerator tensors.
+"""fdg_schedule.runtime.staging: DeepSpeed's own pipeline sends through host memory where gloo moves accelerator
+tensors.
 
 CUDA cannot run here: the tensors that need staging are picked by a stand-in, and DeepSpeed's ``p2p.send`` /
 ``p2p.recv`` are recorders; the path decision is the real one (gloo with a CUDA stage: STAGED).
@@ -9,7 +10,7 @@ from __future__ import annotations
 import torch
 from deepspeed.runtime.pipe import p2p
 
-from fdg_schedule import staging
+from fdg_schedule.runtime import staging
 
 
 def test_deepspeeds_sends_go_through_host_memory_on_the_staged_path(one_rank_group, monkeypatch) -> None:

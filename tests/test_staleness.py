@@ -1,4 +1,5 @@
-"""The staleness corrections and metric of one stage on their own (fdg_schedule.staleness): no process group.
+"""The staleness corrections and metric of one stage on their own (fdg_schedule.corrections.staleness): no process
+group.
 
 The engine's parity with ``fdg_reference`` is tested in test_engine.py; here each piece is checked
 against values written by hand, including what the engine tests cannot see (w restored bit for bit,
@@ -13,8 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from fdg_schedule.config import FDGConfig, FDGConfigError
-from fdg_schedule.staleness import Corrections, StalenessMeter
+from fdg_schedule.corrections.staleness import Corrections, StalenessMeter
+from fdg_schedule.runtime.config import FDGConfig, FDGConfigError
 
 
 def _params(dtype: torch.dtype = torch.float32) -> list[nn.Parameter]:

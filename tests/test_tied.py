@@ -1,4 +1,4 @@
-"""Tied layers across stages (Note [tied layers across stages] in fdg_schedule/tied.py): the engine against the
+"""Tied layers across stages (Note [tied layers across stages] in fdg_schedule/exchange/tied.py): the engine against the
 reference, copies bit-identical on every owner after every call, no collective across stages, checkpoints."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import toy
 from dist_harness import run_ranks_calls
 from test_engine import MODES, TOL, expected_returned_losses
 
-from fdg_schedule import FDGConfig, fdg_reference, ticks
+from fdg_schedule import FDGConfig, fdg_reference
+from fdg_schedule.sched import ticks
 
 pytestmark = pytest.mark.distributed
 

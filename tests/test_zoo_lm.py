@@ -21,8 +21,8 @@ from deepspeed.runtime.config import DeepSpeedConfig
 from dist_harness import run_ranks_each
 from transformers import AutoModelForCausalLM, GPT2Config
 
-from fdg_schedule import config as fdg_config
-from fdg_schedule.launch import free_port, remove_shared_memory
+from fdg_schedule.runtime import config as fdg_config
+from fdg_schedule.tools.launch import free_port, remove_shared_memory
 from fdg_schedule.zoo import hf_lm, text_data, tied_layers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,7 +36,7 @@ def fdg_refuses_ties() -> bool:
     import importlib
     import inspect
 
-    install = importlib.import_module("fdg_schedule.install")  # the module (the package exports a function)
+    install = importlib.import_module("fdg_schedule.runtime.install")  # the module (the package exports a function)
     return "spans pipeline stages" in inspect.getsource(install._check_model)
 
 

@@ -112,7 +112,7 @@ def loss_fn(logits: Tensor, labels: Tensor) -> Tensor:
     return F.cross_entropy(logits, labels)
 
 
-# -- tied layers across stages (Note [tied layers across stages] in fdg_schedule/tied.py) ------------
+# -- tied layers across stages (Note [tied layers across stages] in fdg_schedule/exchange/tied.py) ------------
 
 
 class TiedWeight(nn.Module):
@@ -216,7 +216,7 @@ def ds_optimizer(name: str, stage: nn.Module) -> Any:
     or DeepSpeed's CPU Lion (offloaded: DeepSpeed has no CPU FusedLion); steps a function of their own state."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    from fdg_schedule import optim
+    from fdg_schedule.runtime import optim
 
     params = DS_OPTIMIZERS[name]
     if name == "Lion":

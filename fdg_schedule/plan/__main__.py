@@ -2,7 +2,7 @@
 
     # a FLOP estimate for a named GPU, on a named cluster
     python -m fdg_schedule.plan --model resnet101 --gpu A100 --micro-batch 32 --cluster a100-100gbe
-    # a measured profile (fdg_schedule.profile JSON), two replicas per stage, 40 GB per device
+    # a measured profile (fdg_schedule.partitioning.profile JSON), two replicas per stage, 40 GB per device
     python -m fdg_schedule.plan --profile profile.json --cluster h100-ib --dp 2 --memory-limit 40GB
     # a traced FDG run: its stages re-timed under the other schedules
     python -m fdg_schedule.plan --trace fdg_trace --cluster cpu-gloo --stages 2
@@ -25,10 +25,9 @@ from fdg_schedule.plan.cluster import CLUSTERS, Cluster, parse_bandwidth, parse_
 from fdg_schedule.plan.flops import GPUS, TRANSFORMERS, Efficiency, estimate_resnet, estimate_transformer, gpu_named
 from fdg_schedule.plan.predict import SCHEDULES, CostModel, Variant
 from fdg_schedule.plan.recommend import OBJECTIVES, plan, plot, table
-from fdg_schedule.zoo import resnet as resnet_zoo
+from fdg_schedule.zoo.resnet_shapes import NAMES as RESNETS  # torch-free; estimate_resnet imports the zoo
 
 DEFAULT_STAGES = "2,3,4,6,8,12,16,24,32,48,64"
-RESNETS = tuple(resnet_zoo.MODELS)  # CIFAR ResNets, WRNs, torchvision ResNets
 FDG_MODES = ("current/stored", "current/recomputed", "stashed/stored", "stashed/recomputed")
 
 
@@ -36,7 +35,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fdg_schedule.plan", description=(__doc__ or "").split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)  # fmt: skip
     src = p.add_argument_group("model (one of --profile, --trace, --model)")
-    src.add_argument("--profile", help="per-layer profile JSON (fdg_schedule.profile format)")
+    src.add_argument("--profile", help="per-layer profile JSON (fdg_schedule.partitioning.profile format)")
     src.add_argument("--trace", help="merged trace.json or trace directory of a pipeline.fdg.trace run")
     src.add_argument("--model", help=f"estimate from FLOPs: {', '.join(RESNETS + tuple(TRANSFORMERS))}")
     src.add_argument("--gpu", help=f"with --model: {', '.join(GPUS)}")
@@ -171,7 +170,7 @@ def model_profile(args: argparse.Namespace) -> costs.ModelProfile:
     if args.profile:
         return costs.load_profile(args.profile)
     if args.trace:
-        from fdg_schedule import timeline
+        from fdg_schedule.observability import timeline
 
         sizes = [parse_size(s, "--activation-bytes") for s in args.activation_bytes.split(",") if s]
         trace = timeline.load(args.trace)

@@ -1,7 +1,8 @@
 """What the planner knows about a model: per-layer times and sizes, read from a profile, a trace or an estimate.
 
-The profile is :class:`~fdg_schedule.profile_format.ModelProfile`, the one format the profiler
-(:mod:`fdg_schedule.profile`) writes and the planner reads (its fields: :mod:`fdg_schedule.profile_format`).
+The profile is :class:`~fdg_schedule.partitioning.profile_format.ModelProfile`, the one format the profiler
+(:mod:`fdg_schedule.partitioning.profile`) writes and the planner reads (its fields:
+:mod:`fdg_schedule.partitioning.profile_format`).
 Here: the planner's readers of it (a file, a dict), its writer, and a profile from a merged trace.
 """
 
@@ -13,9 +14,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fdg_schedule import profile_format
-from fdg_schedule.profile_format import DTYPE_BYTES, FORMAT, LayerCost, ModelProfile
-from fdg_schedule.schedule import Kind
+from fdg_schedule.partitioning import profile_format
+from fdg_schedule.partitioning.profile_format import DTYPE_BYTES, FORMAT, LayerCost, ModelProfile
+from fdg_schedule.sched.kinds import Kind
 
 PROFILE_FORMAT = FORMAT
 __all__ = ["DTYPE_BYTES", "PROFILE_FORMAT", "LayerCost", "ModelProfile", "load_profile", "profile_from_dict",
@@ -50,14 +51,14 @@ def profile_from_trace(
 ) -> ModelProfile:
     """One "layer" per traced stage, timed by the medians of its forward, backward and step events.
 
-    A trace (``pipeline.fdg.trace``, merged by ``python -m fdg_schedule.timeline merge``) has times
+    A trace (``pipeline.fdg.trace``, merged by ``python -m fdg_schedule.observability.timeline merge``) has times
     but no sizes: ``activation_bytes[k]`` (stage k's output) and ``param_bytes[k]`` default to 0.
     The planner can then re-time that split under other schedules and clusters, but not re-split it.
     """
     ranks = trace.get("otherData", {}).get("ranks")
     if not ranks:
         raise ValueError(f"{source}: no 'otherData.ranks'; merge the per-rank parts with "
-                         "`python -m fdg_schedule.timeline merge <dir>` first")  # fmt: skip
+                         "`python -m fdg_schedule.observability.timeline merge <dir>` first")  # fmt: skip
     stage_of = {int(rank): int(meta["stage_id"]) for rank, meta in ranks.items()}
     stages = max(stage_of.values()) + 1
     timed = (Kind.FORWARD.value, Kind.BACKWARD.value, Kind.STEP.value)  # the trace's "cat" is the instruction's kind

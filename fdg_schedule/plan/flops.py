@@ -22,6 +22,7 @@ Two model families:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -253,7 +254,7 @@ def _count(module: Any, x: Any) -> dict[str, Any]:
             saved[0] += t.numel() * t.element_size()
         return t
 
-    forward, backward = _OpCounter(), _OpCounter()
+    forward, backward = _op_counter()(), _op_counter()()
     with forward, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         y = module(x)
     with backward:
@@ -262,31 +263,32 @@ def _count(module: Any, x: Any) -> dict[str, Any]:
             "bwd_bytes": backward.bytes, "saved": saved[0], "output": y}  # fmt: skip
 
 
-def _op_counter_base() -> type:
+@functools.cache
+def _op_counter() -> type:
+    """The operator counter, defined on first use: the planner imports no torch until it counts."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    return TorchDispatchMode
+    class _OpCounter(TorchDispatchMode):
+        """Counts FLOPs of the operators PyTorch's flop counter knows, and bytes moved by all others."""
 
+        def __init__(self) -> None:
+            super().__init__()
+            self.flops = 0.0
+            self.bytes = 0.0
 
-class _OpCounter(_op_counter_base()):  # type: ignore[misc]
-    """Counts FLOPs of the operators PyTorch's flop counter knows, and bytes moved by all others."""
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            import torch
+            from torch.utils._pytree import tree_leaves
+            from torch.utils.flop_counter import flop_registry
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.flops = 0.0
-        self.bytes = 0.0
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            packet = func._overloadpacket
+            if packet in flop_registry:
+                self.flops += flop_registry[packet](*args, **kwargs, out_val=out)
+            elif not func.is_view:
+                tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+                self.bytes += sum(t.numel() * t.element_size() for t in tensors)
+            return out
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        import torch
-        from torch.utils._pytree import tree_leaves
-        from torch.utils.flop_counter import flop_registry
-
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        packet = func._overloadpacket
-        if packet in flop_registry:
-            self.flops += flop_registry[packet](*args, **kwargs, out_val=out)
-        elif not func.is_view:
-            tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
-            self.bytes += sum(t.numel() * t.element_size() for t in tensors)
-        return out
+    return _OpCounter

@@ -14,7 +14,7 @@ step seconds, ``A`` what autograd saves, ``I`` its input and ``W`` its parameter
     1F1B, GPipe, interleaved   f         b                 I + A
     ZB-H1                      f         I: q b, W: (1-q) b  I + A; I frees all but w A, W the rest
 
-(held bytes: :mod:`fdg_schedule.stage_memory`, the model the partitioner uses too; the stage's input
+(held bytes: :mod:`fdg_schedule.partitioning.stage_memory`, the model the partitioner uses too; the stage's input
 is held with each micro-batch in flight, as ``engine.held_bytes()`` counts it).
 ``"stashed"`` also copies W at each forward and twice at each backward (in and out of the
 parameters) at ``copy_bandwidth``. Every stage also holds ``bytes_per_param`` per parameter
@@ -29,7 +29,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from fdg_schedule import stage_memory as memory_model
+from fdg_schedule.partitioning import stage_memory as memory_model
 from fdg_schedule.plan import streams as st
 from fdg_schedule.plan.cluster import Cluster, Placement
 from fdg_schedule.plan.costs import ModelProfile
@@ -291,7 +291,8 @@ def stage_work(
 def stage_memory(
     profile: ModelProfile, variant: Variant, stages: int, micro_batches: int, model: CostModel
 ) -> Any:  # fmt: skip
-    """Bytes stage ``k`` holds with layers ``[a, b)`` at its peak: static plus :mod:`fdg_schedule.stage_memory`."""
+    """Bytes stage ``k`` holds with layers ``[a, b)`` at its peak: static plus
+    :mod:`fdg_schedule.partitioning.stage_memory`."""
     prefix = _Prefix(profile)
 
     def memory(a: int, b: int, k: int) -> float:

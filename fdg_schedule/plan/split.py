@@ -1,8 +1,8 @@
-"""Where the planner cuts the layers into stages: :func:`fdg_schedule.contiguous_split.solve` on callbacks.
+"""Where the planner cuts the layers into stages: :func:`fdg_schedule.partitioning.contiguous_split.solve` on callbacks.
 
 The cost and memory of a stage are callbacks of (first layer, end layer, stage index), so each
 schedule brings its own notion of a stage's work and of what it holds (e.g. FDG's stage k keeps
-``2(K-1-k)`` micro-batches, 1F1B's ``K-k``: :mod:`fdg_schedule.stage_memory`). The solver is the
+``2(K-1-k)`` micro-batches, 1F1B's ``K-k``: :mod:`fdg_schedule.partitioning.stage_memory`). The solver is the
 partitioner's (Note [the split solver]), with the planner's tie rule unless told ``spread``.
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from fdg_schedule import contiguous_split
+from fdg_schedule.partitioning import contiguous_split
 
 StageFn = Callable[[int, int, int], float]
 

@@ -1,10 +1,11 @@
 """Per-rank instruction streams of every schedule the planner compares, as plain action lists.
 
-FDG's stream is the engine's own schedule (:mod:`fdg_schedule.actions`, which the engine lowers to its
-instructions) and DeepSpeed's 1F1B from ``deepspeed.runtime.pipe.schedule.TrainSchedule``: the planner times what
-the engines execute. GPipe, interleaved 1F1B and ZB-H1 are written here from their papers' orderings.
+FDG's stream is the engine's own schedule (:mod:`fdg_schedule.sched.actions`, which the engine lowers to its
+instructions) and DeepSpeed's 1F1B is the step arithmetic of ``deepspeed.runtime.pipe.schedule.TrainSchedule``,
+restated torch-free: the planner times what the engines execute. GPipe, interleaved 1F1B and ZB-H1 are written
+here from their papers' orderings.
 
-The ops are the one alphabet of :class:`fdg_schedule.actions.Op`; a stream action's compact text is
+The ops are the one alphabet of :class:`fdg_schedule.sched.actions.Op`; a stream action's compact text is
 ``<op><micro-batch>`` (``F3``, ``rg5``), its rank implied by the stream it is in.
 
 Chunks are virtual stages: with ``v`` chunks per rank (interleaved 1F1B) the model is cut into
@@ -17,12 +18,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 
-from deepspeed.runtime.pipe import schedule as ds
+from fdg_schedule.sched import actions as fdg
+from fdg_schedule.sched.actions import COMPUTE, RECVS, SENDS, Op
 
-from fdg_schedule import actions as fdg
-from fdg_schedule.actions import COMPUTE, RECVS, SENDS, Op
-
-# The one alphabet (fdg_schedule.actions); re-exported for the simulator.
+# The one alphabet (fdg_schedule.sched.actions); re-exported for the simulator.
 __all__ = ["COMPUTE", "RECVS", "SENDS", "Action", "Op", "Stream"]
 
 
@@ -50,8 +49,8 @@ Stream = list[Action]
 def fdg_streams(stages: int, micro_batches: int, accumulate: int = 1, drain: bool = True) -> list[Stream]:
     """Every stage's actions for a segment of ``micro_batches`` FDG ticks (then a drain).
 
-    The ticks of :func:`fdg_schedule.actions.fdg_tick` lowered by
-    :func:`~fdg_schedule.actions.add_exchange`: receives before the backward / forward that waits for
+    The ticks of :func:`fdg_schedule.sched.actions.fdg_tick` lowered by
+    :func:`~fdg_schedule.sched.actions.add_exchange`: receives before the backward / forward that waits for
     them, the non-blocking sends of what the tick produced at its end (so a gradient leaves only after
     the tick's forward, as in the engine). Loads cost nothing here.
     """
@@ -88,46 +87,56 @@ def _fdg_ticks(stages: int, stage: int, micro_batches: int, accumulate: int, dra
 
 
 # ---------------------------------------------------------------------------------------------------
-# DeepSpeed 1F1B: from DeepSpeed's generator
+# DeepSpeed 1F1B: DeepSpeed's generator, restated torch-free
 
-_DS_OPS = {
-    ds.RecvActivation: Op.RECV_ACTIVATION,
-    ds.SendActivation: Op.SEND_ACTIVATION,
-    ds.ForwardPass: Op.FORWARD,
-    ds.RecvGrad: Op.RECV_GRAD,
-    ds.SendGrad: Op.SEND_GRAD,
-    ds.BackwardPass: Op.BACKWARD,
-    ds.ReduceGrads: Op.ALLREDUCE,
-    ds.OptimizerStep: Op.STEP,
-}
+
+def _deepspeed_step(stages: int, stage: int, step: int) -> tuple[int, bool]:
+    """(micro-batch, is_forward) of ``TrainSchedule._step_to_micro_batch``: even stages go forward on
+    even steps, odd stages on odd steps, and backward on the others."""
+    if step % 2 == stage % 2:
+        return (step - stage % 2) // 2 - stage // 2, True
+    if step % 2 == 0:  # an odd stage's backward
+        return step // 2 - stages + (stage + 1) // 2, False
+    return (step - 1) // 2 - stages + 1 + stage // 2, False
 
 
 def deepspeed_1f1b_streams(stages: int, micro_batches: int) -> list[Stream]:
     """Every stage's actions for one ``train_batch()`` of DeepSpeed's ``TrainSchedule``.
 
-    DeepSpeed's instructions carry buffer ids, not micro-batch numbers; on a stage the forward-side
-    instructions come in micro-batch order and so do the backward-side ones, so counting each kind
-    numbers them. Its ``p2p.send``/``recv`` are blocking (a rendezvous). ``train_batch`` ends with
-    the loss broadcast over the pipeline (``_aggregate_total_loss``): every stage waits for the last.
+    The step arithmetic of ``deepspeed.runtime.pipe.schedule.TrainSchedule.steps`` (DeepSpeed 0.19.8,
+    Apache-2.0), restated here so the planner imports no torch; tests/test_plan_simulate.py checks it
+    against DeepSpeed's generator instruction by instruction. At each of ``2 (m + K - 1)`` steps a
+    stage runs the exchange of the step (forward steps: send the previous micro-batch's input
+    gradient, receive this one's activation; backward steps: receive this one's output gradient, send
+    the previous one's activation), then its forward or backward; the last step reduces and steps.
+    Its ``p2p.send``/``recv`` are blocking (a rendezvous). ``train_batch`` ends with the loss broadcast
+    over the pipeline (``_aggregate_total_loss``): every stage waits for the last.
     """
+
+    def valid(mb: int) -> bool:
+        return 0 <= mb < micro_batches
+
     streams = []
     for stage in range(stages):
-        seen: dict[Op, int] = {}
+        has_prev, has_next = stage > 0, stage < stages - 1
         stream: Stream = []
-        for step in ds.TrainSchedule(micro_batches=micro_batches, stages=stages, stage_id=stage).steps():
-            for cmd in step:
-                op = _DS_OPS.get(type(cmd))
-                if op is None:
-                    if isinstance(cmd, (ds.LoadMicroBatch, ds.ReduceTiedGrads)):
-                        continue
-                    raise ValueError(f"the planner does not know DeepSpeed instruction {cmd}; teach plan/streams.py")
-                if op in (Op.ALLREDUCE, Op.STEP):
-                    stream.append(Action(op, None, stage))
-                    continue
-                number = seen.get(op, 0)
-                seen[op] = number + 1
-                stream.append(Action(op, number, stage, blocking=op in SENDS))
-        stream.append(Action(Op.PIPE_COLLECTIVE, None, stage))
+        prev = -1
+        total = 2 * (micro_batches + stages - 1)
+        for step in range(total):
+            mb, forward = _deepspeed_step(stages, stage, step)
+            if forward:
+                exchange = [(Op.SEND_GRAD, prev, has_prev), (Op.RECV_ACTIVATION, mb, has_prev)]
+            else:
+                exchange = [(Op.RECV_GRAD, mb, has_next), (Op.SEND_ACTIVATION, prev, has_next)]
+            stream += [Action(op, m, stage, blocking=op in SENDS) for op, m, linked in exchange if linked and valid(m)]
+            if valid(mb):
+                stream.append(Action(Op.FORWARD if forward else Op.BACKWARD, mb, stage))
+            prev = mb
+        stream += [
+            Action(Op.ALLREDUCE, None, stage),
+            Action(Op.STEP, None, stage),
+            Action(Op.PIPE_COLLECTIVE, None, stage),
+        ]
         streams.append(stream)
     return streams
 

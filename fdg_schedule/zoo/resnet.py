@@ -51,26 +51,10 @@ from deepspeed.pipe import LayerSpec, PipelineModule
 from deepspeed.runtime import utils as ds_utils
 from torch import nn
 
-from fdg_schedule.pipe_partition import parse_parts
+from fdg_schedule.partitioning.pipe_partition import parse_parts
+from fdg_schedule.zoo.resnet_shapes import CIFAR_DEPTHS, TORCHVISION_BLOCKS, WRN_SHAPES
 
 Layer: TypeAlias = LayerSpec | nn.Module
-
-# Blocks per group of the torchvision ResNets (the torchvision constructors know them too, but
-# counting layers should not need to build a 44M-parameter model).
-TORCHVISION_BLOCKS: dict[str, tuple[int, ...]] = {
-    "resnet18": (2, 2, 2, 2),
-    "resnet50": (3, 4, 6, 3),
-    "resnet101": (3, 4, 23, 3),
-}
-CIFAR_DEPTHS = {
-    "resnet20": 20,
-    "resnet32": 32,
-    "resnet44": 44,
-    "resnet56": 56,
-    "resnet110": 110,
-    "resnet1202": 1202,
-}
-WRN_SHAPES = {"wrn_16_4": (16, 4), "wrn_28_10": (28, 10)}  # (depth, widen factor)
 
 PAPER_SPLITS: dict[str, dict[int, list[int]]] = {
     "resnet20": {2: [0, 5, 12], 3: [0, 4, 7, 12]},

@@ -1,0 +1,1 @@
+"""fdg_schedule.checkpointing (see docs/architecture.md)."""

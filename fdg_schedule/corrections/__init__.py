@@ -1,0 +1,1 @@
+"""fdg_schedule.corrections (see docs/architecture.md)."""

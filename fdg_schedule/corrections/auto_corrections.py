@@ -1,0 +1,201 @@
+"""``pipeline.fdg.corrections: "auto"``: the staleness corrections a stage gets from what it has.
+
+Note [the auto rule] (rule v1; docs/staleness.md, "The auto rule"; pre-registered in
+docs/results/auto-preregistration.md)
+    Decided once, at ``deepspeed.initialize``, on every stage from its optimizer's class and param
+    groups, K, ``accumulate`` and the LR scheduler; each stage's delay then enters the corrections'
+    formulas through h_k = 2(K-1-k) / accumulate, as for the explicit keys. Nothing depends on a
+    run length the engine cannot read.
+
+    family of the stage optimizer (its param groups):
+      momentum   every group has ``momentum`` > 0 and no ``betas`` (SGD with momentum, RMSprop)
+      betas      every group has ``betas`` (Adam, AdamW, DeepSpeed's FusedAdam, Lion, NAdam, ...)
+      uncovered  anything else: no momentum (plain SGD, Adagrad), mixed groups, Muon (no evidence yet)
+
+    +-----------+------+------------------------------------------------------------------------+
+    | family    | K    | keys                                                                   |
+    +-----------+------+------------------------------------------------------------------------+
+    | momentum  | 2    | none                                                                   |
+    | momentum  | >= 3 | delay_momentum, delay_momentum_peak_lr = rho                           |
+    | betas     | 2    | predict_decay 0, predict_horizon "first_stage", delay_momentum_raise 1 |
+    | betas     | >= 3 | the K = 2 keys and delay_lr_ticks = T                                  |
+    | uncovered | any  | none, with a warning that names why                                    |
+    | any       | 1    | none (nothing is delayed)                                              |
+    +-----------+------+------------------------------------------------------------------------+
+
+    rho, the peak learning rate: the largest lr the scheduler will give any param group, read from
+    it at initialize (DeepSpeed's WarmupLR / WarmupDecayLR max lr, WarmupCosineLR's and torch
+    schedulers' base lrs, OneCycle's max lr), else the groups' largest lr at initialize.
+    T: twice the run's ticks when the scheduler says how long the run is (DeepSpeed's WarmupDecayLR /
+    WarmupCosineLR ``total_num_steps``, torch's CosineAnnealingLR ``T_max``, OneCycleLR
+    ``total_steps``, PolynomialLR ``total_iters``: scheduler steps, one per ``accumulate`` ticks);
+    otherwise ``FOREVER`` (2**62 ticks), under which the factor tau_k ** -max(0, 1 - t/T) stays
+    tau_k ** -1 (to 1e-10 over 10**8 ticks): the run-length-free form.
+
+    weights: the rule was measured with ``"stashed"`` at K >= 3 (both families) and for the betas
+    family at K = 2. ``weights`` is the user's (a memory decision); with ``"current"`` the same keys
+    apply and rank 0's log line says that the tested form is ``"stashed"``.
+
+Why: docs/staleness.md. Delayed SGD-momentum stages overshoot (a delayed gradient already carries
+h_k steps of the trajectory; lower momentum keeps less of it, fully at the peak lr and returning to
+mu as the lr decays); Adam-family stages gain from a longer first-moment average (the raise), a
+look-ahead of every stage's forward to the tick stage 0 applies the gradient (gamma = 0: the last
+step, extrapolated), and at K >= 3 a delay-aware lr over the run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fdg_schedule.runtime.config import CORRECTION_KEYS, FDGConfig, FDGConfigError
+
+logger = logging.getLogger(__name__)
+
+RULE = "v1"
+FOREVER = 2**62  # delay_lr_ticks without a run length: the factor stays tau ** -1 (Note [the auto rule])
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """What ``"auto"`` chose for a stage, and why (Note [the auto rule])."""
+
+    family: str  # "momentum" | "betas" | "uncovered" | "undelayed"
+    keys: dict[str, Any]  # the correction keys it sets (explicit-key names and values)
+    why: str  # one sentence: the facts it read
+    warning: str = ""  # what the user should know (untested weights, an optimizer the rule does not cover)
+
+    def line(self) -> str:
+        """The log line rank 0 prints."""
+        keys = ", ".join(f"{k}={v!r}" for k, v in self.keys.items()) or "no correction"
+        return f'fdg_schedule: corrections "auto" (rule {RULE}) chose {keys}: {self.why}' + (
+            f"; {self.warning}" if self.warning else ""
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """What the LR scheduler says at initialize: the peak lr over the run and the run's scheduler steps."""
+
+    peak_lr: float | None = None
+    total_steps: int | None = None
+    name: str = "no scheduler"
+
+
+def family_of(optimizer: Any) -> tuple[str, str]:
+    """The rule's family of an optimizer from its class and param groups, and a phrase saying why."""
+    kind = type(optimizer).__name__
+    groups = list(optimizer.param_groups)
+    if "Muon" in kind:
+        return "uncovered", f"{kind}: no evidence for Muon yet"
+    if groups and all("betas" in g for g in groups):
+        return "betas", f"{kind} with betas {groups[0]['betas']!r}"
+    momenta = [g.get("momentum") for g in groups]
+    if groups and all(isinstance(m, (int, float)) and m > 0 for m in momenta) and not any("betas" in g for g in groups):
+        return "momentum", f"{kind} with momentum {momenta[0]!r}"
+    return "uncovered", f"{kind} has neither momentum > 0 in every param group nor betas"
+
+
+def schedule_of(scheduler: Any, optimizer: Any) -> Schedule:
+    """Peak lr and length of the run as ``scheduler`` (DeepSpeed's or torch's, or None) states them."""
+    lrs = [float(g["lr"]) for g in optimizer.param_groups]
+    if scheduler is None:
+        return Schedule(max(lrs, default=None))
+    name = type(scheduler).__name__
+    peaks: list[float] = []
+    for attr in ("max_lrs", "org_lrs", "base_lrs"):  # DeepSpeed WarmupLR / OneCycle, WarmupCosineLR, torch
+        value = getattr(scheduler, attr, None)
+        if value:
+            peaks = [float(v) for v in value]
+            break
+    if name == "OneCycleLR":
+        peaks = [float(g.get("max_lr", 0.0)) for g in optimizer.param_groups]
+    total = None
+    for attr in ("total_num_steps", "T_max", "total_steps", "total_iters"):
+        value = getattr(scheduler, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            total = value
+            break
+    if name in ("LinearLR", "ConstantLR"):  # their total_iters is a ramp, not the run
+        total = None
+    return Schedule(max(peaks or lrs, default=None), total, name)
+
+
+def choose(optimizer: Any, stages: int, accumulate: int, weights: str, schedule: Schedule) -> Choice:
+    """Note [the auto rule]: the correction keys for a stage with ``optimizer`` in a pipeline of ``stages``."""
+    if stages == 1:
+        return Choice("undelayed", {}, "K = 1: nothing is delayed")
+    family, found = family_of(optimizer)
+    at = f"K = {stages}, accumulate {accumulate}"
+    untested = (
+        f'the rule was measured with weights "stashed"; this job has "{weights}" (pipeline.fdg.weights is yours: '
+        '"stashed" keeps one copy of the stage weights per micro-batch in flight)'
+        if weights != "stashed" and (stages >= 3 or family == "betas")
+        else ""
+    )
+    if family == "uncovered":
+        return Choice(family, {}, f"{found}, {at}", "the rule does not cover this optimizer: no correction")
+    if family == "momentum":
+        if stages == 2:
+            return Choice(family, {}, f"{found}, {at}: SGD-momentum at K = 2 trains at BP level uncorrected")
+        rho = schedule.peak_lr
+        why = f"{found}, {at}, peak lr {rho!r} ({schedule.name})"
+        return Choice(family, {"delay_momentum": True, "delay_momentum_peak_lr": rho}, why, untested)
+    keys: dict[str, Any] = {"predict_decay": 0.0, "predict_horizon": "first_stage", "delay_momentum_raise": 1.0}
+    why = f"{found}, {at}"
+    if stages >= 3:
+        if schedule.total_steps is not None:
+            keys["delay_lr_ticks"] = 2 * schedule.total_steps * accumulate
+            why += f", {schedule.total_steps} scheduler steps ({schedule.name}): T = twice the run's ticks"
+        else:
+            keys["delay_lr_ticks"] = FOREVER
+            why += f", no run length in {schedule.name}: T = 2**62 (a constant tau ** -1)"
+    return Choice(family, dict(sorted(keys.items())), why, untested)
+
+
+def resolve(config: FDGConfig, optimizer: Any, scheduler: Any, stages: int) -> tuple[FDGConfig, Choice | None]:
+    """``config`` with the keys ``"auto"`` chose for a stage with ``optimizer`` (unchanged unless it asks for it and
+    has not been resolved yet: the choice is made once, at initialize, and kept)."""
+    if config.corrections != "auto" or config._resolved:
+        return config, None
+    if optimizer is None:
+        raise FDGConfigError(
+            'pipeline.fdg.corrections is "auto" but the stage has no optimizer to read; pass one to '
+            'deepspeed.initialize (or an "optimizer" block), or set corrections to "none"'
+        )
+    choice = choose(optimizer, stages, config.accumulate, config.weights, schedule_of(scheduler, optimizer))
+    return dataclasses.replace(config, _resolved=True, **choice.keys), choice
+
+
+def for_engine(config: FDGConfig, engine: Any) -> FDGConfig:
+    """:func:`resolve` for a built engine's stage; global rank 0 logs the choice (its stage's)."""
+    resolved, choice = resolve(config, engine.basic_optimizer, engine.lr_scheduler, engine.num_stages)
+    if choice is not None and engine.global_rank == 0:
+        (logger.warning if choice.warning else logger.info)(choice.line())
+    return resolved
+
+
+def recorded(config: FDGConfig) -> dict[str, Any] | None:
+    """What a checkpoint keeps of ``"auto"``'s choice: the correction keys' values (None without ``"auto"``)."""
+    if config.corrections != "auto":
+        return None
+    return {key: getattr(config, key) for key in CORRECTION_KEYS}
+
+
+def check_resume(saved: Mapping[str, Any] | None, config: FDGConfig, where: str) -> None:
+    """Refuse to resume a checkpoint whose ``"auto"`` choice differs from what this job chose."""
+    now = recorded(config)
+    if saved is None or now is None or dict(saved) == now:
+        return
+    changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+    raise FDGConfigError(
+        f'{where}: pipeline.fdg.corrections "auto" chose {_pairs(now, changed)} for this job but the checkpoint '
+        f"was trained with {_pairs(saved, changed)}: its optimizer, scheduler, K or accumulate differ. Resume with "
+        "the job that saved it, or set the keys explicitly (remove corrections) to continue with new ones"
+    )
+
+
+def _pairs(keys: Mapping[str, Any], names: Sequence[str]) -> str:
+    return "{" + ", ".join(f"{n}: {keys.get(n)!r}" for n in names) + "}"

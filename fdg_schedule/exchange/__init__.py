@@ -1,0 +1,1 @@
+"""fdg_schedule.exchange (see docs/architecture.md)."""

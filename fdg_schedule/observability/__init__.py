@@ -1,0 +1,1 @@
+"""fdg_schedule.observability (see docs/architecture.md)."""

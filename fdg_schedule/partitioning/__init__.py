@@ -1,0 +1,1 @@
+"""fdg_schedule.partitioning (see docs/architecture.md)."""

@@ -1,0 +1,1 @@
+"""fdg_schedule.precision (see docs/architecture.md)."""

@@ -1,0 +1,1 @@
+"""fdg_schedule.runtime (see docs/architecture.md)."""

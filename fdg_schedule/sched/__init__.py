@@ -1,0 +1,1 @@
+"""fdg_schedule.sched (see docs/architecture.md)."""

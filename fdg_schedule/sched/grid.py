@@ -1,0 +1,168 @@
+"""The whole pipeline's plan: every stage's instructions tick by tick, checked and printed as one grid.
+
+Each stage generates only its own instructions (:class:`~fdg_schedule.sched.schedule.FDGTrainSchedule`);
+the grid puts all stages side by side, as the engines run them -- including how each stage learns
+the end of the data at its own tick (Note [end of data]) -- so that one can check that every
+message meets its counterpart and print the plan, with the offending cell marked, in an error::
+
+    tick  stage 0              stage 1
+    0     L0 F0 X[sa] T+       L0 X[ra] T+
+    1   > L1 F1 X[sa,rg] T+ <  A0 L1 F0 B0 R S X[sg,ra] T+
+
+Rows are ticks, columns stages; a row ``+`` is K = 1's final partial step, which has no tick.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+from deepspeed.runtime.pipe.schedule import PipeInstruction
+
+from fdg_schedule.sched.schedule import Exchange, FDGLoad, FDGTrainSchedule, WaitActivation, WaitGrad, short
+
+Step = list[PipeInstruction]
+
+
+@dataclasses.dataclass
+class Problem:
+    """A message without its counterpart: where it shows and what is wrong."""
+
+    stage_id: int
+    tick: int
+    message: str
+
+
+@dataclasses.dataclass
+class Grid:
+    """``rows[stage_id][i]``: what ``stage_id`` does at tick ``start_tick + i``."""
+
+    start_tick: int
+    rows: list[list[Step]]
+
+    @property
+    def stages(self) -> int:
+        return len(self.rows)
+
+    def validate(self) -> list[Problem]:
+        """Every send meets a receive posted by the neighbour at the same tick, waited for at the next."""
+        problems = []
+        for stage_id in range(self.stages - 1):
+            problems += self._pair(stage_id)
+        for stage_id in range(self.stages):
+            problems += self._waits(stage_id)
+        return problems
+
+    def render(self, mark: tuple[int, int] | None = None) -> str:
+        """The grid as text; ``mark=(stage_id, tick)`` brackets that cell with ``> <``."""
+        ticks = max(len(row) for row in self.rows)
+        cells = [
+            [" ".join(short(c) for c in row[i]) if i < len(row) else "" for row in self.rows] for i in range(ticks)
+        ]
+        width = [max([len(f"stage {k}")] + [len(line[k]) + 4 for line in cells]) for k in range(self.stages)]
+        lines = ["tick  " + "".join(f"{f'stage {k}':{width[k]}}" for k in range(self.stages)).rstrip()]
+        for i, line in enumerate(cells):
+            tick = self.start_tick + i
+            label = str(tick) if any(i < len(row) and _is_tick(row[i]) for row in self.rows) else "+"
+            parts = []
+            for k, text in enumerate(line):
+                marked = mark == (k, tick)
+                parts.append(f"{f'> {text} <' if marked else f'  {text}':{width[k]}}")
+            lines.append(f"{label:4}" + "".join(parts).rstrip())
+        return "\n".join(lines)
+
+    def _pair(self, up: int) -> list[Problem]:
+        out = []
+        for i, (above, below) in enumerate(zip(self.rows[up], self.rows[up + 1])):
+            tick, x_up, x_down = self.start_tick + i, _exchange(above), _exchange(below)
+            if x_up is None or x_down is None:
+                continue
+            sends = x_up.send_activation is not None or x_up.send_end is not None
+            if sends and x_down.recv_activation is None:
+                out.append(Problem(up, tick, f"stage {up} sends an activation stage {up + 1} does not receive"))
+            if not sends and x_down.recv_activation is not None:
+                out.append(Problem(up + 1, tick, f"stage {up + 1} receives an activation stage {up} does not send"))
+            if x_down.send_grad is not None and x_up.recv_grad is None:
+                out.append(Problem(up + 1, tick, f"stage {up + 1} sends a gradient stage {up} does not receive"))
+            if x_down.send_grad is None and x_up.recv_grad is not None:
+                out.append(Problem(up, tick, f"stage {up} receives a gradient stage {up + 1} does not send"))
+        return out
+
+    def _waits(self, stage_id: int) -> list[Problem]:
+        """A receive posted at tick t is waited for at t+1, and a wait finds the receive posted at t-1."""
+        out = []
+        row = self.rows[stage_id]
+        for i in range(1, len(row)):
+            posted, step = _exchange(row[i - 1]), row[i]
+            if posted is None:
+                continue
+            for wait, field, what in (
+                (WaitActivation, "recv_activation", "activation"),
+                (WaitGrad, "recv_grad", "gradient"),
+            ):
+                buffers = [c.buffer_id for c in step if isinstance(c, wait)]
+                expected = getattr(posted, field)
+                if buffers != ([] if expected is None else [expected]):
+                    tick = self.start_tick + i
+                    message = (
+                        f"stage {stage_id} waits for {what} in buffers {buffers} but posted a receive for {expected}"
+                    )
+                    out.append(Problem(stage_id, tick, message))
+        return out
+
+
+def plan(stages: int, micro_batches: int, data_end: int | None = None, **options: Any) -> Grid:
+    """The grid of one call of every stage, as the engines run it.
+
+    ``options`` are :class:`FDGTrainSchedule`'s (``start_tick``, ``accumulate``, ``drain``).
+    ``data_end``: the data ran out at that micro-batch of the segment; a stage whose tick
+    ``data_end + stage_id`` came before ``start_tick`` knew it when the call started, the others
+    learn it at that tick (Note [end of data]).
+    """
+    start_tick = options.get("start_tick", 0)
+    rows = []
+    for stage_id in range(stages):
+        known = data_end if data_end is not None and start_tick > data_end + stage_id else None
+        schedule = FDGTrainSchedule(micro_batches, stages, stage_id, limit=known, **options)
+        rows.append(run(schedule, None if known is not None or schedule.drain else data_end))
+    return Grid(start_tick, rows)
+
+
+def around(schedule: FDGTrainSchedule, tick: int, width: int = 2) -> str:
+    """The plan of every stage for the ticks of ``schedule``'s call near ``tick``, this stage's cell marked."""
+    start = max(schedule.start_tick, tick - width)
+    end = min(schedule.start_tick + schedule.micro_batches, tick + width + 1)
+    data_end = None if schedule.drain else schedule.limit
+    options = {"start_tick": start, "accumulate": schedule.accumulate, "drain": schedule.drain}
+    nearby = plan(schedule.stages, max(end - start, 0), data_end, **options)
+    return f"the plan of every stage near tick {tick} (this stage's cell marked):\n" + nearby.render(
+        mark=(schedule.stage_id, tick)
+    )
+
+
+def run(schedule: FDGTrainSchedule, data_end: int | None = None) -> list[Step]:
+    """The steps of one stage, with the stage learning ``data_end`` where its engine would."""
+    steps = []
+    for tick in schedule.steps():
+        step: Step = []
+        for cmd in tick:
+            step.append(cmd)
+            if data_end is not None and _learns_end(cmd, schedule, data_end):
+                schedule.end_data(data_end)
+        steps.append(step)
+    return steps
+
+
+def _learns_end(cmd: PipeInstruction, schedule: FDGTrainSchedule, data_end: int) -> bool:
+    # Stage 0 finds its iterator empty; a later stage receives the dummy where the activation would be.
+    reads_inputs = isinstance(cmd, FDGLoad) and schedule.is_first_stage
+    return (reads_inputs or isinstance(cmd, WaitActivation)) and cmd.micro_batch == data_end
+
+
+def _exchange(step: Iterable[PipeInstruction]) -> Exchange | None:
+    return next((c for c in step if isinstance(c, Exchange)), None)
+
+
+def _is_tick(step: Step) -> bool:
+    return _exchange(step) is not None

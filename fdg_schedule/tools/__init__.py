@@ -1,0 +1,1 @@
+"""fdg_schedule.tools (see docs/architecture.md)."""
