@@ -56,9 +56,9 @@ def _segment(stages: int, stage_id: int, gas: int, accumulate: int, data_end: in
     calls, tick, limit = [], 0, None
     while limit is None or tick <= ticks.last_tick(limit, stages):
         schedule = FDGTrainSchedule(gas, stages, stage_id, tick, accumulate, limit=limit)
-        steps = grid.run(schedule, data_end if limit is None else None)
+        steps, ended_on = grid.run_call(schedule, data_end if limit is None else None)
         tick += sum(isinstance(c, AdvanceTick) for step in steps for c in step)
-        limit = schedule.limit
+        limit = ended_on.limit
         calls.append([" ".join(map(str, step)) for step in steps])
     return calls
 

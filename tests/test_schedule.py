@@ -17,6 +17,7 @@ from fdg_schedule.sched.schedule import (
     FDGLoad,
     FDGTrainSchedule,
     LocalOptimizerStep,
+    ScheduleRun,
     WaitActivation,
     WaitGrad,
     render,
@@ -214,29 +215,33 @@ def test_a_drain_learns_an_earlier_end_of_the_data_on_its_way_down() -> None:
     # K = 2, 5 micro-batches: stage 0 learned the end at tick 5; a drain starts at tick 6 on stage 1,
     # which learns it from the dummy activation and stops at the segment's last tick (6), not after 2.
     drain = FDGTrainSchedule(ticks.drain_ticks(2), 2, 1, start_tick=6, drain=True)
+    running = ScheduleRun(drain)
     rendered = []
-    for step in drain.steps():
+    for step in running:
         cmds = []
         for cmd in step:
             cmds.append(str(cmd))
             if isinstance(cmd, WaitActivation):
-                drain.end_data(5)
+                running.end_data(5)
         rendered.append(" ".join(cmds))
     assert rendered == ["A5 X[] T"]
+    assert drain.limit == 6 and running.schedule.limit == 5  # a new schedule, the drain's own untouched
+    assert render(running.schedule) == ["A5 X[] T"]  # the ended schedule alone gives what ran
 
 
 def _render_with_labels_ending_at_7(plan: FDGTrainSchedule) -> list[str]:
     """The last stage's ticks, rendered, when its labels run out after micro-batch 6 (told at that forward)
     and the end of the data arrives where micro-batch 7 would (Note [end of data])."""
     rendered = []
-    for step in plan.steps():
+    running = ScheduleRun(plan)
+    for step in running:
         cmds = []
         for cmd in step:
             cmds.append(short(cmd))
             if isinstance(cmd, FDGForward) and cmd.micro_batch == 6:
-                plan.end_labels(7)
+                running.end_labels(7)
             if isinstance(cmd, WaitActivation) and cmd.micro_batch == 7:
-                plan.end_data(7)
+                running.end_data(7)
         rendered.append(" ".join(cmds))
     return rendered
 
@@ -248,7 +253,7 @@ def test_the_last_stage_steps_a_partial_accumulation_at_the_end_of_its_labels() 
     rendered = _render_with_labels_ending_at_7(FDGTrainSchedule(9, 2, 1, accumulate=2))
     assert rendered[6:] == ["A5 L6 F5 B5 R S X[sg,ra] T+", "A6 L7 F6 B6 R S X[sg,ra] T+", "A7 X[] T"]
     with pytest.raises(FDGRuntimeError, match="labels ran out at micro-batch 3"):
-        FDGTrainSchedule(9, 2, 0, accumulate=2).end_labels(3)  # only the last stage holds labels
+        ScheduleRun(FDGTrainSchedule(9, 2, 0, accumulate=2)).end_labels(3)  # only the last stage holds labels
 
 
 def test_a_drain_after_the_data_ended_steps_the_partial_accumulation_the_labels_show() -> None:

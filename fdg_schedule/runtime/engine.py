@@ -42,7 +42,8 @@ from fdg_schedule.runtime.stage_backward import stage_backward
 from fdg_schedule.runtime.stage_state import StageState
 from fdg_schedule.runtime.tensors import as_tuple, describe, floating, input_grads, to_device
 from fdg_schedule.sched import grid, schedule, ticks
-from fdg_schedule.sched.schedule import OPS, FDGTrainSchedule, Kind
+from fdg_schedule.sched.kinds import Kind
+from fdg_schedule.sched.schedule import OPS, FDGTrainSchedule, ScheduleRun
 
 Field = int | None  # an Exchange field: a buffer_id, or the segment's micro-batch count for send_end; or None
 
@@ -98,7 +99,7 @@ class FDGPipelineEngine(FDGCheckpoints):
             meter=StalenessMeter(params, every, delayed), tied=self._tied, scaling=scaling,
         )  # fmt: skip
         self._watch = guards.NonFiniteWatch()  # Note [no host sync in a tick]
-        self._running: FDGTrainSchedule | None = None  # the call in progress: told when the data ends
+        self._running: ScheduleRun | None = None  # the call in progress: told when the data ends
         self.observers = observe.observers_from_config(self, self._config._param_dict)
         self._reduce_is_identity = optim.reduce_is_identity(self)
 
@@ -178,9 +179,9 @@ class FDGPipelineEngine(FDGCheckpoints):
         self.module.train()
         self.fdg_state.call_losses = []
         steps_before, start = self.global_steps, time.perf_counter()
-        self._running = plan
+        self._running = ScheduleRun(plan)
         try:
-            self._exec_schedule(plan)
+            self._exec_schedule(self._running)
         finally:
             self._running = None
         limit = self.fdg_state.segment_limit
@@ -230,7 +231,7 @@ class FDGPipelineEngine(FDGCheckpoints):
 
     def _plan(self) -> str:
         """Every stage's plan around this tick, for errors that mean the stages disagree on it."""
-        return "" if self._running is None else grid.around(self._running, self.fdg_state.segment_tick)
+        return "" if self._running is None else grid.around(self._running.schedule, self.fdg_state.segment_tick)
 
     # -- instruction handlers -------------------------------------------------------------------
 

@@ -20,7 +20,15 @@ from typing import Any
 
 from deepspeed.runtime.pipe.schedule import PipeInstruction
 
-from fdg_schedule.sched.schedule import Exchange, FDGLoad, FDGTrainSchedule, WaitActivation, WaitGrad, short
+from fdg_schedule.sched.schedule import (
+    Exchange,
+    FDGLoad,
+    FDGTrainSchedule,
+    ScheduleRun,
+    WaitActivation,
+    WaitGrad,
+    short,
+)
 
 Step = list[PipeInstruction]
 
@@ -143,15 +151,21 @@ def around(schedule: FDGTrainSchedule, tick: int, width: int = 2) -> str:
 
 def run(schedule: FDGTrainSchedule, data_end: int | None = None) -> list[Step]:
     """The steps of one stage, with the stage learning ``data_end`` where its engine would."""
+    return run_call(schedule, data_end)[0]
+
+
+def run_call(schedule: FDGTrainSchedule, data_end: int | None = None) -> tuple[list[Step], FDGTrainSchedule]:
+    """:func:`run`'s steps and the schedule the call ended on (the shorter segment's, if it learned the end)."""
     steps = []
-    for tick in schedule.steps():
+    running = ScheduleRun(schedule)
+    for tick in running:
         step: Step = []
         for cmd in tick:
             step.append(cmd)
             if data_end is not None and _learns_end(cmd, schedule, data_end):
-                schedule.end_data(data_end)
+                running.end_data(data_end)
         steps.append(step)
-    return steps
+    return steps, running.schedule
 
 
 def _learns_end(cmd: PipeInstruction, schedule: FDGTrainSchedule, data_end: int) -> bool:

@@ -10,12 +10,13 @@ messages and traces, and the kind names ``fdg_stats`` and W&B keys.
 
 Note [end of data]: a segment (the pipeline fills at its tick 0) ends with a drain or when the data
 runs out. Stage 0's iterator runs out at micro-batch ``limit`` at tick ``limit``: the handler of
-that ``FDGLoad`` calls :meth:`FDGTrainSchedule.end_data`. The same tick's exchange then sends a
+that ``FDGLoad`` calls :meth:`ScheduleRun.end_data`, which runs on with a new schedule, the one of a
+segment of ``limit`` micro-batches learned at that tick (:meth:`FDGTrainSchedule.ended`; a schedule
+is never changed). The same tick's exchange then sends a
 dummy activation carrying ``limit`` (``Exchange.send_end``) where micro-batch ``limit`` would have
 gone, and stage k learns the end from that dummy at tick ``limit + k``, in the ``WaitActivation``
-it had posted for micro-batch ``limit``, and passes it on in that tick's exchange. Each tick's
-instructions are produced one at a time and re-read the limit after every instruction, so the rest
-of the tick (no forward, the exchange with ``send_end``, ``AdvanceTick(entered=False)``) and the
+it had posted for micro-batch ``limit``, and passes it on in that tick's exchange. The new
+schedule's tick begins with the instructions that already ran (checked), so the rest of the tick (no forward, the exchange with ``send_end``, ``AdvanceTick(entered=False)``) and the
 ticks after it (through the segment's last tick, at which stage 0 back-propagates micro-batch
 ``limit - 1``; K = 1 learns the end one tick after it) are those of a segment of ``limit``
 micro-batches. What ran before the end was learned does not depend on the limit: on a non-last
@@ -28,13 +29,14 @@ The one exception is the last stage's final partial accumulation (``accumulate``
 multiple of it, K > 1): the reference steps it right after the backward of micro-batch ``limit - 1``,
 at tick ``limit + K - 2``, one tick before the dummy can reach the last stage. That stage read its
 labels with stage 0's inputs, so it ran out of them at tick ``limit`` too: when it forwards a
-micro-batch after which it holds no labels, the engine calls :meth:`FDGTrainSchedule.end_labels`
+micro-batch after which it holds no labels, the engine calls :meth:`ScheduleRun.end_labels`
 and the stage steps after that backward, at the reference's tick and learning rate. (A label
 iterator longer than the inputs gives no such sign: then the partial accumulation is not stepped.)
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 from collections.abc import Iterator
@@ -158,12 +160,13 @@ def short(cmd: PipeInstruction) -> str:
 
 
 class FDGTrainSchedule(PipeSchedule):
-    """The instructions of ``micro_batches`` ticks of FDG for one stage.
+    """The instructions of ``micro_batches`` ticks of FDG for one stage: a pure function of its arguments.
 
-    Iterating it yields, per tick, an iterator of that tick's instructions, produced one at a time
-    so that :meth:`end_data`, called by a handler in the middle of a tick, shapes the rest
-    (Note [end of data]). The engine runs it as DeepSpeed does: ``for cmds in schedule: for cmd in
-    cmds: handler(cmd)``.
+    Iterating it yields, per tick, that tick's instructions. A schedule is never changed: a stage
+    that learns in the middle of a tick that the data ended runs on with :meth:`ended`'s schedule, a
+    new one of the shorter segment, from the same instruction (:class:`ScheduleRun` does that for
+    the engine and the grid; Note [end of data]). The engine runs it as DeepSpeed does: ``for cmds in
+    schedule: for cmd in cmds: handler(cmd)``.
 
     Args:
         micro_batches: ticks to run (DeepSpeed's ``gradient_accumulation_steps`` per call).
@@ -172,8 +175,11 @@ class FDGTrainSchedule(PipeSchedule):
         start_tick: segment tick at which this call starts (ticks since the pipeline last filled).
         accumulate: backward passes per optimizer step.
         drain: run a drain instead: no micro-batch enters, in-flight ones finish.
-        limit: the segment has only this many micro-batches, as every stage learned in an earlier
-            call (the data ran out): none enters, and the schedule stops at the segment's last tick.
+        limit: the segment has only this many micro-batches (the data ran out): none enters after
+            them, and the schedule stops at the segment's last tick.
+        learned_at: the tick at which this stage learned ``limit`` (None: before this call): that
+            tick still holds the load or wait that found the end, and passes the end on.
+        labels_end: the last stage holds no labels from this micro-batch on (:meth:`labels_ended`).
     """
 
     def __init__(
@@ -185,6 +191,9 @@ class FDGTrainSchedule(PipeSchedule):
         accumulate: int = 1,
         drain: bool = False,
         limit: int | None = None,
+        *,
+        learned_at: int | None = None,
+        labels_end: int | None = None,
     ) -> None:
         super().__init__(micro_batches=micro_batches, stages=stages, stage_id=stage_id)
         self.start_tick = start_tick
@@ -192,9 +201,14 @@ class FDGTrainSchedule(PipeSchedule):
         self.drain = drain
         # During a drain only the micro-batches that already entered stage 0 are processed.
         self.limit: int | None = start_tick if drain else limit
-        self.tick: int | None = None  # the tick being produced
-        self._learned_at: int | None = None  # the tick at which this stage learned the end of the data
-        self._labels_end: int | None = None  # last stage: the micro-batch whose labels ran out (end_labels)
+        self.learned_at = learned_at
+        self.labels_end = labels_end
+
+    def _replace(self, **changes: int | None) -> FDGTrainSchedule:
+        new = copy.copy(self)
+        for name, value in changes.items():
+            setattr(new, name, value)
+        return new
 
     def num_pipe_buffers(self) -> int:
         return ticks.num_buffers(self.stages, self.stage_id)
@@ -203,83 +217,84 @@ class FDGTrainSchedule(PipeSchedule):
         """The segment tick at which stage 0 back-propagates the segment's last micro-batch (once known)."""
         return None if self.limit is None else ticks.last_tick(self.limit, self.stages)
 
-    def end_data(self, limit: int) -> None:
-        """Note [end of data]: the segment has ``limit`` micro-batches; learned during the current tick."""
-        expected = None if self.tick is None else self.tick - self.stage_id
+    def ended(self, limit: int, tick: int | None) -> FDGTrainSchedule:
+        """Note [end of data]: this schedule for a segment of ``limit`` micro-batches, learned at ``tick``."""
+        expected = None if tick is None else tick - self.stage_id
         # A drain that started after stage 0's data ran out learns the earlier end on its way down.
         ends_drain_early = self.drain and self.limit is not None and limit < self.limit
-        if (self.limit is not None and not ends_drain_early) or limit != expected:
+        if (self.learned_at is not None or (self.limit is not None and not ends_drain_early)) or limit != expected:
             raise FDGRuntimeError(
-                f"stage {self.stage_id}: told at segment tick {self.tick} that the data ended after {limit} "
+                f"stage {self.stage_id}: told at segment tick {tick} that the data ended after {limit} "
                 f"micro-batches (segment limit so far {self.limit}); stage {self.stage_id} can only learn it at "
                 f"tick limit + {self.stage_id}"
             )
-        self.limit = limit
-        self._learned_at = self.tick
+        return self._replace(limit=limit, learned_at=tick)
 
-    def end_labels(self, limit: int) -> None:
-        """Note [end of data]: the last stage holds no labels for micro-batch ``limit`` (its label iterator ran
-        out); told during the forward of micro-batch ``limit - 1``, before its backward."""
-        forwarded = None if self.tick is None else ticks.forward_micro_batch(self.tick, self.stage_id)
+    def labels_ended(self, limit: int, tick: int | None) -> FDGTrainSchedule:
+        """Note [end of data]: this schedule for a last stage holding no labels for micro-batch ``limit`` (its
+        label iterator ran out); learned at ``tick``, in the forward of micro-batch ``limit - 1``."""
+        forwarded = None if tick is None else ticks.forward_micro_batch(tick, self.stage_id, self.limit)
         if not self.is_last_stage or self.is_first_stage or forwarded is None or limit != forwarded + 1:
             raise FDGRuntimeError(
-                f"stage {self.stage_id}: told at segment tick {self.tick} that the labels ran out at micro-batch "
+                f"stage {self.stage_id}: told at segment tick {tick} that the labels ran out at micro-batch "
                 f"{limit}; only the last stage of K > 1 learns it, in its forward of micro-batch {limit - 1}"
             )
-        self._labels_end = limit
+        return self._replace(labels_end=limit)
 
     def steps(self) -> Iterator[Iterator[PipeInstruction]]:
-        for tick in range(self.start_tick, self.start_tick + self.micro_batches):
-            last = self.last_tick()
-            if last is not None and tick > last:
-                break  # the segment is over (K = 1 learns the end one tick after its last)
-            self.tick = tick
-            yield self.tick_instructions(tick)
-        self.tick = None
+        return ScheduleRun(self).steps()
+
+    def runs(self, tick: int) -> bool:
+        """Whether the call runs segment tick ``tick`` (K = 1 learns the end one tick after its last)."""
+        last = self.last_tick()
+        return self.start_tick <= tick < self.start_tick + self.micro_batches and (last is None or tick <= last)
+
+    def after_ticks(self) -> list[PipeInstruction]:
+        """What runs after the call's last tick: K = 1's partial accumulation at the end of a drain."""
         if self.drain and self.stages == 1 and self.limit is not None and self.limit % self.accumulate:
             # K = 1 has no drain ticks: its last backward ran in the last tick, so the partial
             # accumulation is stepped here, before any other tick moves the learning rate.
-            yield iter([ReduceGrads(), LocalOptimizerStep()])
+            return [ReduceGrads(), LocalOptimizerStep()]
+        return []
 
-    def tick_instructions(self, tick: int) -> Iterator[PipeInstruction]:
-        """Everything this stage does at segment tick ``tick``, in order; the limit is re-read after each.
+    def tick_instructions(self, tick: int) -> list[PipeInstruction]:
+        """Everything this stage does at segment tick ``tick``, in order.
 
         The compute is :func:`fdg_schedule.sched.actions.fdg_tick`'s, lowered to DeepSpeed instructions: the
         wait for a gradient before each delayed backward, for an activation before each forward, the
-        tick's one :class:`Exchange` and :class:`AdvanceTick` at its end. The plan is regenerated after
-        each instruction that may learn the end of the data or of the labels (Note [end of data]).
+        tick's one :class:`Exchange` and :class:`AdvanceTick` at its end. At ``learned_at`` the load or
+        wait of micro-batch ``limit`` stays where it found the end (Note [end of data]).
         """
+        plan = actions.fdg_tick(self.stages, self.stage_id, tick, self.accumulate, self.limit, self.labels_end)
+        out: list[PipeInstruction] = []
         bwd = ticks.backward_micro_batch(tick, self.stages, self.stage_id, self.limit)
-        for action in itertools.takewhile(_before_forward, self._plan(tick)):  # a non-last stage's backward
+        for action in itertools.takewhile(_before_forward, plan):  # a non-last stage's backward
             if action.op is ActionOp.BACKWARD:
-                yield WaitGrad(self._buffer(bwd), micro_batch=bwd)
-            yield self._lower(action)
-        fwd = self._forward(tick)
-        if fwd is not None and not self.is_first_stage:
-            yield WaitActivation(self._buffer(fwd), micro_batch=fwd)  # may learn the end
-        for load in [action for action in self._plan(tick) if action.op is ActionOp.LOAD]:
+                out.append(WaitGrad(self._buffer(bwd), micro_batch=bwd))
+            out.append(self._lower(action))
+        learns_here = self.learned_at == tick and self.limit is not None
+        fwd = ticks.forward_micro_batch(tick, self.stage_id, self.limit)
+        if not self.is_first_stage and (fwd is not None or learns_here):
+            waited = self.limit if fwd is None else fwd
+            out.append(WaitActivation(self._buffer(waited), micro_batch=waited))  # learns the end at learned_at
+        loads = [action.micro_batch for action in plan if action.op is ActionOp.LOAD]
+        if self.is_first_stage and learns_here:
+            loads.append(self.limit)  # stage 0's iterator was found empty here
+        for micro_batch in loads:
             # Note [labels read when the inputs are]: the last stage reads micro-batch t's labels at
             # tick t, with stage 0's inputs, and keeps the K-1 in flight; both iterators stay aligned.
             labels = self.is_last_stage and not self.is_first_stage
-            yield FDGLoad(0 if labels else self._buffer(load.micro_batch), micro_batch=load.micro_batch)  # may learn
-        if self.stages == 1 and self._learned_at == tick and self.limit is not None and self.limit % self.accumulate:
+            out.append(FDGLoad(0 if labels else self._buffer(micro_batch), micro_batch=micro_batch))
+        if self.stages == 1 and learns_here and self.limit is not None and self.limit % self.accumulate:
             # K = 1 learns the end one tick after its last backward: the partial accumulation is
             # stepped now, before this tick's AdvanceTick can move the learning rate.
-            yield from [ReduceGrads(), LocalOptimizerStep()]
-        plan = self._plan(tick)
+            out += [ReduceGrads(), LocalOptimizerStep()]
         forward = next((action for action in plan if action.op is ActionOp.FORWARD), None)
         if forward is not None:
-            yield self._lower(forward)
-            plan = self._plan(tick)  # the last stage's forward may have found its labels ended
-            yield from (self._lower(action) for action in plan[plan.index(forward) + 1 :])
-        yield self._exchange(tick, None if forward is None else forward.micro_batch, bwd)
-        yield AdvanceTick(entered=ticks.forward_micro_batch(tick, 0, self.limit) is not None)
-
-    def _forward(self, tick: int) -> int | None:
-        return ticks.forward_micro_batch(tick, self.stage_id, self.limit)
-
-    def _plan(self, tick: int) -> list[actions.Action]:
-        return actions.fdg_tick(self.stages, self.stage_id, tick, self.accumulate, self.limit, self._labels_end)
+            out += [self._lower(action) for action in plan[plan.index(forward) :]]
+        out.append(self._exchange(tick, None if forward is None else forward.micro_batch, bwd))
+        out.append(AdvanceTick(entered=ticks.forward_micro_batch(tick, 0, self.limit) is not None))
+        return out
 
     def _lower(self, action: actions.Action) -> PipeInstruction:
         if action.op is ActionOp.FORWARD:
@@ -298,7 +313,7 @@ class FDGTrainSchedule(PipeSchedule):
         next_bwd = ticks.backward_micro_batch(tick + 1, self.stages, self.stage_id, self.limit)
         back_propagated = fwd if self.is_last_stage else bwd
         # The next stage posted a receive for micro-batch `limit`: tell it the data ended instead.
-        passes_end = not self.is_last_stage and self._learned_at == tick
+        passes_end = not self.is_last_stage and self.learned_at == tick
         return Exchange(
             send_activation=None if self.is_last_stage or fwd is None else self._buffer(fwd),
             send_grad=None if self.is_first_stage or back_propagated is None else self._buffer(back_propagated),
@@ -310,6 +325,68 @@ class FDGTrainSchedule(PipeSchedule):
     def _buffer(self, micro_batch: int | None) -> int:
         assert micro_batch is not None
         return micro_batch % self.num_pipe_buffers()
+
+
+class ScheduleRun:
+    """One call's instructions as a stage runs them: a pure :class:`FDGTrainSchedule`, replaced by the schedule
+    of the shorter segment when the stage learns the end of the data or of the labels mid-tick.
+
+    After a replacement the tick goes on from the next instruction of the new schedule's tick: the
+    instructions already run are, by Note [end of data], that tick's first instructions under the
+    new schedule too (checked: a schedule that would rewrite what already ran is an error).
+    """
+
+    def __init__(self, schedule: FDGTrainSchedule) -> None:
+        self.schedule = schedule
+        self.tick: int | None = None  # the tick being run
+
+    def num_pipe_buffers(self) -> int:
+        return self.schedule.num_pipe_buffers()
+
+    def last_tick(self) -> int | None:
+        return self.schedule.last_tick()
+
+    def end_data(self, limit: int) -> None:
+        """The segment has ``limit`` micro-batches; learned during the current tick."""
+        self.schedule = self.schedule.ended(limit, self.tick)
+
+    def end_labels(self, limit: int) -> None:
+        """The last stage holds no labels for micro-batch ``limit``; learned during the current tick."""
+        self.schedule = self.schedule.labels_ended(limit, self.tick)
+
+    def __iter__(self) -> Iterator[Iterator[PipeInstruction]]:
+        return self.steps()
+
+    def steps(self) -> Iterator[Iterator[PipeInstruction]]:
+        tick = self.schedule.start_tick
+        while self.schedule.runs(tick):
+            self.tick = tick
+            yield self._tick(tick)
+            tick += 1
+        self.tick = None
+        tail = self.schedule.after_ticks()
+        if tail:
+            yield iter(tail)
+
+    def _tick(self, tick: int) -> Iterator[PipeInstruction]:
+        schedule = self.schedule
+        planned = schedule.tick_instructions(tick)
+        done = 0
+        while done < len(planned):
+            yield planned[done]
+            done += 1
+            if self.schedule is not schedule:  # learned an end: the new segment's tick, from here on
+                schedule, ran = self.schedule, planned[:done]
+                planned = schedule.tick_instructions(tick)
+                if [_signature(cmd) for cmd in planned[:done]] != [_signature(cmd) for cmd in ran]:
+                    raise FDGRuntimeError(
+                        f"stage {schedule.stage_id}: learning the end at tick {tick} would change what already ran "
+                        f"({' '.join(map(short, ran))} -> {' '.join(map(short, planned[:done]))})"
+                    )
+
+
+def _signature(cmd: PipeInstruction) -> tuple[type, tuple[tuple[str, object], ...]]:
+    return type(cmd), tuple(sorted(cmd.kwargs.items()))
 
 
 def _before_forward(action: actions.Action) -> bool:
