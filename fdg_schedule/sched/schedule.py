@@ -12,12 +12,12 @@ Note [end of data]: a segment (the pipeline fills at its tick 0) ends with a dra
 runs out. Stage 0's iterator runs out at micro-batch ``limit`` at tick ``limit``: the handler of
 that ``FDGLoad`` calls :meth:`ScheduleRun.end_data`, which runs on with a new schedule, the one of a
 segment of ``limit`` micro-batches learned at that tick (:meth:`FDGTrainSchedule.ended`; a schedule
-is never changed). The same tick's exchange then sends a
-dummy activation carrying ``limit`` (``Exchange.send_end``) where micro-batch ``limit`` would have
-gone, and stage k learns the end from that dummy at tick ``limit + k``, in the ``WaitActivation``
-it had posted for micro-batch ``limit``, and passes it on in that tick's exchange. The new
-schedule's tick begins with the instructions that already ran (checked), so the rest of the tick (no forward, the exchange with ``send_end``, ``AdvanceTick(entered=False)``) and the
-ticks after it (through the segment's last tick, at which stage 0 back-propagates micro-batch
+is never changed). The same tick's exchange then sends a dummy activation carrying ``limit``
+(``Exchange.send_end``) where micro-batch ``limit`` would have gone, and stage k learns the end from
+that dummy at tick ``limit + k``, in the ``WaitActivation`` it had posted for micro-batch ``limit``,
+and passes it on in that tick's exchange. The new schedule's tick begins with the instructions that
+already ran (checked), so the rest of the tick (no forward, the exchange with ``send_end``,
+``AdvanceTick(entered=False)``) and the ticks after it (through the segment's last tick, at which stage 0 back-propagates micro-batch
 ``limit - 1``; K = 1 learns the end one tick after it) are those of a segment of ``limit``
 micro-batches. What ran before the end was learned does not depend on the limit: on a non-last
 stage the backward before the load or wait in the same tick is of micro-batch ``limit - 2(K-1-k)``,
