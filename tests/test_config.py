@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from typing import Any
+
 import pytest
 
-from fdg_schedule.runtime.config import FDGConfig, FDGConfigError, parse
+from fdg_schedule.runtime.config import KEYS, FDGConfig, FDGConfigError, Key, parse
 
 
 def _ds(fdg: dict | None = None, **extra) -> dict:
@@ -151,3 +155,92 @@ def test_supported_precision_and_zero() -> None:
     assert parse(_ds(fp16=fp16)) is not None
     assert parse(_ds(fp16=fp16, zero_optimization={"stage": 1})) is not None
     assert parse(_ds(torch_autocast={"enabled": False, "dtype": "fp16"})) is not None
+
+
+# Written out apart from config.KEYS, so that a wrong or missing row fails: for every pipeline.fdg key a value of the
+# wrong type, and values of the right type outside the key's range (none where the type is all it asks).
+WRONG_VALUES: dict[str, tuple[Any, list[Any]]] = {
+    "grad_shrink": ("0.5", [1.5, 0, -0.5, math.nan]),
+    "weights": (1, ["old"]),
+    "activations": (True, ["checkpointed"]),
+    "accumulate": (2.0, [0, -1]),
+    "delay_lr_ticks": (True, [-1]),
+    "predict_decay": ("0.9", [1.0, -0.1, math.nan]),
+    "predict_horizon": (0, ["stage0"]),
+    "delay_momentum": (1, []),
+    "delay_momentum_peak_lr": ("0.1", [0, -0.1, math.inf, math.nan]),
+    "delay_momentum_raise": ([2.0], [0, -1.0, math.inf, math.nan]),
+    "corrections": (1, ["Auto"]),
+    "staleness_every": (1.5, [-5]),
+    "nonfinite": (None, ["ignore"]),
+    "timeout": ("60", [0, -1.0, math.nan]),
+    "transport": (0, ["tcp"]),
+    "check_every": (2.5, [-1]),
+    "trace": ("yes", []),  # its own keys' ranges: test_bad_config_is_rejected_with_value_key_and_fix
+}
+NULLABLE = {"predict_decay", "delay_momentum_peak_lr", "delay_momentum_raise", "corrections", "trace"}
+ALONGSIDE = {"delay_momentum_peak_lr": {"delay_momentum": True}}  # what a key needs to be accepted (config.RULES)
+
+
+def test_the_table_has_a_row_for_every_key_in_the_dataclass_order() -> None:
+    fields = [field.name for field in dataclasses.fields(FDGConfig) if not field.name.startswith("_")]
+    assert [key.name for key in KEYS] == fields
+    assert sorted(WRONG_VALUES) == sorted(fields)
+    assert {key.name for key in KEYS if key.nullable} == NULLABLE
+
+
+def _rejected(block: dict[str, Any]) -> str:
+    with pytest.raises(FDGConfigError) as err:
+        FDGConfig.from_dict(block)
+    return str(err.value)
+
+
+@pytest.mark.parametrize("key", KEYS, ids=lambda key: key.name)
+def test_every_key_rejects_a_wrong_type_and_an_out_of_range_value_naming_the_value_and_the_key(key: Key) -> None:
+    wrong_type, out_of_range = WRONG_VALUES[key.name]
+    for value in [wrong_type, *out_of_range]:
+        assert f"{value!r} (pipeline.fdg.{key.name} in ds_config)" in _rejected({key.name: value})
+    if key.name in NULLABLE:
+        FDGConfig.from_dict({key.name: None})  # off
+    else:
+        assert f"None (pipeline.fdg.{key.name} in ds_config)" in _rejected({key.name: None})
+
+
+def _just_inside_and_outside(key: Key) -> tuple[list[float], list[float]]:
+    """Values at or next to each bound of a row: the ones it allows, and the ones it does not."""
+
+    def next_to(bound: float, direction: int) -> float:
+        return bound + direction if key.kind == "integer" else math.nextafter(bound, direction * math.inf)
+
+    inside: list[float] = []
+    outside: list[float] = []
+    if key.at_least is not None:
+        inside.append(key.at_least)
+        outside.append(next_to(key.at_least, -1))
+    if key.above is not None:
+        inside.append(next_to(key.above, +1))
+        outside.append(key.above)
+    if key.at_most is not None:
+        inside.append(key.at_most)
+        outside.append(next_to(key.at_most, +1))
+    if key.below is not None:
+        inside.append(next_to(key.below, -1))
+        outside.append(key.below)
+    return inside, outside
+
+
+@pytest.mark.parametrize("key", [key for key in KEYS if key.kind in ("integer", "number")], ids=lambda key: key.name)
+def test_the_bounds_of_each_row_are_the_ones_its_error_names(key: Key) -> None:
+    inside, outside = _just_inside_and_outside(key)
+    assert outside, f"{key.name} has no bound"
+    alongside = ALONGSIDE.get(key.name, {})
+    for value in inside:
+        FDGConfig.from_dict({key.name: value, **alongside})
+    for value in outside + ([math.nan] if key.kind == "number" else []):
+        message = _rejected({key.name: value, **alongside})
+        assert message.startswith(f"{key.name} must be {key.allowed}") and f"got {value!r} (pipeline" in message
+
+
+def test_every_key_is_checked_before_the_rules_between_keys() -> None:
+    # predict_horizon without predict_decay breaks a rule; the bad timeout, a later key, is reported first
+    assert "timeout must be > 0 seconds" in _rejected({"predict_horizon": "first_stage", "timeout": 0})

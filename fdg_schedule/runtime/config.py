@@ -36,14 +36,9 @@ import dataclasses
 import math
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal, NoReturn
 
 SCHEDULES = ("1f1b", "fdg")
-WEIGHTS = ("current", "stashed")
-ACTIVATIONS = ("stored", "recomputed")
-NONFINITE = ("error", "skip")
-TRANSPORTS = ("process_group", "shm")
-PREDICT_HORIZONS = ("own", "first_stage")
 TRACE_KEYS = {"start_tick": 0, "ticks": 64, "dir": "fdg_trace"}
 CORRECTIONS = ("none", "auto")
 # The staleness-correction keys ``corrections`` decides (Note [the auto rule] in
@@ -56,6 +51,57 @@ CORRECTION_KEYS = (
 
 class FDGConfigError(ValueError):
     """A ``pipeline`` / ``pipeline.fdg`` setting FDG cannot run with; the message names the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+    """One row of :data:`KEYS`: a ``pipeline.fdg`` key, the values it takes, and the fix its errors end with.
+
+    ``kind``: "bool", "integer", "number" (an integer or a float), "choice" (one of ``choices``) or "trace" (an
+    object, :func:`_check_trace`). An integer or number must be ``>= at_least``, ``> above``, ``<= at_most`` and
+    ``< below`` where those are set (NaN never is; ``below=math.inf`` rules out infinity); ``allowed`` says that in
+    words. ``nullable``: null (off) is allowed too.
+    """
+
+    name: str
+    kind: Literal["bool", "integer", "number", "choice", "trace"]
+    allowed: str = ""
+    fix: str = ""
+    choices: tuple[str, ...] = ()
+    at_least: float | None = None
+    above: float | None = None
+    at_most: float | None = None
+    below: float | None = None
+    nullable: bool = False
+
+
+# Every pipeline.fdg key, in the order they are checked (the dataclass's). The rules between keys are RULES.
+# fmt: off
+KEYS: tuple[Key, ...] = (
+    Key("grad_shrink", "number", "in (0, 1]", above=0, at_most=1, fix="1.0 disables gradient shrinking"),
+    Key("weights", "choice", choices=("current", "stashed")),
+    Key("activations", "choice", choices=("stored", "recomputed")),
+    Key("accumulate", "integer", "an integer >= 1", at_least=1, fix="1 steps after every backward pass"),
+    Key("delay_lr_ticks", "integer", "an integer >= 0", at_least=0,
+        fix="e.g. 2000 (0 turns the delay-aware learning rate off)"),
+    Key("predict_decay", "number", "in [0, 1)", at_least=0, below=1, nullable=True,
+        fix="null turns weight prediction off, e.g. 0.9 turns it on"),
+    Key("predict_horizon", "choice", choices=("own", "first_stage")),
+    Key("delay_momentum", "bool", fix="false turns it off"),
+    Key("delay_momentum_peak_lr", "number", "a learning rate > 0", above=0, below=math.inf, nullable=True,
+        fix="set it to the schedule's peak lr (e.g. 0.1), or null for off"),
+    Key("delay_momentum_raise", "number", "a number > 0", above=0, below=math.inf, nullable=True,
+        fix="e.g. 2.0, or null for off"),
+    Key("corrections", "choice", choices=CORRECTIONS, nullable=True, fix="omit it to set the correction keys yourself"),
+    Key("staleness_every", "integer", "an integer >= 0", at_least=0, fix="e.g. 100 (0 turns the staleness metric off)"),
+    Key("nonfinite", "choice", choices=("error", "skip")),
+    Key("timeout", "number", "> 0 seconds", above=0, fix="e.g. 60"),
+    Key("transport", "choice", choices=("process_group", "shm")),
+    Key("check_every", "integer", "an integer >= 0", at_least=0,
+        fix="0 reads the non-finite flags once per train_batch() call"),
+    Key("trace", "trace", nullable=True),
+)
+# fmt: on
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,103 +211,16 @@ class FDGConfig:
     (any key may be omitted); None records nothing."""
 
     def __post_init__(self) -> None:
-        _check_number("grad_shrink", self.grad_shrink, float)
-        if not 0.0 < self.grad_shrink <= 1.0 or math.isnan(self.grad_shrink):
-            raise FDGConfigError(
-                f"grad_shrink must be in (0, 1], got {self.grad_shrink!r} (pipeline.fdg.grad_shrink in "
-                "ds_config); 1.0 disables gradient shrinking"
-            )
-        _check_choice("weights", self.weights, WEIGHTS)
-        _check_choice("activations", self.activations, ACTIVATIONS)
-        _check_number("accumulate", self.accumulate, int)
-        if self.accumulate < 1:
-            raise FDGConfigError(
-                f"accumulate must be an integer >= 1, got {self.accumulate!r} "
-                "(pipeline.fdg.accumulate in ds_config); 1 steps after every backward pass"
-            )
-        _check_number("delay_lr_ticks", self.delay_lr_ticks, int, "; e.g. 2000, or 0 for off")
-        if self.delay_lr_ticks < 0:
-            raise FDGConfigError(
-                f"delay_lr_ticks must be an integer >= 0, got {self.delay_lr_ticks!r} "
-                "(pipeline.fdg.delay_lr_ticks in ds_config); 0 turns the delay-aware learning rate off"
-            )
-        if self.predict_decay is not None:
-            _check_number("predict_decay", self.predict_decay, float, "; e.g. 0.9, or null for off")
-            if not 0.0 <= self.predict_decay < 1.0 or math.isnan(self.predict_decay):
-                raise FDGConfigError(
-                    f"predict_decay must be in [0, 1) or null, got {self.predict_decay!r} "
-                    "(pipeline.fdg.predict_decay in ds_config); null turns weight prediction off"
-                )
-        _check_choice("predict_horizon", self.predict_horizon, PREDICT_HORIZONS)
-        if self.predict_horizon != "own" and self.predict_decay is None:
-            raise FDGConfigError(
-                f"predict_horizon is {self.predict_horizon!r} but predict_decay is null (pipeline.fdg in "
-                "ds_config): the horizon is that of the weight prediction; set predict_decay (e.g. 0.0), "
-                'or remove predict_horizon (default "own")'
-            )
-        if not isinstance(self.delay_momentum, bool):
-            raise FDGConfigError(
-                f"delay_momentum must be true or false, got {type(self.delay_momentum).__name__} "
-                f"{self.delay_momentum!r} (pipeline.fdg.delay_momentum in ds_config); false turns it off"
-            )
-        if self.delay_momentum_peak_lr is not None:
-            _check_number("delay_momentum_peak_lr", self.delay_momentum_peak_lr, float, "; e.g. 0.1, or null for off")
-            if not self.delay_momentum_peak_lr > 0 or math.isinf(self.delay_momentum_peak_lr):
-                raise FDGConfigError(
-                    f"delay_momentum_peak_lr must be a learning rate > 0 or null, got {self.delay_momentum_peak_lr!r} "
-                    "(pipeline.fdg.delay_momentum_peak_lr in ds_config); set it to the schedule's peak lr"
-                )
-            if not self.delay_momentum:
-                raise FDGConfigError(
-                    f"delay_momentum_peak_lr is {self.delay_momentum_peak_lr!r} but delay_momentum is false "
-                    "(pipeline.fdg in ds_config); set delay_momentum to true, or remove delay_momentum_peak_lr"
-                )
-        if self.delay_momentum_raise is not None:
-            _check_number("delay_momentum_raise", self.delay_momentum_raise, float, "; e.g. 2.0, or null for off")
-            if not self.delay_momentum_raise > 0 or math.isinf(self.delay_momentum_raise):
-                raise FDGConfigError(
-                    f"delay_momentum_raise must be a number > 0 or null, got {self.delay_momentum_raise!r} "
-                    "(pipeline.fdg.delay_momentum_raise in ds_config); e.g. 2.0, or null for off"
-                )
-            if self.delay_momentum:
-                raise FDGConfigError(
-                    f"delay_momentum_raise is {self.delay_momentum_raise!r} and delay_momentum is true (pipeline.fdg "
-                    "in ds_config): one lowers the delayed stages' momentum, the other raises it; keep one of them"
-                )
-        if self.corrections is not None:
-            _check_choice("corrections", self.corrections, CORRECTIONS)
-        moved = [k for k in CORRECTION_KEYS if getattr(self, k) != getattr(FDGConfig, k)]
-        if self.corrections == "none" and moved:
-            raise FDGConfigError(
-                f'pipeline.fdg.corrections is "none" but {moved} are set (pipeline.fdg in ds_config): "none" is FDG '
-                "without staleness corrections; remove those keys, or remove corrections to use them"
-            )
-        _check_number("staleness_every", self.staleness_every, int, "; e.g. 100, or 0 for off")
-        if self.staleness_every < 0:
-            raise FDGConfigError(
-                f"staleness_every must be an integer >= 0, got {self.staleness_every!r} "
-                "(pipeline.fdg.staleness_every in ds_config); 0 turns the staleness metric off"
-            )
-        _check_choice("nonfinite", self.nonfinite, NONFINITE)
-        _check_number("timeout", self.timeout, float)
-        if not self.timeout > 0:
-            raise FDGConfigError(
-                f"timeout must be > 0 seconds, got {self.timeout!r} (pipeline.fdg.timeout in ds_config)"
-            )
-        _check_choice("transport", self.transport, TRANSPORTS)
-        if self.transport == "shm" and not sys.platform.startswith("linux"):
-            raise FDGConfigError(
-                f'transport "shm" needs Linux (/dev/shm and abstract Unix sockets); this is {sys.platform} '
-                '(pipeline.fdg.transport in ds_config): remove the key or set it to "process_group"'
-            )
-        _check_number("check_every", self.check_every, int)
-        if self.check_every < 0:
-            raise FDGConfigError(
-                f"check_every must be an integer >= 0, got {self.check_every!r} (pipeline.fdg.check_every in "
-                "ds_config); 0 reads the non-finite flags once per train_batch() call"
-            )
-        if self.trace is not None:
-            object.__setattr__(self, "trace", _check_trace(self.trace))
+        for key in KEYS:
+            value = getattr(self, key.name)
+            if value is None and key.nullable:
+                continue
+            if key.kind == "trace":
+                object.__setattr__(self, key.name, _check_trace(value))
+            else:
+                _check_key(key, value)
+        for rule in RULES:
+            rule(self)
 
     @classmethod
     def from_dict(cls, block: Mapping[str, Any] | None) -> FDGConfig:
@@ -280,6 +239,53 @@ class FDGConfig:
                 f'"{mode}" decides those keys itself; remove {explicit}, or remove corrections to set the keys yourself'
             )
         return cls(**block)
+
+
+def _horizon_needs_prediction(config: FDGConfig) -> None:
+    if config.predict_horizon != "own" and config.predict_decay is None:
+        raise FDGConfigError(
+            f"predict_horizon is {config.predict_horizon!r} but predict_decay is null (pipeline.fdg in "
+            "ds_config): the horizon is that of the weight prediction; set predict_decay (e.g. 0.0), "
+            'or remove predict_horizon (default "own")'
+        )
+
+
+def _peak_lr_needs_delay_momentum(config: FDGConfig) -> None:
+    if config.delay_momentum_peak_lr is not None and not config.delay_momentum:
+        raise FDGConfigError(
+            f"delay_momentum_peak_lr is {config.delay_momentum_peak_lr!r} but delay_momentum is false "
+            "(pipeline.fdg in ds_config); set delay_momentum to true, or remove delay_momentum_peak_lr"
+        )
+
+
+def _raise_excludes_delay_momentum(config: FDGConfig) -> None:
+    if config.delay_momentum_raise is not None and config.delay_momentum:
+        raise FDGConfigError(
+            f"delay_momentum_raise is {config.delay_momentum_raise!r} and delay_momentum is true (pipeline.fdg "
+            "in ds_config): one lowers the delayed stages' momentum, the other raises it; keep one of them"
+        )
+
+
+def _no_corrections_sets_no_correction_keys(config: FDGConfig) -> None:
+    moved = [k for k in CORRECTION_KEYS if getattr(config, k) != getattr(FDGConfig, k)]
+    if config.corrections == "none" and moved:
+        raise FDGConfigError(
+            f'pipeline.fdg.corrections is "none" but {moved} are set (pipeline.fdg in ds_config): "none" is FDG '
+            "without staleness corrections; remove those keys, or remove corrections to use them"
+        )
+
+
+def _shm_needs_linux(config: FDGConfig) -> None:
+    if config.transport == "shm" and not sys.platform.startswith("linux"):
+        raise FDGConfigError(
+            f'transport "shm" needs Linux (/dev/shm and abstract Unix sockets); this is {sys.platform} '
+            '(pipeline.fdg.transport in ds_config): remove the key or set it to "process_group"'
+        )
+
+
+# Checked in this order once every key has passed its row of KEYS: rules between keys, or beyond a key's values.
+RULES = (_horizon_needs_prediction, _peak_lr_needs_delay_momentum, _raise_excludes_delay_momentum,
+         _no_corrections_sets_no_correction_keys, _shm_needs_linux)  # fmt: skip
 
 
 def schedule_name(pipeline: Mapping[str, Any] | None) -> str:
@@ -375,27 +381,39 @@ def _check_trace(trace: Any) -> dict[str, Any]:
     if unknown:
         raise FDGConfigError(f"unknown key(s) {unknown} in pipeline.fdg.trace; known keys: {sorted(TRACE_KEYS)}")
     merged = {**TRACE_KEYS, **trace}
-    for key in ("start_tick", "ticks"):
-        value = merged[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value < (1 if key == "ticks" else 0):
-            raise FDGConfigError(
-                f"trace.{key} must be an integer >= {1 if key == 'ticks' else 0}, got {value!r} "
-                f"(pipeline.fdg.trace.{key} in ds_config)"
-            )
+    _check_key(Key("trace.start_tick", "integer", "an integer >= 0", at_least=0), merged["start_tick"])
+    _check_key(Key("trace.ticks", "integer", "an integer >= 1", at_least=1), merged["ticks"])
     if not isinstance(merged["dir"], str):
         raise FDGConfigError(f"trace.dir must be a path string, got {merged['dir']!r} (pipeline.fdg.trace.dir)")
     return merged
 
 
-def _check_number(key: str, value: Any, kind: type, fix: str = "") -> None:
-    ok = isinstance(value, (int, float)) if kind is float else isinstance(value, int)
-    if isinstance(value, bool) or not ok:
-        raise FDGConfigError(
-            f"{key} must be {'a number' if kind is float else 'an integer'}, got "
-            f"{type(value).__name__} {value!r} (pipeline.fdg.{key} in ds_config){fix}"
-        )
+# Each kind of value: how an error says it, and the Python types JSON gives it (true/false only to "bool").
+_KINDS = {"bool": ("true or false", (bool,)), "integer": ("an integer", (int,)), "number": ("a number", (int, float))}
 
 
-def _check_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise FDGConfigError(f"{key} must be one of {list(choices)}, got {value!r} (pipeline.fdg.{key} in ds_config)")
+def _check_key(key: Key, value: Any) -> None:
+    """Raise :class:`FDGConfigError` unless ``value`` is of ``key``'s kind and within its bounds."""
+    if key.kind == "choice":
+        if value not in key.choices:
+            _reject(key, f"one of {list(key.choices)}", repr(value))
+        return
+    in_words, types = _KINDS[key.kind]
+    if not isinstance(value, types) or (isinstance(value, bool) and key.kind != "bool"):
+        _reject(key, in_words, f"{type(value).__name__} {value!r}")
+    if not _within_bounds(key, value):
+        _reject(key, key.allowed + (" or null" if key.nullable else ""), repr(value))
+
+
+def _within_bounds(key: Key, value: Any) -> bool:
+    return (
+        (key.at_least is None or value >= key.at_least)
+        and (key.above is None or value > key.above)
+        and (key.at_most is None or value <= key.at_most)
+        and (key.below is None or value < key.below)
+    )
+
+
+def _reject(key: Key, must_be: str, got: str) -> NoReturn:
+    fix = f"; {key.fix}" if key.fix else ""
+    raise FDGConfigError(f"{key.name} must be {must_be}, got {got} (pipeline.fdg.{key.name} in ds_config){fix}")
