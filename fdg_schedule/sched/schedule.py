@@ -17,9 +17,9 @@ is never changed). The same tick's exchange then sends a dummy activation carryi
 that dummy at tick ``limit + k``, in the ``WaitActivation`` it had posted for micro-batch ``limit``,
 and passes it on in that tick's exchange. The new schedule's tick begins with the instructions that
 already ran (checked), so the rest of the tick (no forward, the exchange with ``send_end``,
-``AdvanceTick(entered=False)``) and the ticks after it (through the segment's last tick, at which stage 0 back-propagates micro-batch
-``limit - 1``; K = 1 learns the end one tick after it) are those of a segment of ``limit``
-micro-batches. What ran before the end was learned does not depend on the limit: on a non-last
+``AdvanceTick(entered=False)``) and the ticks after it (through the segment's last tick, at which
+stage 0 back-propagates micro-batch ``limit - 1``; K = 1 learns the end one tick after it) are those
+of a segment of ``limit`` micro-batches. What ran before the end was learned does not depend on the limit: on a non-last
 stage the backward before the load or wait in the same tick is of micro-batch ``limit - 2(K-1-k)``,
 never the segment's last (``limit - 1``), so whether the stage steps after it is decided alike; the
 last stage's label reads past the end are dropped (Note [labels read when the inputs are]); only
