@@ -65,3 +65,35 @@ def test_actions_import_no_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "3"
+
+
+def _lowered_grid(stages: int, num_ticks: int, accumulate: int = 1) -> list[list[list[actions.Action]]]:
+    grid = actions.fdg_grid(stages, 0, num_ticks, accumulate)
+    return [[actions.add_exchange(cell, stages) for cell in row] for row in grid]
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_every_lowered_send_meets_its_receive(stages: int) -> None:
+    assert actions.check_messages(_lowered_grid(stages, 12, accumulate=2)) == []
+
+
+def test_a_missing_send_is_reported_in_the_receivers_cell_at_the_sending_tick() -> None:
+    grid = _lowered_grid(2, 6)
+    cell = grid[1][2]  # stage 1 at tick 2 forwards and back-propagates micro-batch 1, and sends its gradient
+    sent = next(a for a in cell if a.op is actions.Op.SEND_GRAD)
+    cell.remove(sent)
+    problems = actions.check_messages(grid)
+    assert [(p.stage, p.tick) for p in problems] == [(0, 2)]
+    assert f"0rg{sent.micro_batch}@3 without 1sg{sent.micro_batch}@2" in problems[0].message
+
+
+def test_the_engine_grid_in_actions_is_the_lowered_action_grid() -> None:
+    """grid.Grid.actions() (the engine's instructions read back) equals ticks.py's compute with the exchange
+    lowered onto it, away from the segment's ends."""
+    from fdg_schedule.sched import grid
+
+    for stages in (2, 3, 4):
+        engine = grid.plan(stages, 12).actions()
+        lowered = _lowered_grid(stages, 12)
+        assert engine == lowered
+        assert grid.plan(stages, 12).validate() == []

@@ -162,6 +162,51 @@ def fdg_grid(
     ]
 
 
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """A message without its counterpart: the cell it shows in (``stage`` at ``tick``) and what is wrong."""
+
+    stage: int
+    tick: int
+    message: str
+
+
+# A send by stage k at tick t is received (waited for) at tick t + 1 by the neighbour: op, direction, receive, what.
+_LINKS = {Op.SEND_ACTIVATION: (1, Op.RECV_ACTIVATION, "an activation"), Op.SEND_GRAD: (-1, Op.RECV_GRAD, "a gradient")}
+
+
+def check_messages(grid: list[list[list[Action]]]) -> list[Problem]:
+    """Every send of a micro-batch at tick t meets the neighbour's receive of it at tick t + 1, and every receive
+    its send: FDG's exchange. ``grid[stage][i]`` holds placed actions (``tick`` set); messages that cross the
+    grid's first or last tick (sent in an earlier call, received in a later one) are not checked.
+    A missing counterpart is reported at the sending tick, in the cell of the stage that misses it."""
+    placed = [a for row in grid for cell in row for a in cell]
+    if not placed:
+        return []
+    first, last = min(a.tick or 0 for a in placed), max(a.tick or 0 for a in placed)
+    receives = {(a.stage, a.op, a.micro_batch, a.tick) for a in placed if a.op in RECVS}
+    sends = {(a.stage, a.op, a.micro_batch, a.tick) for a in placed if a.op in SENDS}
+    problems = []
+    for stage, op, mb, tick in sorted(sends, key=lambda s: (s[3], s[0], s[1].value)):
+        step, recv, what = _LINKS[op]
+        peer = stage + step
+        if tick is not None and tick < last and (peer, recv, mb, tick + 1) not in receives:
+            missing = f"{stage}{op.value}{mb}@{tick} without {peer}{recv.value}{mb}@{tick + 1}"
+            problems.append(
+                Problem(stage, tick, f"stage {stage} sends {what} stage {peer} does not receive ({missing})")
+            )
+    for stage, op, mb, tick in sorted(receives, key=lambda r: (r[3], r[0], r[1].value)):
+        send = Op.SEND_ACTIVATION if op is Op.RECV_ACTIVATION else Op.SEND_GRAD
+        step, _, what = _LINKS[send]
+        peer = stage - step
+        if tick is not None and tick > first and (peer, send, mb, tick - 1) not in sends:
+            missing = f"{stage}{op.value}{mb}@{tick} without {peer}{send.value}{mb}@{tick - 1}"
+            problems.append(
+                Problem(stage, tick - 1, f"stage {stage} receives {what} stage {peer} does not send ({missing})")
+            )
+    return problems
+
+
 def render(grid: list[list[list[Action]]]) -> str:
     """The grid as text, one line per tick, one column per stage (``str`` of each action)."""
     lines = []

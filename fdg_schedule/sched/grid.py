@@ -10,6 +10,8 @@ message meets its counterpart and print the plan, with the offending cell marked
     1   > L1 F1 X[sa,rg] T+ <  A0 L1 F0 B0 R S X[sg,ra] T+
 
 Rows are ticks, columns stages; a row ``+`` is K = 1's final partial step, which has no tick.
+:meth:`Grid.actions` is the same grid in the one schedule vocabulary (:mod:`fdg_schedule.sched.actions`),
+on which the messages are checked.
 """
 
 from __future__ import annotations
@@ -20,10 +22,15 @@ from typing import Any
 
 from deepspeed.runtime.pipe.schedule import PipeInstruction
 
+from fdg_schedule.sched import actions
 from fdg_schedule.sched.schedule import (
     Exchange,
+    FDGBackward,
+    FDGForward,
     FDGLoad,
     FDGTrainSchedule,
+    LocalOptimizerStep,
+    ReduceGrads,
     ScheduleRun,
     WaitActivation,
     WaitGrad,
@@ -54,13 +61,25 @@ class Grid:
         return len(self.rows)
 
     def validate(self) -> list[Problem]:
-        """Every send meets a receive posted by the neighbour at the same tick, waited for at the next."""
-        problems = []
-        for stage_id in range(self.stages - 1):
-            problems += self._pair(stage_id)
+        """Every send meets the neighbour's receive at the next tick (checked on the actions,
+        :func:`fdg_schedule.sched.actions.check_messages`), and every receive a stage posts is waited for
+        at its next tick in the buffer it was posted for."""
+        problems = [Problem(p.stage, p.tick, p.message) for p in actions.check_messages(self.actions())]
         for stage_id in range(self.stages):
             problems += self._waits(stage_id)
         return problems
+
+    def actions(self) -> list[list[list[actions.Action]]]:
+        """The grid in the one schedule vocabulary (:mod:`fdg_schedule.sched.actions`): each cell's
+        instructions as placed actions, the exchange's sends numbered by the micro-batch they carry."""
+        return [
+            [as_actions(step, stage_id, self.start_tick + i) for i, step in enumerate(row)]
+            for stage_id, row in enumerate(self.rows)
+        ]
+
+    def render_actions(self) -> str:
+        """The grid as action text, one line per tick (``0B0@2 0R@2 0S@2 0L2@2 0F2@2 0sa2@2 | ...``)."""
+        return actions.render(self.actions())
 
     def render(self, mark: tuple[int, int] | None = None) -> str:
         """The grid as text; ``mark=(stage_id, tick)`` brackets that cell with ``> <``."""
@@ -79,23 +98,6 @@ class Grid:
                 parts.append(f"{f'> {text} <' if marked else f'  {text}':{width[k]}}")
             lines.append(f"{label:4}" + "".join(parts).rstrip())
         return "\n".join(lines)
-
-    def _pair(self, up: int) -> list[Problem]:
-        out = []
-        for i, (above, below) in enumerate(zip(self.rows[up], self.rows[up + 1])):
-            tick, x_up, x_down = self.start_tick + i, _exchange(above), _exchange(below)
-            if x_up is None or x_down is None:
-                continue
-            sends = x_up.send_activation is not None or x_up.send_end is not None
-            if sends and x_down.recv_activation is None:
-                out.append(Problem(up, tick, f"stage {up} sends an activation stage {up + 1} does not receive"))
-            if not sends and x_down.recv_activation is not None:
-                out.append(Problem(up + 1, tick, f"stage {up + 1} receives an activation stage {up} does not send"))
-            if x_down.send_grad is not None and x_up.recv_grad is None:
-                out.append(Problem(up + 1, tick, f"stage {up + 1} sends a gradient stage {up} does not receive"))
-            if x_down.send_grad is None and x_up.recv_grad is not None:
-                out.append(Problem(up, tick, f"stage {up} receives a gradient stage {up + 1} does not send"))
-        return out
 
     def _waits(self, stage_id: int) -> list[Problem]:
         """A receive posted at tick t is waited for at t+1, and a wait finds the receive posted at t-1."""
@@ -172,6 +174,39 @@ def _learns_end(cmd: PipeInstruction, schedule: FDGTrainSchedule, data_end: int)
     # Stage 0 finds its iterator empty; a later stage receives the dummy where the activation would be.
     reads_inputs = isinstance(cmd, FDGLoad) and schedule.is_first_stage
     return (reads_inputs or isinstance(cmd, WaitActivation)) and cmd.micro_batch == data_end
+
+
+# What each instruction is in the one vocabulary; the exchange is its sends (its posted receives are the
+# waits of the next tick), AdvanceTick is no action.
+_ACTION_OPS: dict[type[PipeInstruction], actions.Op] = {
+    FDGLoad: actions.Op.LOAD,
+    WaitActivation: actions.Op.RECV_ACTIVATION,
+    WaitGrad: actions.Op.RECV_GRAD,
+    FDGForward: actions.Op.FORWARD,
+    FDGBackward: actions.Op.BACKWARD,
+    ReduceGrads: actions.Op.ALLREDUCE,
+    LocalOptimizerStep: actions.Op.STEP,
+}
+
+
+def as_actions(step: Step, stage_id: int, tick: int) -> list[actions.Action]:
+    """One cell's instructions as actions of ``stage_id`` at ``tick``: the activation sent is the tick's
+    forward (or the end word, sent where micro-batch ``send_end`` would have gone), the gradient its backward."""
+    out = []
+    for cmd in step:
+        op = _ACTION_OPS.get(type(cmd))
+        if op is not None:
+            micro_batch = None if op in (actions.Op.ALLREDUCE, actions.Op.STEP) else cmd.micro_batch
+            out.append(actions.Action(stage_id, op, micro_batch, tick))
+        if isinstance(cmd, Exchange):
+            forward = next((c.micro_batch for c in step if isinstance(c, FDGForward)), None)
+            backward = next((c.micro_batch for c in step if isinstance(c, FDGBackward)), None)
+            if cmd.send_activation is not None or cmd.send_end is not None:
+                sent = cmd.send_end if cmd.send_end is not None else forward
+                out.append(actions.Action(stage_id, actions.Op.SEND_ACTIVATION, sent, tick))
+            if cmd.send_grad is not None:
+                out.append(actions.Action(stage_id, actions.Op.SEND_GRAD, backward, tick))
+    return out
 
 
 def _exchange(step: Iterable[PipeInstruction]) -> Exchange | None:
