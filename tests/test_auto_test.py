@@ -1,5 +1,6 @@
-"""benchmarks/auto_test.py, the pre-registered test of corrections "auto": its statistics, its queue's bookkeeping
-(pairs on one machine only, a unit begun elsewhere run again whole) and one LM run end to end at a tiny budget."""
+"""benchmarks/convergence/auto_test.py, the pre-registered test of corrections "auto": its statistics, its queue's
+bookkeeping (pairs on one machine only, a unit begun elsewhere run again whole) and one LM run end to end at a tiny
+budget."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ from typing import Any
 
 import pytest
 
+from benchmarks.convergence import auto_test
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import auto_test  # noqa: E402
 
 HERE = {"cpu": "x", "vector": "avx2", "torch": "t", "deepspeed": "d", "python": "p"}
 
@@ -90,7 +91,7 @@ def test_one_llama_run_with_auto_at_a_tiny_budget(tmp_path: Path) -> None:
     fdg_reference with the rule's choice from the cosine schedule's length, and finite test and validation losses."""
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "auto_test.py"), "one", "--task", "llama", "--arm", "auto",
+        [sys.executable, "-m", "benchmarks.convergence.auto_test", "one", "--task", "llama", "--arm", "auto",
          "--seed", "1", "--smoke"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=110,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/throughput.py: a --quick run on a tiny model writes a complete, sane report.
+"""Smoke test of benchmarks/throughput/throughput.py: a --quick run on a tiny model writes a complete, sane report.
 
 No timing is asserted (the machine is shared); only that every variant ran, every field is there,
 and the values are physically possible.
@@ -38,8 +38,11 @@ VARIANTS = {
 @pytest.mark.timeout(150)
 def test_quick_run_writes_a_complete_report(tmp_path: Path) -> None:
     # transformer_tiny: no batch norm, the fastest model
-    done = run_benchmark("throughput.py", "--quick", "--models=transformer_tiny", "--repeats=1", f"--out={tmp_path}")
-    assert "command: DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 python benchmarks/throughput.py --quick" in done.stdout
+    done = run_benchmark("throughput", "--quick", "--models=transformer_tiny", "--repeats=1", f"--out={tmp_path}")
+    assert (
+        "command: DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 python -m benchmarks.throughput.throughput --quick"
+        in done.stdout
+    )
 
     report = json.loads((tmp_path / "throughput.json").read_text())
     markdown = (tmp_path / "throughput.md").read_text()
@@ -96,7 +99,7 @@ def test_quick_run_writes_a_complete_report(tmp_path: Path) -> None:
     assert "recompute_bound" not in rows["fdg_current_stored"]
 
     # --render summarizes the raw windows again, with the same numbers, and says so.
-    run_benchmark("throughput.py", f"--render={tmp_path / 'throughput.json'}", timeout=60)
+    run_benchmark("throughput", f"--render={tmp_path / 'throughput.json'}", timeout=60)
     again = json.loads((tmp_path / "throughput.json").read_text())
     assert again["summarized_by"] and again["command"] == report["command"]
     assert again["models"]["transformer_tiny"]["variants"] == rows
@@ -108,7 +111,7 @@ def test_quick_run_writes_a_complete_report(tmp_path: Path) -> None:
 def test_the_plain_halves_run_fdgs_split_on_both_ranks_and_every_pipeline_is_compared_with_them(tmp_path: Path) -> None:
     variants = "--variants=bp,1f1b_m4,fdg_current_stored,halves,halves_exchange,halves_shm,fdg_current_stored_shm"
     variants += ",fdg_current_recomputed_shm"
-    run_benchmark("throughput.py", "--quick", "--models=transformer_tiny", "--repeats=1", variants, f"--out={tmp_path}")
+    run_benchmark("throughput", "--quick", "--models=transformer_tiny", "--repeats=1", variants, f"--out={tmp_path}")
     rows = json.loads((tmp_path / "throughput.json").read_text())["models"]["transformer_tiny"]["variants"]
     halves = rows["halves"]
     assert halves["split"] == rows["fdg_current_stored"]["split"]  # FDG's stored split, one stage per rank
@@ -132,7 +135,7 @@ def test_the_plain_halves_run_fdgs_split_on_both_ranks_and_every_pipeline_is_com
 
 @pytest.mark.timeout(150)
 def test_correction_cost_measures_every_correction_and_its_delta(tmp_path: Path) -> None:
-    run_benchmark("correction_cost.py", "--models=transformer_tiny", "--repeats=2", "--window=2", f"--out={tmp_path}")
+    run_benchmark("correction_cost", "--models=transformer_tiny", "--repeats=2", "--window=2", f"--out={tmp_path}")
     result = json.loads((tmp_path / "correction_cost.json").read_text())["models"]["transformer_tiny"]
     rows = result["variants"]
     assert set(rows) == {"none", "delay_lr", "predict", "both"}
@@ -146,8 +149,9 @@ def test_correction_cost_measures_every_correction_and_its_delta(tmp_path: Path)
 
 
 def run_benchmark(script: str, *args: str, timeout: float = 140) -> subprocess.CompletedProcess[str]:
-    """Run ``benchmarks/<script> args`` on the CPU accelerator with one thread; fail with its output's tail."""
-    command = [sys.executable, str(ROOT / "benchmarks" / script), *args]
+    """Run ``python -m benchmarks.throughput.<script> args`` from the repository root on the CPU accelerator with one
+    thread; fail with its output's tail."""
+    command = [sys.executable, "-m", f"benchmarks.throughput.{script}", *args]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -155,7 +159,8 @@ def run_benchmark(script: str, *args: str, timeout: float = 140) -> subprocess.C
 
 
 def tiny_model_row(script: str, *args: str) -> tuple[str, list[str]]:
-    """Run ``benchmarks/<script>`` on resnet8_tiny; its table row, and the row's cells after the model's name."""
+    """Run ``benchmarks.throughput.<script>`` on resnet8_tiny; its table row, and the row's cells after the model's
+    name."""
     done = run_benchmark(script, "--models=resnet8_tiny", *args)
     (row,) = [line for line in done.stdout.splitlines() if line.startswith("| resnet8_tiny |")]
     return row, [cell.strip() for cell in row.strip("|").split("|")[1:]]
@@ -164,7 +169,7 @@ def tiny_model_row(script: str, *args: str) -> tuple[str, list[str]]:
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("order", ["plain", "fdg"])
 def test_core_contention_reports_both_modes_and_the_ceiling(order: str) -> None:
-    row, cells = tiny_model_row("core_contention.py", "--rounds=2", "--iterations=3", f"--halves-order={order}")
+    row, cells = tiny_model_row("core_contention", "--rounds=2", "--iterations=3", f"--halves-order={order}")
     alone, pair, slowdown, ceiling, split, stages_sum, stage_ms, spread, lockstep, with_lockstep = cells
     assert re.fullmatch(r"0,\d+,\d+", split), row
     assert re.fullmatch(r"[\d.]+ / [\d.]+ \([\d.]+ / [\d.]+\)", stage_ms), row
@@ -174,42 +179,33 @@ def test_core_contention_reports_both_modes_and_the_ceiling(order: str) -> None:
     assert float(with_lockstep) <= float(ceiling.split()[0]) + 0.005, row
 
 
-def test_lockstep_cost_is_the_mean_per_iteration_maximum_over_the_slower_mean() -> None:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from core_contention import lockstep_cost
-
-    assert lockstep_cost([1.0, 3.0], [3.0, 1.0]) == pytest.approx(3 / 2 - 1)  # both average 2, the max is 3
-    assert lockstep_cost([2.0, 2.0], [1.0, 1.0]) == pytest.approx(0)  # steady: only the slower one counts
-
-
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
-def test_staleness_metric_reads_every_stage_back_from_its_wandb_run(tmp_path: Path) -> None:
-    """benchmarks/staleness_metric.py: a 2-stage GPT-2 engine run, the metric read from each stage's offline W&B run."""
-    script = str(ROOT / "benchmarks" / "staleness_metric.py")
+def test_staleness_metric_reads_every_stage_back_from_its_wandb_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """benchmarks/studies/staleness_metric.py: a 2-stage GPT-2 engine run, the metric read from each stage's offline
+    W&B run."""
+    script = ["-m", "benchmarks.studies.staleness_metric"]
     name = "fdg_k2_b1.0_stashed_p0.0_first"
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "STALENESS_METRIC_OUT": str(tmp_path)}
     env.update(PYTHONPATH=str(ROOT), WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"))
-    run = [sys.executable, script, "run", "--runs", name, "--micro_batches", "24", "--eval_every", "12"]
+    run = [sys.executable, *script, "run", "--runs", name, "--micro_batches", "24", "--eval_every", "12"]
     done = subprocess.run(run, cwd=ROOT, env=env, capture_output=True, text=True, timeout=220)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert json.loads((tmp_path / name / "ds_config.json").read_text())["pipeline"]["fdg"]["staleness_every"] == 4
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import staleness_metric
+    from benchmarks.studies import staleness_metric
 
-        staleness_metric.OUT = tmp_path
-        series = staleness_metric.stage_series(name)
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    monkeypatch.setattr(staleness_metric, "OUT", tmp_path)
+    series = staleness_metric.stage_series(name)
     assert sorted(series) == [0, 1]
     first = [v for _, v in series[0]]
     assert len(first) in (24 // 4, 24 // 4 + 1), series[0]  # one per train_batch() call of 4 ticks (+ the drain's)
     assert all(math.isfinite(v) and 0 < v < 1 for v in first[1:]), first  # stage 0 steps from the second call on
     assert all(v == 0.0 for _, v in series[1]), series[1]  # the last stage: 0 by definition
 
-    report = [sys.executable, script, "report", "--runs", name]
+    report = [sys.executable, *script, "report", "--runs", name]
     done = subprocess.run(report, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"| {name} | 0 | " in done.stdout and f"| {name} | 1 | 0.00e+00 |" in done.stdout
@@ -219,7 +215,7 @@ def test_staleness_metric_reads_every_stage_back_from_its_wandb_run(tmp_path: Pa
 @pytest.mark.timeout(150)
 def test_stage_alone_reports_each_splits_offset_and_share_errors(tmp_path: Path) -> None:
     args = ["--stages=3", "--activations=stored", "--ticks=4", "--rounds=2", "--profile-repeats=2"]
-    run_benchmark("stage_alone.py", "--models=resnet8_tiny", *args, f"--out={tmp_path}")
+    run_benchmark("stage_alone", "--models=resnet8_tiny", *args, f"--out={tmp_path}")
     rows = json.loads((tmp_path / "stage_alone.json").read_text())["rows"]
     assert [r["stage"] for r in rows] == [0, 1, 2]
     predicted = sum(r["predicted_s"] for r in rows)
@@ -233,14 +229,14 @@ def test_stage_alone_reports_each_splits_offset_and_share_errors(tmp_path: Path)
 
 @pytest.mark.timeout(150)
 def test_engine_overhead_times_bp_fdg_and_stock_deepspeed_on_one_core() -> None:
-    row, cells = tiny_model_row("engine_overhead.py", "--rounds=2", "--gas=2")
+    row, cells = tiny_model_row("engine_overhead", "--rounds=2", "--gas=2")
     values = [float(cell.split()[0]) for cell in cells]
     assert len(values) == 5 and all(0 < value < math.inf for value in values), row
 
 
 @pytest.mark.timeout(150)
 def test_freed_memory_times_both_allocator_settings_in_fresh_processes() -> None:
-    row, cells = tiny_model_row("freed_memory.py", "--rounds=2", "--warmup=2", "--iterations=2")
+    row, cells = tiny_model_row("freed_memory", "--rounds=2", "--warmup=2", "--iterations=2")
     system_ms, retained_ms, ratio, system_faults, retained_faults, system_kernel, retained_kernel = cells
     assert all(float(cell.split()[0]) > 0 for cell in (system_ms, retained_ms, ratio)), row
     assert all(float(cell.split()[0]) >= 0 for cell in (system_faults, retained_faults, system_kernel, retained_kernel))
@@ -250,9 +246,7 @@ def shared_memory_link(rank: int, world: int, ticks: int) -> tuple[list[list[flo
     """Each rank sends a tensor that names its rank and tick, and receives the peer's of the tick before."""
     from datetime import timedelta
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from throughput_variants import shared_memory_link as link_between_the_halves
-
+    from benchmarks.common.throughput_variants import shared_memory_link as link_between_the_halves
     from fdg_schedule.exchange.shm_link import Direction, ring_path
 
     like = torch.zeros(3, 5)
@@ -284,7 +278,7 @@ def test_the_plain_halves_exchange_through_the_librarys_shared_memory_link(tmp_p
 @pytest.mark.distributed
 @pytest.mark.timeout(150)
 def test_transport_cost_times_both_transports_per_size(tmp_path: Path) -> None:
-    done = run_benchmark("transport_cost.py", "--sizes=0.01,0.1", "--rounds=2", "--ticks=3", f"--out={tmp_path}")
+    done = run_benchmark("transport_cost", "--sizes=0.01,0.1", "--rounds=2", "--ticks=3", f"--out={tmp_path}")
     report = json.loads((tmp_path / "transport_cost.json").read_text())
     assert [row["mib"] for row in report["rows"]] == [0.01, 0.1]
     for row in report["rows"]:
@@ -300,7 +294,7 @@ def test_transport_cost_times_both_transports_per_size(tmp_path: Path) -> None:
 def test_the_new_shapes_run_with_their_halves(tmp_path: Path) -> None:
     """Issue 48's shapes (the plain conv net as LayerSpecs, a wide MLP): FDG and its plain-torch halves on the same
     split, compared."""
-    run_benchmark("throughput.py", "--quick", "--models=plainconv_tiny,widemlp_tiny", "--repeats=1",
+    run_benchmark("throughput", "--quick", "--models=plainconv_tiny,widemlp_tiny", "--repeats=1",
                   "--variants=bp,fdg_current_stored,halves", f"--out={tmp_path}")  # fmt: skip
     models = json.loads((tmp_path / "throughput.json").read_text())["models"]
     for model in ("plainconv_tiny", "widemlp_tiny"):

@@ -1,4 +1,4 @@
-"""benchmarks/convergence.py's report from stored runs: paired differences, failed runs, kept analysis.
+"""benchmarks/convergence/convergence.py's report from stored runs: paired differences, failed runs, kept analysis.
 
 `--reuse --report-only` runs nothing, so this checks the table arithmetic without training.
 """
@@ -13,13 +13,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+CONVERGENCE = [sys.executable, "-m", "benchmarks.convergence.convergence"]  # run from ROOT
 SETTINGS = {"model": "resnet20", "dataset": "fashion-mnist", "epochs": 4, "train_subset": 2048, "test_subset": 1000}
 
 
 def report(out: Path, *extra: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--epochs", "4", "--seeds", "0", "1"]
+    command = [*CONVERGENCE, "--epochs", "4", "--seeds", "0", "1"]
     command += ["--variant", "BP", "--variant", "fdg:2:0.2:current", f"--out={out}", "--reuse", "--report-only"]
-    return subprocess.run([*command, *extra], capture_output=True, text=True, timeout=120)
+    return subprocess.run([*command, *extra], cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
 def test_report_from_stored_runs(tmp_path: Path) -> None:
@@ -73,9 +74,9 @@ def test_report_keeps_unplanned_variants_and_reads_the_full_test_error(tmp_path:
     out = tmp_path / "conv"
     settings = {**SETTINGS, "epochs": 2, "micro_batch": 32, "final_full_test": True}
     out.with_suffix(".json").write_text(json.dumps({"args": settings, "wall_s": 60, "results": results}))
-    command = [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--epochs", "2", "--seeds", "0"]
+    command = [*CONVERGENCE, "--epochs", "2", "--seeds", "0"]
     command += ["--backend", "reference", "--final-full-test", "--variant", "BP", f"--out={out}"]
-    done = subprocess.run([*command, "--reuse", "--report-only"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([*command, "--reuse", "--report-only"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     md = out.with_suffix(".md").read_text()
     assert "| BP | 1† | 25.00% | ± 0.00% | +0.00% ± 0.00% | 30.00% | 50 |" in md
@@ -86,10 +87,12 @@ def test_report_keeps_unplanned_variants_and_reads_the_full_test_error(tmp_path:
 
 
 def test_unknown_correction_options_are_refused(tmp_path: Path) -> None:
-    command = [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), f"--out={tmp_path / 'x'}"]
-    done = subprocess.run([*command, "--variant", "fdg:2:1:stashed:speed=9"], capture_output=True, text=True)
+    command = [*CONVERGENCE, f"--out={tmp_path / 'x'}"]
+    done = subprocess.run([*command, "--variant", "fdg:2:1:stashed:speed=9"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode != 0 and "unknown option 'speed=9'" in done.stderr
-    done = subprocess.run([*command, "--variant", "fdg:4:1:stashed:split=2/4/7"], capture_output=True, text=True)
+    done = subprocess.run(
+        [*command, "--variant", "fdg:4:1:stashed:split=2/4/7"], cwd=ROOT, capture_output=True, text=True
+    )
     assert done.returncode != 0 and "split=2/4/7: use paper, parameters, uniform or the stage boundaries" in done.stderr
 
 
@@ -110,23 +113,23 @@ def test_unknown_correction_options_are_refused(tmp_path: Path) -> None:
 )
 def test_correction_options_name_the_variant(tmp_path: Path, spec: str, name: str) -> None:
     out = tmp_path / "conv"
-    command = [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--seeds", "0", f"--out={out}"]
+    command = [*CONVERGENCE, "--seeds", "0", f"--out={out}"]
     command += ["--variant", spec, "--reuse", "--report-only"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert name in out.with_suffix(".md").read_text()
 
 
 def test_a_prediction_horizon_names_the_variant_and_needs_a_prediction(tmp_path: Path) -> None:
     out = tmp_path / "conv"
-    command = [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--seeds", "0", f"--out={out}"]
+    command = [*CONVERGENCE, "--seeds", "0", f"--out={out}"]
     spec = "fdg:4:1:stashed:predict=0.0,horizon=first_stage"
-    done = subprocess.run([*command, "--variant", spec, "--reuse", "--report-only"], capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    done = subprocess.run([*command, "--variant", spec, "--reuse", "--report-only"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "FDG K=4 β=1 stashed, predict γ=0.0, first_stage horizon" in out.with_suffix(".md").read_text()
     bad = subprocess.run([*command, "--variant", "fdg:2:1:stashed:horizon=first_stage", "--reuse", "--report-only"],
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert bad.returncode == 2 and "horizon=first_stage: use own or first_stage, with predict=GAMMA" in bad.stderr
 
 
@@ -146,9 +149,9 @@ def test_reuse_runs_again_what_a_signal_killed(tmp_path: Path) -> None:
     out.with_suffix(".json").write_text(
         json.dumps({"args": {**SETTINGS, "micro_batch": 32}, "wall_s": 1, "results": results})
     )
-    command = [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--epochs", "4", "--seeds", "0", "1"]
+    command = [*CONVERGENCE, "--epochs", "4", "--seeds", "0", "1"]
     command += ["--variant", "fdg:2:0.2:current", f"--out={out}", "--reuse", "--max-ranks", "1"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120)  # K=2 > 1 rank: nothing runs
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)  # K=2 > 1 rank: nothing runs
     assert done.returncode == 0, done.stderr[-2000:]
     runs = json.loads(out.with_suffix(".json").read_text())["results"][0]["runs"]
     assert runs == [{"seed": 0, "failed": "FloatingPointError: non-finite loss"}]

@@ -1,25 +1,19 @@
-"""benchmarks/lm_convergence.py's run names: the tied / untied variants and what each trains."""
+"""benchmarks/convergence/lm_convergence.py's run names: the tied / untied variants and what each trains."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
+from benchmarks.convergence import lm_convergence
 from fdg_schedule.runtime import config as fdg_config
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def benchmark() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("lm_convergence", ROOT / "benchmarks" / "lm_convergence.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return lm_convergence
 
 
 @pytest.mark.parametrize(

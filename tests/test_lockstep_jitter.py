@@ -1,4 +1,4 @@
-"""benchmarks/lockstep_jitter.py: the lock-step's jitter cost read from two ranks' traces."""
+"""benchmarks/throughput/lockstep_jitter.py: the lock-step's jitter cost read from two ranks' traces."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from lockstep_jitter import lockstep, replay  # noqa: E402
+from benchmarks.throughput.lockstep_jitter import lockstep, replay
 
 
 def rank_trace(work_ms: list[list[float]], tick_ends_ms: list[float]) -> list[dict]:
@@ -50,7 +49,7 @@ def test_too_few_shared_ticks_is_an_error() -> None:
 @pytest.mark.timeout(240)
 def test_the_script_traces_a_recipe_run_and_prints_the_table(tmp_path: Path) -> None:
     root = Path(__file__).resolve().parents[1]
-    command = [sys.executable, str(root / "benchmarks" / "lockstep_jitter.py"), "--model", "resnet20"]
+    command = [sys.executable, "-m", "benchmarks.throughput.lockstep_jitter", "--model", "resnet20"]
     command += ["--start", "4", "--ticks", "6", "--out", str(tmp_path), "--deadline", "200"]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
     done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=230)

@@ -1,4 +1,4 @@
-"""benchmarks/multinode.py: FDG on two launcher-started "nodes" ends with the same weights as on one node.
+"""benchmarks/throughput/multinode.py: FDG on two launcher-started "nodes" ends with the same weights as on one node.
 
 Each case runs DeepSpeed's own launcher three times (one node; two nodes with ``--no_ssh
 --node_rank``) on 127.0.0.1 with gloo, so a case costs ~50-60 s on two cores; CI runs K = 4, and
@@ -8,18 +8,13 @@ K = 2 is marked slow.
 from __future__ import annotations
 
 import copy
-import importlib.util
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("multinode", ROOT / "benchmarks" / "multinode.py")
-assert _spec is not None and _spec.loader is not None
-multinode = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(multinode)
+from benchmarks.throughput import multinode
 
 
 class Runs:

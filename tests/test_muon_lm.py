@@ -1,17 +1,13 @@
-"""benchmarks/muon_lm.py, issue 44's Muon evidence: the arms, the optimizer it builds per stage, its statistics."""
+"""benchmarks/convergence/muon_lm.py, issue 44's Muon evidence: the arms, the optimizer it builds per stage, its
+statistics."""
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from benchmarks import muon_lm  # noqa: E402
-from fdg_schedule.zoo import hf_lm  # noqa: E402
+from benchmarks.convergence import muon_lm
+from fdg_schedule.zoo import hf_lm
 
 
 def test_arms_name_stages_optimizer_and_corrections() -> None:

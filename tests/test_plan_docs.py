@@ -1,15 +1,14 @@
 """The generators behind docs/scaling.md: link fitting, the calibration table, the per-setting sections.
 
 Pure and fast: a small plan of identical layers stands in for the three settings, which
-``python benchmarks/scaling.py`` plans in full.
+``python -m benchmarks.throughput.scaling`` plans in full.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
+import importlib
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -23,13 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load(name: str) -> ModuleType:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
+    """``benchmarks.throughput.<name>``, run afresh: a test's changes to its module state (``SHOWN``) stay its own."""
+    return importlib.reload(importlib.import_module(f"benchmarks.throughput.{name}"))
 
 
 def test_fit_link_recovers_latency_and_bandwidth() -> None:

@@ -138,9 +138,10 @@ def test_bad_command_exits_with_a_clear_error(bad_commands: dict[str, dict], nam
 
 
 def test_reference_trainer_refuses_delay_lr_epochs_next_to_auto_as_the_recipe_does() -> None:
-    """benchmarks/resnet_reference.py stops where the recipe does: --delay-lr-epochs with corrections "auto"."""
+    """benchmarks/convergence/resnet_reference.py stops where the recipe does: --delay-lr-epochs with corrections
+    "auto"."""
     config = str(ROOT / "ds_configs" / "resnet_fdg_k4.json")
-    command = [sys.executable, str(ROOT / "benchmarks" / "resnet_reference.py"), "--deepspeed_config", config]
+    command = [sys.executable, "-m", "benchmarks.convergence.resnet_reference", "--deepspeed_config", config]
     command += ["--stages", "4", "--delay-lr-epochs", "8"]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
@@ -220,7 +221,7 @@ def test_fdg_k2_trains_on_fashion_mnist(tmp_path: Path) -> None:
 @pytest.mark.timeout(420)
 @pytest.mark.skipif(not fashion_mnist_available(), reason="needs `apt-get install -y dataset-fashion-mnist`")
 def test_reference_trainer_prints_what_the_recipe_prints_on_the_engine(tmp_path: Path) -> None:
-    """benchmarks/resnet_reference.py (fdg_reference in one process) and the recipe on 2 ranks: the same
+    """benchmarks/convergence/resnet_reference.py (fdg_reference in one process) and the recipe on 2 ranks: the same
     epoch lines to the printed digits (losses to 1e-6), warm-up, --delay-lr-epochs and prediction included,
     so grids at K >= 3 can run there; and the same staleness line per epoch, the engine's metric against
     the reference trainer's own computation of it from the reference's weights."""
@@ -238,7 +239,7 @@ def test_reference_trainer_prints_what_the_recipe_prints_on_the_engine(tmp_path:
     args += ["--partition", "paper"]
     engine = launch(2, *args, cwd=ROOT, timeout=300)
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, str(ROOT / "benchmarks" / "resnet_reference.py"), "--stages", "2", *args]
+    command = [sys.executable, "-m", "benchmarks.convergence.resnet_reference", "--stages", "2", *args]
     reference = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert reference.returncode == 0, reference.stderr[-3000:]
     pattern = r"^(epoch \d/2: train_loss \S+ test_loss \S+ test_acc \S+ lr \S+) \("

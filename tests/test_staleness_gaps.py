@@ -1,17 +1,14 @@
-"""benchmarks/staleness_gpt2_gaps.py: the GPT-2 headline gaps of the staleness experiment log follow from its curves.
+"""benchmarks/studies/staleness_gpt2_gaps.py: the GPT-2 headline gaps of the staleness experiment log follow from its
+curves.
 
 The log and the curves: docs/results/staleness/ (experiment-log.md, staleness_gpt2_*.json).
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from staleness_gpt2_gaps import (  # noqa: E402
+from benchmarks.studies.staleness_gpt2_gaps import (
     FIVE,
     K2_EVEN,
     K3_EVEN,

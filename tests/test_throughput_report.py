@@ -1,16 +1,13 @@
-"""benchmarks/throughput_report.py: the 95 % confidence interval of a paired ratio's median."""
+"""benchmarks/common/throughput_report.py: the 95 % confidence interval of a paired ratio's median."""
 
 from __future__ import annotations
 
 import math
 import random
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from throughput_report import median_ci95  # noqa: E402
+from benchmarks.common.throughput_report import median_ci95
 
 
 def coverage(n: int, j: int) -> float:

@@ -165,7 +165,7 @@ def test_pipeline_module_stages_hold_the_whole_model(two_stage_builds, partition
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_build_stages_gives_each_stage_the_pipeline_modules_weights(two_stage_builds) -> None:
-    """The one-process stages of benchmarks/resnet_reference.py start where the engine's do."""
+    """The one-process stages of benchmarks/convergence/resnet_reference.py start where the engine's do."""
     results = [r["state"] for r in two_stage_builds]
     parts = resnet.stage_parts("resnet20", 2, "paper")
     stages = resnet.build_stages("resnet20", parts, num_classes=10, in_channels=1, base_seed=3)

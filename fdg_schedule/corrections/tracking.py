@@ -254,7 +254,7 @@ def read_offline_run(run_dir: Path) -> dict[str, Any]:
     """Name, group, config and history rows of an offline W&B run (its ``offline-run-*`` folder).
 
     Reads the run's ``run-*.wandb`` file without W&B's service or a network: what a stage logged is
-    readable on the machine that trained (``benchmarks/staleness_metric.py``, the tests), before any
+    readable on the machine that trained (``benchmarks/studies/staleness_metric.py``, the tests), before any
     ``wandb sync``.
 
     The file is W&B's LevelDB-style log: a 7-byte header, then 32 KiB blocks of records, each with

@@ -4,7 +4,7 @@ Training on CPU allocates and frees a micro-batch's activations every step. glib
 the freed top of its heap to the kernel (``M_TRIM_THRESHOLD``, adjusted as the program runs) and serves
 large blocks from fresh ``mmap`` regions it unmaps on ``free`` (``M_MMAP_THRESHOLD``). Either way the
 next micro-batch faults the same pages in again, and the kernel zeroes each one. Measured with
-``benchmarks/throughput.py`` (its ``usage`` columns): ResNet-32 backprop at micro-batch 32 took
+``benchmarks/throughput/throughput.py`` (its ``usage`` columns): ResNet-32 backprop at micro-batch 32 took
 14,400 page faults and 41 ms of kernel time per micro-batch (17 % of its time), a conv stack 18,600 and
 44 ms; a K = 2 pipeline's first stage, which holds the wide activations, paid nearly all of it again.
 

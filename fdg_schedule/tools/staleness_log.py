@@ -8,7 +8,7 @@ at). A recipe makes one :class:`StalenessLog` per FDG engine, calls :meth:`colle
     staleness: stage 0 4.520e-03 (8), stage 1 2.113e-03 (8)
 
 the median, per delayed stage, of the measurements collected since the previous line (how many in
-brackets). The last stage has no delay and is left out. ``benchmarks/resnet_reference.py`` prints the
+brackets). The last stage has no delay and is left out. ``benchmarks/convergence/resnet_reference.py`` prints the
 same line from ``fdg_reference``'s weights, and tests/test_recipe_resnet.py checks that the two agree.
 """
 

@@ -1,0 +1,1 @@
+"""Convergence benchmarks; run each as ``python -m benchmarks.convergence.<name>``."""

@@ -1,0 +1,251 @@
+"""FDG with Muon on the LM tasks (issue 44): BP-Muon against FDG-Muon at K = 2 and 4, AdamW beside them.
+
+    export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 PYTHONPATH=$PWD
+    python -m benchmarks.convergence.muon_lm run      # the queue; the same command continues a stopped one
+    python -m benchmarks.convergence.muon_lm report   # docs/results/muon/report.{md,json} from the run files
+
+The protocol is the auto test's (benchmarks/convergence/auto_test.py, docs/results/auto-preregistration.md): the
+same two LM tasks (the LLaMA-style model on the King James Bible, 2 epochs; the benchmark's GPT-2 on Shakespeare, 3
+epochs), the same data, splits, micro-batch 8, clipping 1.0, WarmupCosineLR with BP's frozen warm-up (10 % of
+the steps), K = 4 split, ``weights: "stashed"``, ``grad_shrink`` 1, every arm on ``fdg_reference`` in one
+process (K = 1 is plain backprop). Only the optimizer differs: DeepSpeed's Muon (``MuonWithAuxAdam``, built
+as ``deepspeed.initialize`` builds it from ``{"type": "Muon"}``: the blocks' matrices on Muon, embeddings,
+head, norms and biases on its Adam half, tagged by DeepSpeed's own ``set_optimizer_flags``) with the recipe's
+settings (recipes/train_lm.py ``--optimizer muon``): momentum 0.95, the Adam half at AdamW's lr 1e-3, betas
+(0.9, 0.95), eps 1e-8, weight decay 0.1 on both halves.
+
+Order, fixed before any run:
+1. BP-Muon's Muon lr, chosen per task on seed 99 among 0.01, 0.02, 0.04 (validation loss), then frozen.
+2. Seeds 100-104 (the auto test's seeds, so the AdamW rows of its queue pair with these by seed), per seed:
+   ``bp_muon`` (K = 1), ``muon_k4`` and ``muon_k2`` (FDG, ``corrections: "auto"``: for Muon the rule chooses
+   no correction, so these are also the ``"none"`` arms; each run file records the rule's line), and the
+   AdamW K = 2 arms ``adamw_k2_none`` / ``adamw_k2_auto``. BP-AdamW and AdamW K = 4 (``none``, ``auto``)
+   are the auto test's run files of the same seed (docs/results/auto/runs).
+3. The report: per task and arm, the paired relative differences of the test loss (%), their mean, sd and
+   the one-sided 95 % upper bound (Student t), as the auto test computes them. Target: FDG-Muon at K = 4
+   within 1 % of BP-Muon (bound below +1 %); and FDG-Muon K = 4 against BP-AdamW.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.convergence import auto_test
+
+ROOT = Path(__file__).resolve().parents[2]
+OUT = ROOT / "docs" / "results" / "muon" / "runs"
+REPORT = ROOT / "docs" / "results" / "muon" / "report"
+AUTO_RUNS = ROOT / "docs" / "results" / "auto" / "runs"
+TASKS = ("llama", "gpt2")
+TUNING_SEED, TUNING_LRS = 99, (0.01, 0.02, 0.04)
+SEEDS = tuple(range(100, 105))
+ARMS = ("bp_muon", "muon_k4", "muon_k2", "adamw_k2_none", "adamw_k2_auto")
+MUON = {"momentum": 0.95, "adam_lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
+
+
+def muon(stage: Any, muon_lr: float) -> Any:
+    """What ``deepspeed.initialize`` builds for a stage from ``{"type": "Muon", "params": {muon_lr, **MUON}}``
+    on the CPU (tests/toy.py's ``ds_optimizer``, with DeepSpeed's own name-and-shape tagging)."""
+    from types import SimpleNamespace
+
+    from deepspeed import set_optimizer_flags
+    from deepspeed.ops.adam import FusedAdam
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+
+    from fdg_schedule.runtime import optim
+
+    params = {"muon_lr": muon_lr, **MUON}
+    set_optimizer_flags(SimpleNamespace(optimizer_name="muon", optimizer_params=params), stage)
+    groups = DeepSpeedEngine._muon_param_groups(list(stage.parameters()), dict(params))
+    opt = MuonWithAuxAdam(groups, adam_optimizer=FusedAdam, adam_optimizer_kwargs={"adam_w_mode": True},
+                          adam_w_mode=True, fallback_to_inline=True)  # fmt: skip
+    optim.pure_steps(opt)  # one process holds K of them: each steps on its own state (issue 41)
+    return opt
+
+
+def arm_setup(arm: str) -> tuple[int, str, str | None]:
+    """(stages, optimizer, corrections) of an arm; tuning arms are ``bp_lr<x>``."""
+    if arm.startswith("bp"):
+        return 1, "muon", None
+    optimizer, k, *rest = arm.split("_")
+    return int(k[1:]), optimizer, (rest[0] if rest else "auto")
+
+
+def run_lm(task: str, arm: str, seed: int, muon_lr: float) -> dict[str, Any]:
+    """One run of the auto test's LM protocol with the arm's optimizer and K.
+
+    The data order, schedule, FDG block and evaluation restate ``auto_test.run_lm`` line for line rather than
+    parameterise it: that runner is pre-registered (docs/results/auto-preregistration.md) and stays unchanged
+    while its test runs."""
+    import torch
+    from deepspeed.runtime.lr_schedules import WarmupCosineLR
+    from transformers import LlamaConfig
+
+    from fdg_schedule import FDGConfig, fdg_reference
+    from fdg_schedule.corrections import auto_corrections
+    from fdg_schedule.zoo import hf_lm
+
+    torch.set_num_threads(1)
+    train, val, test = auto_test.lm_data(task, smoke=False)
+    torch.manual_seed(seed)
+    config = LlamaConfig(**auto_test.LLAMA) if task == "llama" else hf_lm.load_config(auto_test.GPT2_MODEL)
+    layers = hf_lm.pipeline_layers(hf_lm.build_model(config))
+    stages, optimizer, corrections = arm_setup(arm)
+    bounds = hf_lm.stage_bounds(layers, stages)
+    modules = [torch.nn.Sequential(*layers[bounds[k] : bounds[k + 1]]) for k in range(stages)]
+    if optimizer == "muon":
+        optimizers = [muon(m, muon_lr) for m in modules]
+    else:
+        optimizers = [
+            torch.optim.AdamW(m.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1) for m in modules
+        ]
+    epochs, per_epoch = int(auto_test.LM[task]["epochs"]), len(train) // 8
+    steps = epochs * per_epoch
+    schedule = {"total_num_steps": steps, "warmup_num_steps": steps // 10, "warmup_min_ratio": 0.0,
+                "cos_min_ratio": 0.1, "warmup_type": "linear"}  # fmt: skip
+    schedulers = [WarmupCosineLR(o, **schedule) for o in optimizers]
+    batches = []
+    for epoch in range(epochs):  # auto_test.run_lm's order
+        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()
+        for i in range(per_epoch):
+            block = torch.stack([train[j][0] for j in order[i * 8 : i * 8 + 8]])
+            batches.append((block, block))
+    fdg = FDGConfig()
+    choice = None
+    if corrections is not None:
+        fdg = FDGConfig(grad_shrink=1.0, weights="stashed", activations="stored", accumulate=1, corrections=corrections)
+        if corrections == "auto":
+            fdg, made = auto_corrections.resolve(fdg, optimizers[0], schedulers[0], stages)
+            choice = made.line() if made is not None else None
+    start = time.time()
+    losses = fdg_reference(modules, optimizers, batches, hf_lm.lm_loss, fdg, drain=True,
+                           schedulers=schedulers, clip_grad_norm=1.0)  # fmt: skip
+    if not all(math.isfinite(v) for v in losses):
+        return {"failed": "non-finite training loss", "train_s": time.time() - start}
+    return {
+        "test": auto_test.lm_loss_on(modules, test),
+        "validation": auto_test.lm_loss_on(modules, val),
+        "train_loss_last_100": sum(losses[-100:]) / len(losses[-100:]),
+        "auto_choice": choice,
+        "corrections": {key: getattr(fdg, key) for key in auto_corrections.CORRECTION_KEYS},
+        "bounds": bounds,
+        "train_ticks": len(batches),
+    }
+
+
+def path(out: Path, task: str, arm: str, seed: int) -> Path:
+    return out / task / f"{arm}_s{seed}.json"
+
+
+def read(file: Path) -> dict[str, Any] | None:
+    return json.loads(file.read_text()) if file.exists() else None
+
+
+def tuned_lr(out: Path, task: str) -> float | None:
+    """BP-Muon's Muon lr for ``task``: the tuning run with the lowest validation loss (None until all ran)."""
+    runs = {lr: read(path(out, task, f"bp_lr{lr}", TUNING_SEED)) for lr in TUNING_LRS}
+    if any(r is None for r in runs.values()):
+        return None
+    finite = {lr: r["validation"] for lr, r in runs.items() if r is not None and "validation" in r}
+    return min(finite, key=lambda lr: finite[lr])
+
+
+def plan(out: Path) -> list[tuple[str, str, int, float | None]]:
+    """Every run still to do, in order: per task, the tuning runs, then each seed's arms."""
+    todo: list[tuple[str, str, int, float | None]] = []
+    for task in TASKS:
+        todo += [(task, f"bp_lr{lr}", TUNING_SEED, lr) for lr in TUNING_LRS]
+        todo += [(task, arm, seed, None) for seed in SEEDS for arm in ARMS]
+    return [t for t in todo if not path(out, t[0], t[1], t[2]).exists()]
+
+
+def queue(out: Path) -> None:
+    while todo := plan(out):
+        task, arm, seed, lr = todo[0]
+        lr = lr if lr is not None else tuned_lr(out, task)
+        assert lr is not None, "the plan runs a task's tuning first"
+        print(f"muon_lm: {task} {arm} seed {seed} (muon lr {lr})", flush=True)
+        start = time.time()
+        result = run_lm(task, arm, seed, lr)
+        record = {"task": task, "arm": arm, "seed": seed, "muon_lr": lr, "wall_s": time.time() - start,
+                  "machine": auto_test.machine(), "commit": auto_test.commit(), **result}  # fmt: skip
+        file = path(out, task, arm, seed)
+        file.parent.mkdir(parents=True, exist_ok=True)
+        file.write_text(json.dumps(record, indent=1) + "\n")
+
+
+def paired(a: dict[int, dict | None], b: dict[int, dict | None]) -> dict[str, Any]:
+    """Relative paired differences (a - b) / b of the test loss, %, over the seeds both have (same machine)."""
+    diffs = []
+    for seed in SEEDS:
+        x, y = a.get(seed), b.get(seed)
+        if x is None or y is None or "test" not in x or "test" not in y or x["machine"] != y["machine"]:
+            continue
+        diffs.append((x["test"] - y["test"]) / y["test"] * 100)
+    stats: dict[str, Any] = {"n": len(diffs), "differences": diffs}
+    if len(diffs) >= 2:
+        n, mean = len(diffs), sum(diffs) / len(diffs)
+        sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1))
+        stats.update(mean=mean, sd=sd, upper_95=mean + auto_test.t_quantile(0.95, n - 1) * sd / math.sqrt(n))
+    return stats
+
+
+COMPARISONS = (  # (row, arm, against); "adamw_*" of K = 4 and "bp_adamw" are the auto test's files
+    ("FDG-Muon K=4 vs BP-Muon (target: bound < +1 %)", "muon_k4", "bp_muon"),
+    ("FDG-Muon K=2 vs BP-Muon", "muon_k2", "bp_muon"),
+    ("FDG-Muon K=4 vs BP-AdamW", "muon_k4", "bp_adamw"),
+    ("BP-Muon vs BP-AdamW", "bp_muon", "bp_adamw"),
+    ('FDG-AdamW K=4 "none" vs BP-AdamW', "adamw_k4_none", "bp_adamw"),
+    ('FDG-AdamW K=4 "auto" vs BP-AdamW', "adamw_k4_auto", "bp_adamw"),
+    ('FDG-AdamW K=2 "none" vs BP-AdamW', "adamw_k2_none", "bp_adamw"),
+    ('FDG-AdamW K=2 "auto" vs BP-AdamW', "adamw_k2_auto", "bp_adamw"),
+)
+AUTO_TEST_ARMS = {"bp_adamw": "bp", "adamw_k4_none": "none", "adamw_k4_auto": "auto"}
+
+
+def runs_of(out: Path, auto_runs: Path, task: str, arm: str) -> dict[int, dict | None]:
+    if arm in AUTO_TEST_ARMS:
+        return {s: read(auto_test.run_path(auto_runs, task, AUTO_TEST_ARMS[arm], s)) for s in SEEDS}
+    return {s: read(path(out, task, arm, s)) for s in SEEDS}
+
+
+def report(out: Path, auto_runs: Path) -> dict[str, Any]:
+    lines = ["| task | comparison (test loss, relative) | n of 5 | mean | sd | one-sided 95 % upper bound |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    result: dict[str, Any] = {"commit": auto_test.commit(), "tasks": {}}
+    for task in TASKS:
+        entry: dict[str, Any] = {"muon_lr": tuned_lr(out, task), "comparisons": {}}
+        for row, arm, against in COMPARISONS:
+            stats = paired(runs_of(out, auto_runs, task, arm), runs_of(out, auto_runs, task, against))
+            entry["comparisons"][row] = stats
+            shown = lambda key, s=stats: f"{s[key]:+.2f} %" if key in s else "–"  # noqa: E731
+            lines.append(f"| {task} | {row} | {stats['n']} | {shown('mean')} | {shown('sd')} | {shown('upper_95')} |")
+        result["tasks"][task] = entry
+    result["table"] = "\n".join(lines)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("what", choices=["run", "report"])
+    parser.add_argument("--out", type=Path, default=OUT, help="the run files (docs/results/muon/runs)")
+    parser.add_argument("--auto-runs", type=Path, default=AUTO_RUNS, help="the auto test's run files (AdamW rows)")
+    args = parser.parse_args()
+    if args.what == "run":
+        queue(args.out)
+        return
+    result = report(args.out, args.auto_runs)
+    REPORT.parent.mkdir(parents=True, exist_ok=True)
+    REPORT.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    REPORT.with_suffix(".md").write_text(result["table"] + "\n")
+    print(result["table"])
+
+
+if __name__ == "__main__":
+    main()

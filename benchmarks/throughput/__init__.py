@@ -1,0 +1,1 @@
+"""Throughput, memory and cost benchmarks; run each as ``python -m benchmarks.throughput.<name>``."""

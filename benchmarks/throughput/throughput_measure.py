@@ -1,0 +1,209 @@
+"""The rank side of the throughput benchmark: every variant timed in interleaved windows, and its memory."""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+from torch import nn
+
+from benchmarks.common.cores import bind_threads
+from benchmarks.common.throughput_variants import DeepSpeedVariant, Variant, build_variant
+from fdg_schedule.runtime import host_memory
+
+
+def throughput_worker(rank: int, world: int, plan: dict[str, Any]) -> dict[str, Any]:
+    """Build every variant, warm each up, run them interleaved, then count their held bytes.
+
+    Returns this rank's per-window records and, per variant, its stage and held/saved bytes.
+    """
+    cores = prepare_process(rank, plan)
+    specs = plan["variants"]
+    built = {spec["name"]: build_variant(spec, plan["model"], plan["splits"]) for spec in specs}
+    for spec in specs:
+        cores.bind(spec.get("bind_cores", False))
+        _window(built[spec["name"]], spec, plan["warmup"])
+    windows = []
+    for r in range(plan["repeats"]):
+        shift = r % len(specs)
+        for spec in specs[shift:] + specs[:shift]:
+            cores.bind(spec.get("bind_cores", False))
+            record = _window(built[spec["name"]], spec, plan["window"])
+            windows.append({"repeat": r, "variant": spec["name"], **record})
+            if rank == 0:
+                print(f"  round {r} {spec['name']}: {record['micro_batches'] / record['wall_s']:.2f} micro-batches/s "
+                      f"(load {record['load_before']:.1f})", flush=True)  # fmt: skip
+    memory = {}
+    for spec in specs:  # after the timings: the accounting hooks cost time
+        dist.barrier()
+        memory[spec["name"]] = held_or_saved(built[spec["name"]], spec, plan["memory_micro_batches"])
+    stage = {name: (v.stage_id if v is not None else None) for name, v in built.items()}
+    return {"rank": rank, "windows": windows, "stage_id": stage, "memory": memory}
+
+
+class Cores:
+    """Where this rank's threads may run: every core it started with, or one of its own (rank r: the r-th)."""
+
+    def __init__(self, rank: int, always_bound: bool) -> None:
+        self.all = sorted(os.sched_getaffinity(0))
+        self.own = {self.all[rank % len(self.all)]}
+        self.always_bound = always_bound
+        self.bound: bool | None = None
+
+    def bind(self, bound: bool) -> None:
+        """Move every thread of the process (gloo's transport threads too) onto its own core, or free it."""
+        bound = bound or self.always_bound
+        if bound != self.bound:
+            bind_threads(self.own if bound else set(self.all))
+            self.bound = bound
+
+
+def prepare_process(rank: int, plan: dict[str, Any]) -> Cores:
+    """This rank's allocator setting, bound to its core if ``bind_cores`` (else per variant, by its spec)."""
+    if plan.get("host_memory", "system") == "retain":
+        host_memory.retain_freed_memory()
+    cores = Cores(rank, bool(plan.get("bind_cores")))
+    cores.bind(False)
+    return cores
+
+
+def _window(variant: Variant | None, spec: dict[str, Any], micro_batches: int) -> dict[str, Any]:
+    """Run ``micro_batches`` (rounded up to whole units) of one variant after a barrier; time it."""
+    units = max(1, -(-micro_batches // spec["per_unit"]))
+    dist.barrier()
+    load_before = os.getloadavg()[0]
+    before = dict(variant.stats) if variant is not None else {}
+    usage_before = _usage()
+    get_accelerator().synchronize()  # on a GPU: the window holds exactly its own kernels (no-op on CPU)
+    start = time.perf_counter()
+    if variant is not None:
+        for _ in range(units):
+            variant.unit()
+    get_accelerator().synchronize()
+    local_wall = time.perf_counter() - start
+    usage = {k: v - usage_before[k] for k, v in _usage().items()}
+    wall = torch.tensor([local_wall], dtype=torch.float64)
+    dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+    after = dict(variant.stats) if variant is not None else {}
+    return {
+        "wall_s": wall.item(),
+        "local_wall_s": local_wall,
+        "micro_batches": units * spec["per_unit"],
+        "stats": {k: after[k] - before.get(k, 0.0) for k in after},
+        "cpu_s": usage["user_s"] + usage["sys_s"],
+        "usage": usage,
+        "load_before": load_before,
+        "load_after": os.getloadavg()[0],
+    }
+
+
+def _usage() -> dict[str, float]:
+    """Where a rank's CPU time went: user and kernel time, the main thread's share (the rest is
+    other threads: gloo's transport, DeepSpeed's), page faults, and context switches
+    (involuntary: the kernel took the core away)."""
+    process = resource.getrusage(resource.RUSAGE_SELF)
+    thread = resource.getrusage(resource.RUSAGE_THREAD)
+    return {
+        "user_s": process.ru_utime,
+        "sys_s": process.ru_stime,
+        "main_thread_s": thread.ru_utime + thread.ru_stime,
+        "minor_faults": float(process.ru_minflt),
+        "voluntary_switches": float(process.ru_nvcsw),
+        "involuntary_switches": float(process.ru_nivcsw),
+    }
+
+
+class SavedBytes:
+    """Live bytes autograd has saved for backward (activations; weights and buffers excluded), and the peak."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.skip = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
+        self.live = 0
+        self.peak = 0
+
+    def hooks(self) -> Any:
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        return t if t.untyped_storage().data_ptr() in self.skip else _Counted(t, self)
+
+    @staticmethod
+    def _unpack(packed: Any) -> torch.Tensor:
+        return packed.tensor if isinstance(packed, _Counted) else packed
+
+
+class _Counted:
+    __slots__ = ("tensor", "owner", "nbytes")
+
+    def __init__(self, tensor: torch.Tensor, owner: SavedBytes) -> None:
+        self.tensor, self.owner, self.nbytes = tensor, owner, tensor.numel() * tensor.element_size()
+        owner.live += self.nbytes
+        owner.peak = max(owner.peak, owner.live)
+
+    def __del__(self) -> None:  # the graph that saved it is gone
+        self.owner.live -= self.nbytes
+
+
+class HeldBytesObserver:
+    """FDG observer: the largest ``held_bytes()`` / ``in_flight()`` seen at the end of a tick."""
+
+    def __init__(self) -> None:
+        self.held_max = 0
+        self.in_flight_max = 0
+
+    def on_instruction(self, engine: Any, cmd: Any, start: float, end: float) -> None:
+        if type(cmd).__name__ == "AdvanceTick":
+            self.held_max = max(self.held_max, engine.held_bytes())
+            self.in_flight_max = max(self.in_flight_max, engine.in_flight())
+
+    def on_call_end(self, engine: Any, seconds: float) -> None:
+        pass
+
+
+def held_or_saved(variant: Variant | None, spec: dict[str, Any], micro_batches: int) -> dict:
+    """Train ``micro_batches`` more and report the most bytes held for backward on this rank.
+
+    FDG: ``engine.held_bytes()`` at every tick end (saved activations, stage inputs, weight
+    snapshots) and ``in_flight()``. BP and DeepSpeed's engines: the peak of live autograd-saved
+    activations (what 1F1B keeps between a micro-batch's forward and its backward).
+    """
+    if variant is None:
+        return {}
+    units = max(2, -(-micro_batches // spec["per_unit"]))
+    if isinstance(variant, DeepSpeedVariant) and variant.is_fdg:
+        observer = HeldBytesObserver()
+        variant.engine.observers.append(observer)
+        for _ in range(units):
+            variant.unit()
+        variant.engine.observers.remove(observer)
+        delta = variant.engine.fdg_state.corrections.delta or []  # the weight prediction's δ (fp32)
+        return {
+            "held_max": observer.held_max,
+            "in_flight_max": observer.in_flight_max,
+            "delta_bytes": sum(d.numel() * d.element_size() for d in delta),
+        }
+    saved = SavedBytes(variant.module)
+    with saved.hooks():
+        for _ in range(units):
+            variant.unit()
+    return {"saved_peak": saved.peak}
+
+
+def memory_worker(rank: int, world: int, plan: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
+    """Build one variant in this fresh process, train a few micro-batches, report RSS and held bytes."""
+    import psutil
+
+    prepare_process(rank, plan)
+    variant = build_variant(spec, plan["model"], plan["splits"])
+    result: dict[str, Any] = {"rank": rank, "stage_id": None, "rss_build": psutil.Process().memory_info().rss}
+    if variant is not None:
+        result["stage_id"] = variant.stage_id
+        result.update(held_or_saved(variant, spec, plan["memory_micro_batches"]))
+    dist.barrier()
+    result["rss_peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: kilobytes
+    return result
