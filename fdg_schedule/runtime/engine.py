@@ -77,8 +77,7 @@ class FDGPipelineEngine(FDGCheckpoints):
             loss_scale=scale_config is not None,
         )  # fmt: skip
         self._replicas = Replicas(self.grid, self.stage_id, fdg_config.timeout, self._where(), self.device)
-        delayed = not self.is_last_stage()
-        self._delayed = DelayedBackward(self.module, fdg_config, delayed=delayed)
+        self._delayed = DelayedBackward(self.module, fdg_config, delayed=(delayed := not self.is_last_stage()))
         self._tied = tied.TiedSync(
             ties, self.stage_id, self.basic_optimizer, self.optimizer, self.grid.get_data_parallel_group(),
             self.dp_world_size, self._replicas.collective, self._where(), bool(self._tie_keys), bool(scale_config),
