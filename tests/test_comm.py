@@ -59,7 +59,7 @@ def test_a_wait_with_no_receive_posted_prints_every_stages_plan(one_rank_group: 
                              plan=lambda: grid.around(schedule, 1))  # fmt: skip
     with pytest.raises(FDGRuntimeError, match="no activation receive was posted") as failed:
         comm.wait_activation()
-    assert "> A0 L1 F0 B0 R S X[sg,ra] T+ <" in str(failed.value)  # stage 1's cell at tick 1, marked
+    assert "> A0 pa1 L1 F0 B0 sg0 R S X T+ <" in str(failed.value)  # stage 1's cell at tick 1, marked
 
 
 # -- the path and the stream-ordered machinery, without NCCL (Note [three ways to wait]) ------------
