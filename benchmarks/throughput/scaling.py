@@ -510,8 +510,11 @@ def summary(settings: list[Setting], results: dict[str, Plan]) -> list[str]:
 def why() -> list[str]:
     return [
         "Why, in the model's terms: the flushing schedules lose (K-1) slots per batch to their bubble (1F1B, "
-        "GPipe), or a fraction of it (interleaved 1F1B, ZB-H1); FDG loses nothing to a flush but puts its exchange "
-        "on the critical path of every tick and steps every `accumulate` ticks. So FDG gains most where the bubble "
+        "GPipe), or a fraction of it (interleaved 1F1B, ZB-H1); FDG loses nothing to a flush and sends each "
+        "message when it is made, but the round trip between its last two stages (the activation down, the last "
+        "stage's forward and backward, the gradient up) must fit in one tick of stage K-2, so with balanced "
+        "stages a transfer longer than half of stage K-2's all-reduce and step stays on the critical path; and it "
+        "steps every `accumulate` ticks. So FDG gains most where the bubble "
         "is large and transfers are short (many stages, fast links, small activations), and least at small K, "
         "where ZB-H1 and interleaving already remove most of the bubble. With data parallelism `accumulate: 1` "
         "all-reduces every stage's gradients every tick, which the flushing schedules do once per batch: that is "
@@ -698,8 +701,9 @@ def render(settings: list[Setting], results: dict[str, Plan], paper: dict[str, A
         "(Narayanan et al. 2021) and ZB-H1 (Qi et al. 2024) are their published orderings.",
         "- **Simulator.** Every rank runs its list in order; among all ranks the action that can start earliest "
         "runs next (`simulate.py`). A message holds its sender's link for bytes / bandwidth and arrives a latency "
-        "later; links between nodes are shared by the replicas that use them at once. FDG's exchange is posted at "
-        "the end of a tick and its gradient is needed at the start of the next, so it is not overlapped; "
+        "later; links between nodes are shared by the replicas that use them at once. FDG sends each message right "
+        "after the compute that made it (Note [each message when it exists] in fdg_schedule/exchange/comm.py), so a "
+        "transfer overlaps whatever the receiver does before it needs it; "
         "DeepSpeed's 1F1B sends are blocking (a rendezvous, as `p2p.send` is); GPipe, interleaved and ZB-H1 send "
         "without blocking. Flushing schedules end every batch with an all-reduce, a step and a cross-stage "
         "collective; FDG is timed in steady state over whole accumulation periods.",
