@@ -344,7 +344,8 @@ class NeighbourExchange:
         ceiling: float | None = None,
     ) -> None:
         """A whole tick's messages at once, as FDG's exchange ran before the messages were split: the
-        gradients+loss and the activation sent, next tick's receives posted, then :meth:`finish_tick`.
+        gradients+loss and the activation sent, the activation receive posted, :meth:`finish_tick`, then the
+        gradient receive (after any header, so a shared-memory link set up there carries it, whenever it comes).
 
         The engine sends and posts each message where its schedule says (Note [each message when it
         exists]); this is for tools and tests that drive an exchange tick by tick.
@@ -355,9 +356,9 @@ class NeighbourExchange:
             self.send_activation(activation, end, ceiling)
         if recv_activation:
             self.post_recv_activation()
-        if recv_grad_meta is not None:
-            self.post_recv_grad(recv_grad_meta)
         self.finish_tick(peers)
+        if recv_grad_meta is not None:  # after a new link: callers may send that gradient any later tick
+            self.post_recv_grad(recv_grad_meta)
 
     def send_grad(self, grads: Sequence[Tensor], loss: Tensor | None) -> None:
         """Send a backward's input gradients and the loss they carry to the previous stage, now (non-blocking)."""
