@@ -343,22 +343,29 @@ class NeighbourExchange:
         peers: Sequence[PeerMessage] = (),
         ceiling: float | None = None,
     ) -> None:
-        """A whole tick's messages at once, as FDG's exchange ran before the messages were split: the
-        gradients+loss and the activation sent, the activation receive posted, :meth:`finish_tick`, then the
-        gradient receive (after any header, so a shared-memory link set up there carries it, whenever it comes).
+        """A whole tick's messages at once, as FDG's exchange ran before the messages were split: the activation
+        header first (a shared-memory link changes there, and a gradient receive still pending then is an error:
+        the callers' ticks are out of step), then the gradients+loss and the activation sent, next tick's
+        receives posted, and :meth:`finish_tick`.
 
         The engine sends and posts each message where its schedule says (Note [each message when it
         exists]); this is for tools and tests that drive an exchange tick by tick.
         """
+        self._check_watchdog()
+        sending = self._dummy_activation() if end != NO_END else activation
+        header_out = sending is not None and self._header_out(sending)
+        header_in = recv_activation and self._header_in()
+        if header_out or header_in:  # the header first, as the one batch did: nothing of this tick waits for it
+            self._exchange_headers(sending if header_out else None, header_in, pending_grad="refuse")
         if grads is not None:
             self.send_grad(grads, loss)
-        if activation is not None or end != NO_END:
+        if sending is not None:
             self.send_activation(activation, end, ceiling)
         if recv_activation:
             self.post_recv_activation()
-        self.finish_tick(peers)
-        if recv_grad_meta is not None:  # after a new link: callers may send that gradient any later tick
+        if recv_grad_meta is not None:
             self.post_recv_grad(recv_grad_meta)
+        self.finish_tick(peers)
 
     def send_grad(self, grads: Sequence[Tensor], loss: Tensor | None) -> None:
         """Send a backward's input gradients and the loss they carry to the previous stage, now (non-blocking)."""
@@ -649,15 +656,21 @@ class NeighbourExchange:
         link = self.shared_memory["prev"] and self.links["prev"] is None
         return self.recv_meta is None or self.dynamic_shape or link
 
-    def _exchange_headers(self, activation: Sequence[Tensor] | None, recv_activation: bool) -> None:
+    def _exchange_headers(
+        self, activation: Sequence[Tensor] | None, recv_activation: bool, pending_grad: str = "receive"
+    ) -> None:
         """Send the header of ``activation`` (setting up a new shared-memory link first where it needs one) and
         receive the previous stage's (joining its link), blocking: both neighbours run it at the same tick's
-        end (Note [each message when it exists])."""
+        end (Note [each message when it exists]). ``pending_grad``: what to do with a gradient receive pending
+        when the link to the next stage changes: ``"receive"`` it the old way (the engine's order), or
+        ``"refuse"`` (:meth:`post`'s order, in which none is pending then)."""
         ops = []
         if activation is not None:
             self.sent_meta = meta_of(activation)
             token = capacity = 0
             if self.shared_memory["next"] and self._link_too_small(activation):
+                if pending_grad == "refuse":
+                    self._check_nothing_pending(self._grad, "a gradient receive")
                 self._receive_pending_grad()  # sent on the old way, before the neighbour reads this header
                 self._close_link("next")
                 try:
