@@ -87,3 +87,20 @@ def test_interleaving_behind_1f1b_is_explained_by_the_rank_holding_the_uncuttabl
     # [0, 3, 6, 7, 8] are 9, 9, 3, 12 (none over the head), but rank 1 runs chunks 1 and 3: 21
     assert text.startswith("- Interleaved 1F1B is behind DeepSpeed's 1F1B at K = 2 (K = 2: ")
     assert "busiest rank 21000.00 vs 18000.00 ms of compute" in text and "(Head, 12000.00 ms" in text
+
+
+def test_the_page_opens_with_the_answer_drawn_from_the_results() -> None:
+    scaling = load("scaling")
+    profile = uniform_profile(8, step=0.1)
+    setting = scaling.Setting("toy", "toy", "a toy model", lambda: profile, "A100", "h100-ib", 2, [2, 4])
+    variants = [Variant("fdg"), Variant("fdg", accumulate=None), Variant("1f1b"), Variant("zbh1")]
+    result = plan(profile, Cluster(gpus_per_node=4), [2, 4], variants, dp=2)
+    paper = {"cifar": {"wrn_28_10": {"rows": {2: {"speedup": 2.0, "paper_speedup": 1.6}}}}}
+    text = "\n".join(scaling.answer([setting], {"toy": result}, paper))
+    assert text.startswith("## The answer\n")
+    ratios = scaling.ratios(result)
+    for k in (2, 4):
+        fdg, _, other = scaling.head_to_head(result, k)
+        assert fdg is not None and other is not None
+        assert f"| toy | {k} | {fdg.variant.name}: " in text and f"**{ratios[k]:.2f}x**" in text
+    assert "The planner's pick: " in text and "the predicted speed-up is +25% to +25% off the published one" in text

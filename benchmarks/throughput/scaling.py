@@ -1,7 +1,7 @@
 """Write docs/scaling.md: the planner's predictions for FDG and four other schedules at K = 2 ... 64 on three clusters.
 
     export DS_ACCELERATOR=cpu PYTHONPATH=$PWD
-    python -m benchmarks.throughput.scaling  # ~3 min on one core: docs/scaling.md; docs/results/scaling/*.{json,png}
+    python -m benchmarks.throughput.scaling  # 3-5 min on one core: docs/scaling.md; docs/results/scaling/*.{json,png}
 
 Every number in docs/scaling.md comes from this script: the three settings below are planned with
 ``fdg_schedule.plan`` (FLOP estimates, named clusters), the FDG paper's speed-ups are re-derived
@@ -31,6 +31,7 @@ from fdg_schedule.plan import (  # noqa: E402
     Efficiency,
     ModelProfile,
     Placement,
+    Prediction,
     Variant,
     default_variants,
     estimate_resnet,
@@ -214,16 +215,32 @@ def setting_section(setting: Setting, result: Plan) -> list[str]:
     return lines
 
 
+def head_to_head(result: Plan, k: int) -> tuple[Prediction | None, Prediction | None, Prediction | None]:
+    """At K = k: the fastest fitting FDG mode, the fastest fitting FDG mode with a step per micro-batch, and the
+    fastest fitting other schedule (None where nothing of that kind fits)."""
+    fits = [p for p in result.predictions if p.stages == k and p.fits]
+
+    def best(ps: list[Prediction]) -> Prediction | None:
+        return max(ps, key=lambda p: p.samples_per_s, default=None)
+
+    return (
+        best([p for p in fits if p.variant.schedule == "fdg"]),
+        best([p for p in fits if p.variant.schedule == "fdg" and p.variant.accumulate == 1]),
+        best([p for p in fits if p.variant.schedule != "fdg"]),
+    )
+
+
+def _ks(result: Plan) -> list[int]:
+    return sorted({p.stages for p in result.predictions})
+
+
 def break_even(result: Plan) -> list[str]:
     """Where the best fitting FDG mode is ahead of the best fitting other schedule, and by how much."""
-    ks = sorted({p.stages for p in result.predictions})
-    wins, losses, lines = [], [], []
-    for k in ks:
-        fits = [p for p in result.predictions if p.stages == k and p.fits]
-        fdg = max((p for p in fits if p.variant.schedule == "fdg"), key=lambda p: p.samples_per_s, default=None)
-        fdg1 = max((p for p in fits if p.variant.schedule == "fdg" and p.variant.accumulate == 1),
-                   key=lambda p: p.samples_per_s, default=None)  # fmt: skip
-        other = max((p for p in fits if p.variant.schedule != "fdg"), key=lambda p: p.samples_per_s, default=None)
+    wins: list[int] = []
+    losses: list[int] = []
+    lines: list[str] = []
+    for k in _ks(result):
+        fdg, fdg1, other = head_to_head(result, k)
         if fdg is None or other is None:
             what = (
                 "nothing fits"
@@ -455,41 +472,116 @@ def interleaving_behind(result: Plan) -> list[str]:
     ]
 
 
+def ratios(result: Plan) -> dict[int, float]:
+    """Per K where both fit: the best FDG mode's samples/s over the best other schedule's."""
+    out = {}
+    for k in _ks(result):
+        fdg, _, other = head_to_head(result, k)
+        if fdg is not None and other is not None:
+            out[k] = fdg.samples_per_s / other.samples_per_s
+    return out
+
+
 def summary(settings: list[Setting], results: dict[str, Plan]) -> list[str]:
-    """The break-even points of every setting in one list, then why."""
+    """The break-even points of every setting in one list (why: :func:`why`, in the answer at the top)."""
     lines = []
     for setting in settings:
         result = results[setting.key]
-        ratios, ones = {}, []
-        for k in sorted({p.stages for p in result.predictions}):
-            fits = [p for p in result.predictions if p.stages == k and p.fits]
-            fdg = [p for p in fits if p.variant.schedule == "fdg"]
-            other = [p for p in fits if p.variant.schedule != "fdg"]
-            if fdg and other:
-                best_other = max(p.samples_per_s for p in other)
-                ratios[k] = max(p.samples_per_s for p in fdg) / best_other
-                ones += [p.samples_per_s / best_other for p in fdg if p.variant.accumulate == 1]
-        ahead = [k for k, r in ratios.items() if r > 1.0]
-        behind = [k for k, r in ratios.items() if r <= 1.0]
-        best_k = max(ratios, key=ratios.__getitem__)
-        worst_k = min(ratios, key=ratios.__getitem__)
+        r = ratios(result)
+        ones = []
+        for k in r:  # every fitting FDG mode with a step per micro-batch, against the best other schedule
+            other = head_to_head(result, k)[2]
+            assert other is not None
+            mine = [p for p in result.predictions if p.stages == k and p.fits and p.variant.schedule == "fdg"]
+            ones += [p.samples_per_s / other.samples_per_s for p in mine if p.variant.accumulate == 1]
+        ahead = [k for k, x in r.items() if x > 1.0]
+        behind = [k for k, x in r.items() if x <= 1.0]
+        best_k = max(r, key=r.__getitem__)
+        worst_k = min(r, key=r.__getitem__)
         lines.append(
             f"- **{setting.short}**: FDG's best fitting mode is ahead of the best fitting other schedule at K = "
-            f"{_list(ahead)} and level or behind at K = {_list(behind)}; from {ratios[worst_k]:.2f}x (K = {worst_k}) "
-            f"to {ratios[best_k]:.2f}x (K = {best_k}). With a step per micro-batch (`accumulate: 1`) FDG's modes "
+            f"{_list(ahead)} and level or behind at K = {_list(behind)}; from {r[worst_k]:.2f}x (K = {worst_k}) "
+            f"to {r[best_k]:.2f}x (K = {best_k}). With a step per micro-batch (`accumulate: 1`) FDG's modes "
             f"reach {min(ones):.2f}x-{max(ones):.2f}x of it."
         )
-    lines += [
-        "",
+    return lines
+
+
+def why() -> list[str]:
+    return [
         "Why, in the model's terms: the flushing schedules lose (K-1) slots per batch to their bubble (1F1B, "
         "GPipe), or a fraction of it (interleaved 1F1B, ZB-H1); FDG loses nothing to a flush but puts its exchange "
         "on the critical path of every tick and steps every `accumulate` ticks. So FDG gains most where the bubble "
         "is large and transfers are short (many stages, fast links, small activations), and least at small K, "
         "where ZB-H1 and interleaving already remove most of the bubble. With data parallelism `accumulate: 1` "
         "all-reduces every stage's gradients every tick, which the flushing schedules do once per batch: that is "
-        "where FDG loses most. In memory, FDG's stored activations on stage 0 grow as 2(K-1) micro-batches against "
-        "1F1B's K; recomputed activations turn that into 2(K-1) stage inputs and fit wherever anything fits.",
+        "where FDG loses most. In memory, FDG's stage 0 holds 2(K-1) micro-batches in flight (stage input and "
+        "saved activations) against 1F1B's K; recomputed activations keep only the 2(K-1) stage inputs and fit "
+        "wherever anything fits."
     ]
+
+
+def _vs(result: Plan, k: int) -> str:
+    """One table row: the best FDG mode against the best other schedule at K = k."""
+    fdg, _, other = head_to_head(result, k)
+    name = lambda p: "nothing fits" if p is None else f"{p.variant.name}: {rate(p.samples_per_s)}"
+    ratio = "–" if fdg is None or other is None else f"**{fdg.samples_per_s / other.samples_per_s:.2f}x**"
+    return f"{k} | {name(fdg)} | {name(other)} | {ratio}"
+
+
+def calibration_error() -> tuple[float, float] | None:
+    """The smallest and largest prediction error at K = 2 on this machine (rows not fitted), if measured."""
+    path = RESULTS / "plan_calibration.json"
+    if not path.exists():
+        return None
+    models = json.loads(path.read_text())["models"]
+    errors = [row["error"] for m in models.values() for name, row in m["rows"].items() if name != "bp"]
+    return (min(errors), max(errors)) if errors else None
+
+
+def answer(settings: list[Setting], results: dict[str, Plan], paper: dict[str, Any]) -> list[str]:
+    """The page's opening: FDG against the best other schedule at small, FDG's best and large K, then why."""
+    lines = [
+        "## The answer",
+        "",
+        "Predicted (not measured) samples/s of the whole job: the fastest FDG mode that fits the device memory "
+        "against the fastest other schedule that fits (DeepSpeed 1F1B, GPipe, interleaved 1F1B, ZB-H1), at the "
+        "smallest and the largest K where both fit, and at the K where FDG is fastest:",
+        "",
+        "| setting | K | best FDG mode: samples/s | best other: samples/s | FDG / other |",
+        "|---|---|---|---|---|",
+    ]
+    picks = []
+    for setting in settings:
+        result = results[setting.key]
+        ks = _ks(result)
+        fastest = max(ks, key=lambda k: getattr(head_to_head(result, k)[0], "samples_per_s", 0.0))
+        r = ratios(result)
+        for k in sorted({min(r), fastest, max(r)}):
+            lines.append(f"| {setting.short} | {_vs(result, k)} |")
+        ahead, behind = [k for k, x in r.items() if x > 1.0], [k for k, x in r.items() if x <= 1.0]
+        where = (f"FDG ahead at K = {_list(ahead)}, level or behind at K = {_list(behind)}" if behind
+                 else f"FDG ahead at every K where both fit ({_list(ahead)})")  # fmt: skip
+        unfit = [k for k in ks if k not in r]
+        if unfit:
+            where += f"; at K = {_list(unfit)} not both fit"
+        rec = result.recommendation
+        pick = "nothing fits" if rec is None else (
+            f"{rec.variant.name} at K = {rec.stages} x dp {rec.dp}, {rate(rec.samples_per_s)} samples/s "
+            f"({result.speedup(rec):.1f}x backprop)")  # fmt: skip
+        picks.append(f"- **{setting.short}**: {where}. The planner's pick: {pick}.")
+    lines += ["", *picks, "", *why(), ""]
+    wrn = paper["cifar"]["wrn_28_10"]["rows"]
+    errs = [wrn[k]["speedup"] / wrn[k]["paper_speedup"] - 1 for k in wrn]
+    trust = (
+        f"How far to trust it: against the FDG paper's Table 6 (WRN-28-10, K = 2 … 4) the predicted speed-up "
+        f"is {min(errs):+.0%} to {max(errs):+.0%} off the published one"
+    )
+    cal = calibration_error()
+    if cal is not None:
+        trust += (f"; against runs on this CPU machine at K = 2 the predicted samples/s are {cal[0]:+.1%} to "
+                  f"{cal[1]:+.1%} off the measured (positive: optimistic)")  # fmt: skip
+    lines += [trust + " (see Validation). Beyond K = 2 and off this machine nothing here is measured.", ""]
     return lines
 
 
@@ -557,6 +649,9 @@ def render(settings: list[Setting], results: dict[str, Plan], paper: dict[str, A
     lines = [
         "# Scaling FDG beyond one machine: predictions for K = 2 … 64",
         "",
+        *answer(settings, results, paper),
+        "## What this page is",
+        "",
         "Nothing here can run 64 GPUs, so this page predicts: `python -m fdg_schedule.plan` simulates, event by "
         "event, what every rank of FDG and of four other pipeline schedules does, from per-layer costs and a "
         "cluster, and recommends K, the split and the schedule that fit a memory limit. It is checked against "
@@ -596,10 +691,11 @@ def render(settings: list[Setting], results: dict[str, Plan], paper: dict[str, A
         "## How it predicts",
         "",
         "- **Streams.** Each schedule is a list of actions per rank (forward, backward, input/weight-gradient "
-        "halves, sends, receives, all-reduce, step; `fdg_schedule/plan/streams.py`). FDG's is translated "
-        "instruction by instruction from the engine's own `FDGTrainSchedule`, DeepSpeed 1F1B's from DeepSpeed's "
-        "`TrainSchedule`; GPipe (Huang et al. 2019), interleaved 1F1B (Narayanan et al. 2021) and ZB-H1 (Qi et al. "
-        "2024) are their published orderings.",
+        "halves, sends, receives, all-reduce, step; `fdg_schedule/plan/streams.py`), in the one alphabet of "
+        "`fdg_schedule/sched/actions.py`. FDG's is the engine's own schedule (the actions the engine lowers to "
+        "its instructions), DeepSpeed 1F1B's the step arithmetic of DeepSpeed's `TrainSchedule` restated "
+        "torch-free (tested against DeepSpeed's generator); GPipe (Huang et al. 2019), interleaved 1F1B "
+        "(Narayanan et al. 2021) and ZB-H1 (Qi et al. 2024) are their published orderings.",
         "- **Simulator.** Every rank runs its list in order; among all ranks the action that can start earliest "
         "runs next (`simulate.py`). A message holds its sender's link for bytes / bandwidth and arrives a latency "
         "later; links between nodes are shared by the replicas that use them at once. FDG's exchange is posted at "
@@ -609,10 +705,12 @@ def render(settings: list[Setting], results: dict[str, Plan], paper: dict[str, A
         "collective; FDG is timed in steady state over whole accumulation periods.",
         "- **Split.** A dynamic program picks the contiguous cut whose slowest stage (compute, plus its output's "
         "transfer when it leaves the node) is fastest, among the cuts whose stages fit the memory limit with the "
-        "schedule's own count of micro-batches in flight (FDG stage k: 2(K-1-k); 1F1B: K-k; GPipe: m).",
+        "schedule's own count of micro-batches in flight (FDG stage k: 2(K-1-k); 1F1B: min(K-k, m); GPipe: m).",
         "- **Memory** per device = weights, gradients and optimizer state + the peak of what the simulated ranks "
-        "hold: FDG stored d·A, stashed d·(A+W), recomputed d·I plus one A during a backward (docs/fdg.md's "
-        "table, tested against the simulator).",
+        "hold, with I a stage's input, A what autograd saves and W its weights per micro-batch in flight: FDG "
+        "stored d·(I+A), stashed d·(I+A+W), recomputed d·I (+ d·W stashed) plus one A during a backward; 1F1B, "
+        "GPipe and ZB-H1 n·(I+A) (`fdg_schedule/partitioning/stage_memory.py`, the model the partitioner "
+        "shares, checked against engines' `held_bytes()` and the simulator).",
         "",
         "### Assumptions",
         "",
@@ -656,7 +754,14 @@ def render(settings: list[Setting], results: dict[str, Plan], paper: dict[str, A
     for setting in settings:
         lines += setting_section(setting, results[setting.key])
         lines += ["Reading it:", "", *reading(results[setting.key]), ""]
-    lines += ["## Where FDG wins and where it loses", "", *summary(settings, results), ""]
+    lines += [
+        "## Where FDG wins and where it loses",
+        "",
+        *summary(settings, results),
+        "",
+        "(Why: see the answer at the top.)",
+        "",
+    ]
     lines += [
         "## What the model leaves out",
         "",
