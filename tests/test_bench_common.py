@@ -45,3 +45,29 @@ def test_bind_threads_pins_every_thread_of_the_process() -> None:
         thread.join()
         bind_threads(before)
     assert seen == [{core}]  # the thread that was running already is bound too
+
+
+@pytest.mark.parametrize(("model", "layers", "cut", "boundary_bytes"), [
+    ("plainconv", 29, 14, 32 * 32 * 32 * 32 * 4),  # issue 48's conv net: 4 MiB between its stages
+    ("widemlp", 17, 8, 256 * 2048 * 4),  # a large boundary: 2 MiB
+    ("smalltransformer", 7, 3, 8 * 32 * 128 * 4),  # a small one: 128 KiB
+])  # fmt: skip
+def test_the_new_shapes_are_layer_lists_with_their_boundaries(
+    model: str, layers: int, cut: int, boundary_bytes: int
+) -> None:
+    """The throughput benchmark's issue-48 shapes: flat LayerSpec lists any split (and the halves) can cut, whose
+    activation at a cut has the size the model's description gives."""
+    import torch
+    from deepspeed.pipe import LayerSpec
+    from torch import nn
+
+    from benchmarks.common.bench_models import build_layers, fixed_data, model_layers
+
+    specs = model_layers(model)
+    assert len(specs) == layers and all(isinstance(s, LayerSpec) for s in specs)
+    x, y = fixed_data(model, 1)[0]
+    with torch.no_grad():
+        boundary = nn.Sequential(*build_layers(model)[:cut])(x)
+        logits = nn.Sequential(*build_layers(model)[cut:])(boundary)
+    assert boundary.numel() * boundary.element_size() == boundary_bytes
+    assert logits.shape == (y.shape[0], 10)

@@ -301,3 +301,23 @@ def test_the_new_shapes_run_with_their_halves(tmp_path: Path) -> None:
         rows = models[model]["variants"]
         assert rows["halves"]["split"] == rows["fdg_current_stored"]["split"], model
         assert rows["fdg_current_stored"]["ratio_vs_halves"]["median"] > 0, model
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(200)
+def test_tick_anatomy_splits_every_variant_per_rank(tmp_path: Path) -> None:
+    """benchmarks/studies/tick_anatomy.py (issue 48): the halves and FDG on both transports, bound and unbound, each
+    rank's tick split into the layers' compute, the engine, other threads and the lock-step."""
+    command = [sys.executable, "-m", "benchmarks.studies.tick_anatomy", "--model=plainconv_tiny", "--rounds=1",
+               "--window=4", "--warmup=4", f"--out={tmp_path}"]  # fmt: skip
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ranks = json.loads((tmp_path / "tick_anatomy.json").read_text())["ranks"]
+    names = {w["variant"] for w in ranks[0]["windows"]}
+    assert {"halves", "halves_exchange", "halves_shm", "fdg", "fdg_shm", "fdg_bound"} <= names
+    for rank in ranks:
+        (fdg,) = [w for w in rank["windows"] if w["variant"] == "fdg"]
+        assert fdg["ticks"] == 4 and len(fdg["ticks_busy_wait_s"]) == 4
+        assert fdg["inner"]["module_forward"] > 0 and fdg["instruction_cpu"]["FDGForward"] > 0
+    assert "slower rank alone" in done.stdout and "| fdg_shm | 1 |" in done.stdout
