@@ -205,43 +205,46 @@ def train(rank: int, world: int, cases: list[dict[str, Any]], import_fdg: bool =
     """Train each case; record the stage's weights and returned loss after every call."""
     out = []
     for case in cases:
-        torch.manual_seed(1234)
-        engine, model, data = build(case, world, import_fdg)
-        it = iter(data)
-        states, losses, staleness = [], [], []
-        for call in range(case["calls"]):
-            if case.get("training_data"):
-                losses.append(engine.train_batch().item())
-            else:
-                losses.append(engine.train_batch(it).item())
-            if case.get("drain_each_call"):
-                engine.drain()
-            states.append(_state(model))
-            staleness.append(getattr(engine, "fdg_stats", {}).get("staleness"))
-            if case.get("eval_between") and call == 1:
-                engine.eval_batch(iter(toy.micro_batches(case.get("gas", 3), 4 * (world // case["stages"]), seed=9)))
-        if case.get("drain"):
-            losses.append(engine.drain().item())
-            states.append(_state(model))
-        out.append(
-            {
-                "engine": type(engine).__name__,
-                "parts": model.parts,
-                "stage_id": engine.stage_id,
-                "dp_id": model._grid.data_parallel_id,
-                "states": states,
-                "losses": losses,
-                "staleness": staleness,
-                "global_steps": engine.global_steps,
-                "global_samples": engine.global_samples,
-                "lr": engine.get_lr()[0] if engine.lr_scheduler is not None else None,
-                "in_flight": getattr(engine, "in_flight", lambda: None)(),
-                "grad_norm": engine.get_global_grad_norm(),
-                "running_timers": [n for n in engine.engine_timers.active_timers() if engine.timers(n).started_],
-                "links": _links(engine),
-            }
-        )
+        with toy.newton_schulz_dtype(case):
+            out.append(_train_one(case, world, import_fdg))
     return out
+
+
+def _train_one(case: dict[str, Any], world: int, import_fdg: bool) -> dict[str, Any]:
+    torch.manual_seed(1234)
+    engine, model, data = build(case, world, import_fdg)
+    it = iter(data)
+    states, losses, staleness = [], [], []
+    for call in range(case["calls"]):
+        if case.get("training_data"):
+            losses.append(engine.train_batch().item())
+        else:
+            losses.append(engine.train_batch(it).item())
+        if case.get("drain_each_call"):
+            engine.drain()
+        states.append(_state(model))
+        staleness.append(getattr(engine, "fdg_stats", {}).get("staleness"))
+        if case.get("eval_between") and call == 1:
+            engine.eval_batch(iter(toy.micro_batches(case.get("gas", 3), 4 * (world // case["stages"]), seed=9)))
+    if case.get("drain"):
+        losses.append(engine.drain().item())
+        states.append(_state(model))
+    return {
+        "engine": type(engine).__name__,
+        "parts": model.parts,
+        "stage_id": engine.stage_id,
+        "dp_id": model._grid.data_parallel_id,
+        "states": states,
+        "losses": losses,
+        "staleness": staleness,
+        "global_steps": engine.global_steps,
+        "global_samples": engine.global_samples,
+        "lr": engine.get_lr()[0] if engine.lr_scheduler is not None else None,
+        "in_flight": getattr(engine, "in_flight", lambda: None)(),
+        "grad_norm": engine.get_global_grad_norm(),
+        "running_timers": [n for n in engine.engine_timers.active_timers() if engine.timers(n).started_],
+        "links": _links(engine),
+    }
 
 
 def _links(engine: Any) -> list[str]:

@@ -7,8 +7,9 @@ Layers: ``LayerSpec``s, raw modules, plain functions, and a pair layer whose tup
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -208,6 +209,29 @@ DS_OPTIMIZERS: dict[str, dict[str, Any]] = {
     "Muon": {"muon_lr": 0.02, "adam_lr": 0.01, "momentum": 0.9, "weight_decay": 0.01, "betas": [0.9, 0.95]},
     "Lion": {"lr": 0.001, "betas": [0.9, 0.99], "weight_decay": 0.01},
 }
+
+
+@contextlib.contextmanager
+def newton_schulz_dtype(case: dict[str, Any]) -> Iterator[None]:
+    """DeepSpeed Muon's Newton-Schulz iteration in ``case["ns_dtype"]`` ("float32") while the case runs, on either
+    side of a comparison (None: DeepSpeed's choice, ``ns_compute_dtype``: fp16 where the CPU has fp16 matmuls).
+
+    The toy's rank-deficient gradients make the iteration ill-conditioned: it scales their small singular values
+    up to about 480 times, so where it runs in fp16 a last-bit difference between two equal computations (the
+    data-parallel all-reduce against the reference's one batch) flips fp16 roundings and comes out at the size of
+    a Muon step. The data-parallel comparison pins fp32, where the same difference stays below 1e-6."""
+    dtype = case.get("ns_dtype")
+    if dtype is None:
+        yield
+        return
+    from deepspeed.runtime.zero.muon import original_muon
+
+    chosen = original_muon.ns_compute_dtype
+    original_muon.ns_compute_dtype = lambda ns_method="gram": getattr(torch, dtype)
+    try:
+        yield
+    finally:
+        original_muon.ns_compute_dtype = chosen
 
 
 def ds_optimizer(name: str, stage: nn.Module) -> Any:

@@ -39,6 +39,16 @@ Note [tied layers across stages]
 bf16 and fp16: the tied optimizer steps an fp32 master of each copy and writes it into the (bf16 / fp16)
 module weight. Its state is replicated on every data-parallel replica (not ZeRO-partitioned).
 
+Note [tied steps run eager]
+    DeepSpeed's Muon runs its update through ``torch.compile`` (``muon_update``), and a compiled
+    function is recompiled with symbolic shapes once it sees a second shape. Each owner's process
+    steps its own matrices before and in between, so the same tied step ran a static-shape kernel
+    on one owner and a dynamic-shape one on another. Where the Newton-Schulz iteration runs in fp16
+    (a GPU; a CPU with fp16 matmuls: DeepSpeed's ``ns_compute_dtype``) the two kernels round
+    differently, and the copies drifted apart by about 1e-4 of the update per step. Every tied step
+    therefore runs under ``torch.compiler.set_stance("force_eager")``: the same eager kernels on the
+    same bits on every owner, whatever else each process compiled. The stage's own steps stay compiled.
+
 Note [tied layers under fp16]
     Owners back-propagate different micro-batches, made with different loss scales (Note [loss scale
     per stage] in fdg_schedule/precision/loss_scale.py), so a contribution leaves unscaled: in step 1 above,
@@ -361,7 +371,8 @@ class _Copy:
         if stepped and guard(norm):
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
-            self.optimizer.step()
+            with torch.compiler.set_stance("force_eager"):  # Note [tied steps run eager]
+                self.optimizer.step()
         master.grad = None
         self.accumulated = torch.zeros_like(self.accumulated)
         self.count = 0
