@@ -1,8 +1,11 @@
-"""The schedule's outputs as of the two-vocabulary code (issue 43), recorded once in tests/golden/schedule.json.
+"""The schedule's outputs, recorded in tests/golden/schedule.json.
 
 ``python tests/schedule_golden.py`` rewrites the file; tests/test_schedule_golden.py compares against it,
 so a refactoring of the schedule representation provably keeps every stage's instructions, every
-grid (end of data included) and the planner's FDG streams.
+grid (end of data included) and the planner's FDG streams. Recorded for the two-vocabulary code (issue 43);
+rewritten once when each message moved to where it exists (issue 46: Note [each message when it exists]),
+after checking that with the exchange's tokens (sa sg pa pg se X) taken out every instruction stream and
+grid was unchanged and the planner's streams differed only in where the gradient is sent.
 """
 
 from __future__ import annotations

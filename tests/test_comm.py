@@ -59,7 +59,7 @@ def test_a_wait_with_no_receive_posted_prints_every_stages_plan(one_rank_group: 
                              plan=lambda: grid.around(schedule, 1))  # fmt: skip
     with pytest.raises(FDGRuntimeError, match="no activation receive was posted") as failed:
         comm.wait_activation()
-    assert "> A0 L1 F0 B0 R S X[sg,ra] T+ <" in str(failed.value)  # stage 1's cell at tick 1, marked
+    assert "> A0 pa1 L1 F0 B0 sg0 R S X T+ <" in str(failed.value)  # stage 1's cell at tick 1, marked
 
 
 # -- the path and the stream-ordered machinery, without NCCL (Note [three ways to wait]) ------------
@@ -167,7 +167,8 @@ class FakeBatchWork(FakeWork):
 
 def test_under_stream_each_link_gets_its_own_group_ready_before_the_first_tick(one_rank_group, monkeypatch) -> None:
     """Note [one communicator per link]: stage 1 of K = 3 (global ranks 0, 1, 2), faked around a one-rank group.
-    Two exchanges are built (two engines in one process): the groups are made, and first used, once."""
+    Two exchanges are built (two engines in one process): the groups, one per link and direction (activations
+    down, gradients up), are made, and first used, once."""
     import torch.distributed as dist
 
     from fdg_schedule.exchange import comm
@@ -181,7 +182,7 @@ def test_under_stream_each_link_gets_its_own_group_ready_before_the_first_tick(o
     monkeypatch.setattr(
         dist, "all_gather_object", lambda out, obj, group=None: out.__setitem__(slice(None), [1, 2, None])
     )
-    monkeypatch.setattr(dist, "new_group", lambda ranks: made.append(tuple(ranks)) or f"link{tuple(ranks)}")
+    monkeypatch.setattr(dist, "new_group", lambda ranks: made.append(tuple(ranks)) or f"link{tuple(ranks)}#{len(made)}")
     monkeypatch.setattr(dist, "all_reduce", lambda t, group=None: first_ops.append(group))
     monkeypatch.setattr(dist, "P2POp", FakeP2POp)
     monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: posted.append(ops) or [FakeBatchWork() for _ in ops])
@@ -189,15 +190,17 @@ def test_under_stream_each_link_gets_its_own_group_ready_before_the_first_tick(o
     for _ in range(2):
         exchange = comm.NeighbourExchange(0, 2, torch.device("cpu"), False, stage_id=1, timeout_s=60,
                                           path=comm.Path.STREAM, mark=lambda: lambda: reached[0])  # fmt: skip
-    assert made == [(0, 1), (1, 2)]
-    assert first_ops == [None, "link(0, 1)", "link(1, 2)"]  # the default group (every rank), then each link
-    assert exchange.groups == {"prev": "link(0, 1)", "next": "link(1, 2)"}
+    assert made == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    down01, up01, down12, up12 = "link(0, 1)#1", "link(0, 1)#2", "link(1, 2)#3", "link(1, 2)#4"
+    assert first_ops == [None, down01, up01, down12, up12]  # the default group (every rank), then each link's two
+    assert exchange.groups == {("prev", "down"): down01, ("prev", "up"): up01, ("next", "down"): down12,
+                               ("next", "up"): up12}  # fmt: skip
     meta = [(torch.Size([2]), torch.float32)]
     exchange.sent_meta = exchange.recv_meta = meta  # the headers went before
     exchange.post((torch.ones(2),), (torch.ones(2),), torch.tensor(0.5), recv_activation=True, recv_grad_meta=meta)
     groups = {(op.op, op.peer): op.group for batch in posted for op in batch}
-    assert groups == {("isend", 0): "link(0, 1)", ("irecv", 0): "link(0, 1)",  # gradient up, activation in
-                      ("isend", 2): "link(1, 2)", ("irecv", 2): "link(1, 2)"}  # fmt: skip
+    assert groups == {("isend", 0): up01, ("irecv", 0): down01,  # gradient up, activation in
+                      ("isend", 2): down12, ("irecv", 2): up12}  # fmt: skip
     works = exchange._activation[0]
     assert all(isinstance(w, StreamWork) for w in works) and not any(w.started() for w in works)
     reached[0] = True  # the stream got to the post

@@ -7,11 +7,12 @@ import itertools
 import pytest
 
 from fdg_schedule.sched import grid, ticks
-from fdg_schedule.sched.schedule import AdvanceTick, Exchange, FDGTrainSchedule
+from fdg_schedule.sched.schedule import AdvanceTick, FDGTrainSchedule, SendGrad
 
 # Legend: L load, A / G wait for activation / gradient, F forward, B backward, R all-reduce, S step,
-# X[...] exchange (sa/sg send activation/gradient, ra/rg receive, se send the end of the data instead
-# of an activation), T / T+ end of tick (+: a micro-batch entered). Note [end of data].
+# sa / sg send activation / gradient (se: the end of the data, sent where that micro-batch would be),
+# pa / pg post the receive of next tick's activation / gradient, X the tick's end of the exchange,
+# T / T+ end of tick (+: a micro-batch entered). Note [end of data], Note [each message when it exists].
 
 
 # (stages, ticks in the call, data_end, options) -> the grid
@@ -19,28 +20,28 @@ GOLDEN_DATA_END = {
     # Micro-batch 3 is missing: stage 0 finds out at tick 3 and sends the end in its place; stage 1
     # learns it at tick 4 from that dummy, which is also the segment's last tick (stage 0's B2).
     "k2": ((2, 6, 3, {}), [
-        "tick  stage 0                        stage 1",
-        "0     L0 F0 X[sa] T+                 L0 X[ra] T+",
-        "1     L1 F1 X[sa,rg] T+              A0 L1 F0 B0 R S X[sg,ra] T+",
-        "2     G0 B0 R S L2 F2 X[sa,rg] T+    A1 L2 F1 B1 R S X[sg,ra] T+",
-        "3     G1 B1 R S L3 X[rg,se] T        A2 L3 F2 B2 R S X[sg,ra] T+",
-        "4     G2 B2 R S X[] T                A3 X[] T",
+        "tick  stage 0                         stage 1",
+        "0     L0 F0 sa0 X T+                  pa0 L0 X T+",
+        "1     pg0 L1 F1 sa1 X T+              A0 pa1 L1 F0 B0 sg0 R S X T+",
+        "2     G0 pg1 B0 R S L2 F2 sa2 X T+    A1 pa2 L2 F1 B1 sg1 R S X T+",
+        "3     G1 pg2 B1 R S L3 se3 X T        A2 pa3 L3 F2 B2 sg2 R S X T+",
+        "4     G2 B2 R S X T                   A3 X T",
     ]),
     # The call starts at tick 3: stage 0 learned the end (at tick 2) in the previous call, stage 1
     # learns it now and passes it on, stage 2 one tick later; all stop at the last tick, 5.
     "k3-learned-in-an-earlier-call": ((3, 4, 2, {"start_tick": 3}), [
-        "tick  stage 0              stage 1                       stage 2",
-        "3     X[rg] T              G0 B0 R S A2 X[sg,rg,se] T    A1 L3 F1 B1 R S X[sg,ra] T+",
-        "4     G0 B0 R S X[rg] T    G1 B1 R S X[sg] T             A2 X[] T",
-        "5     G1 B1 R S X[] T      X[] T                         X[] T",
+        "tick  stage 0              stage 1                         stage 2",
+        "3     pg0 X T              G0 pg1 B0 sg0 R S A2 se2 X T    A1 pa2 L3 F1 B1 sg1 R S X T+",
+        "4     G0 pg1 B0 R S X T    G1 B1 sg1 R S X T               A2 X T",
+        "5     G1 B1 R S X T        X T                             X T",
     ]),
     # K = 1 learns the end one tick after its last backward; the partial accumulation is stepped then,
     # before that tick's T can move the learning rate (Note [learning rate per optimizer step]).
     "k1-partial-step": ((1, 4, 2, {"accumulate": 3}), [
         "tick  stage 0",
-        "0     L0 F0 B0 X[] T+",
-        "1     L1 F1 B1 X[] T+",
-        "2     L2 R S X[] T",
+        "0     L0 F0 B0 X T+",
+        "1     L1 F1 B1 X T+",
+        "2     L2 R S X T",
     ]),
 }  # fmt: skip
 
@@ -71,7 +72,7 @@ def test_every_stage_ends_the_segment_in_the_same_call(stages: int, gas: int, ac
         expected_calls = max(last, data_end) // gas + 1  # K = 1 learns the end at tick data_end > its last
         assert {len(calls) for calls in segments} == {expected_calls}, data_end
         for calls in segments:
-            steps = [s for call in calls for s in call if "X[" in s]
+            steps = [s for call in calls for s in call if " X T" in s or s.startswith("X T")]
             assert len(steps) == max(last, data_end) + 1
             entered = [s.endswith("T+") for s in steps]
             assert entered[:data_end] == [True] * data_end  # counted until the stage learned the end
@@ -95,13 +96,13 @@ def test_every_message_meets_its_counterpart(stages: int, gas: int, accumulate: 
 
 def test_validate_marks_the_cell_whose_send_is_not_received() -> None:
     plan = grid.plan(2, 4)
-    exchange = next(c for c in plan.rows[1][2] if isinstance(c, Exchange))
-    exchange.send_grad = None  # stage 1 forgets to send micro-batch 1's gradient at tick 2
+    row = plan.rows[1][2]
+    row.remove(next(c for c in row if isinstance(c, SendGrad)))  # stage 1 forgets micro-batch 1's gradient at tick 2
     problems = plan.validate()
     assert [(p.stage_id, p.tick) for p in problems] == [(0, 2)]
     assert "stage 0 receives a gradient stage 1 does not send" in problems[0].message
     marked = plan.render(mark=(0, 2)).splitlines()
-    assert marked[3].startswith("2   > G0 B0 R S L2 F2 X[sa,rg] T+ <")
+    assert marked[3].startswith("2   > G0 pg1 B0 R S L2 F2 sa2 X T+ <")
 
 
 def test_around_prints_the_neighbourhood_of_a_tick() -> None:
@@ -110,4 +111,4 @@ def test_around_prints_the_neighbourhood_of_a_tick() -> None:
     lines = text.splitlines()
     assert lines[0] == "the plan of every stage near tick 5 (this stage's cell marked):"
     assert [line.split()[0] for line in lines[2:]] == ["3", "4", "5", "6", "7"]
-    assert "> G2 B2 R S A4 F4 X[sa,sg,ra,rg] T+ <" in lines[4]  # stage 1 at tick 5
+    assert "> G2 pg3 B2 sg2 R S A4 pa5 F4 sa4 X T+ <" in lines[4]  # stage 1 at tick 5

@@ -17,7 +17,11 @@ from fdg_schedule.sched.schedule import (
     FDGLoad,
     FDGTrainSchedule,
     LocalOptimizerStep,
+    PostRecvActivation,
+    PostRecvGrad,
     ScheduleRun,
+    SendActivation,
+    SendGrad,
     WaitActivation,
     WaitGrad,
     render,
@@ -86,16 +90,16 @@ def test_golden_drain_k3() -> None:
 def test_golden_instructions_k2() -> None:
     # The whole instruction stream of both stages of K = 2 for four ticks.
     assert render(FDGTrainSchedule(4, 2, 0)) == [
-        "L0 F0 X[sa] T+",
-        "L1 F1 X[sa,rg] T+",
-        "G0 B0 R S L2 F2 X[sa,rg] T+",
-        "G1 B1 R S L3 F3 X[sa,rg] T+",
+        "L0 F0 sa0 X T+",
+        "pg0 L1 F1 sa1 X T+",
+        "G0 pg1 B0 R S L2 F2 sa2 X T+",
+        "G1 pg2 B1 R S L3 F3 sa3 X T+",
     ]
     assert render(FDGTrainSchedule(4, 2, 1)) == [
-        "L0 X[ra] T+",
-        "A0 L1 F0 B0 R S X[sg,ra] T+",
-        "A1 L2 F1 B1 R S X[sg,ra] T+",
-        "A2 L3 F2 B2 R S X[sg,ra] T+",
+        "pa0 L0 X T+",
+        "A0 pa1 L1 F0 B0 sg0 R S X T+",
+        "A1 pa2 L2 F1 B1 sg1 R S X T+",
+        "A2 pa3 L3 F2 B2 sg2 R S X T+",
     ]
 
 
@@ -150,7 +154,7 @@ def test_invariants(stages: int, gas: int, accumulate: int) -> None:
         fwd_tick, bwd_tick, steps_taken = {}, {}, 0
         for tick, step in enumerate(steps):
             kinds = [type(c) for c in step]
-            assert kinds[-2:] == [Exchange, AdvanceTick], "every tick ends with one exchange then the tick"
+            assert kinds[-2:] == [Exchange, AdvanceTick], "every tick ends with the exchange's end then the tick"
             assert kinds.count(Exchange) == 1
             for c in step:
                 if isinstance(c, FDGForward):
@@ -159,6 +163,10 @@ def test_invariants(stages: int, gas: int, accumulate: int) -> None:
                     bwd_tick[c.micro_batch] = tick
             if stage_id < stages - 1 and FDGBackward in kinds and FDGForward in kinds:
                 assert kinds.index(FDGBackward) < kinds.index(FDGForward), "backward before forward"
+            for before, cmd in zip(step, step[1:]):  # Note [each message when it exists]: sent once made
+                made = {SendGrad: FDGBackward, SendActivation: FDGForward}.get(type(cmd))
+                if made is not None and not getattr(cmd, "end", False):
+                    assert isinstance(before, made) and before.micro_batch == cmd.micro_batch, (tick, step)
             if LocalOptimizerStep in kinds:
                 assert kinds[kinds.index(LocalOptimizerStep) - 1] is ReduceGrads
                 steps_taken += 1
@@ -179,19 +187,20 @@ def test_invariants(stages: int, gas: int, accumulate: int) -> None:
 
 
 def _check_messages_pair_up(plan: dict[int, list[list]], stages: int) -> None:
-    """Every send has the matching receive posted by the neighbour at the same tick, and is waited for next tick."""
+    """Every send meets the receive the neighbour posted in the same tick (Note [each message when it exists]),
+    of the same micro-batch, and that receive is waited for in the neighbour's next tick."""
+
+    def micro_batches(step: list, kind: type) -> list[int]:
+        return [c.micro_batch for c in step if isinstance(c, kind)]
+
     for stage_id in range(stages - 1):
         for tick, (up, down) in enumerate(zip(plan[stage_id], plan[stage_id + 1])):
-            x_up = next(c for c in up if isinstance(c, Exchange))
-            x_down = next(c for c in down if isinstance(c, Exchange))
-            assert (x_up.send_activation is not None) == (x_down.recv_activation is not None), (stage_id, tick)
-            assert (x_down.send_grad is not None) == (x_up.recv_grad is not None), (stage_id, tick)
-            if x_down.recv_activation is not None:
-                nxt = plan[stage_id + 1][tick + 1]
-                assert any(isinstance(c, WaitActivation) for c in nxt)
-            if x_up.recv_grad is not None:
-                nxt = plan[stage_id][tick + 1]
-                assert any(isinstance(c, WaitGrad) for c in nxt)
+            assert micro_batches(up, SendActivation) == micro_batches(down, PostRecvActivation), (stage_id, tick)
+            assert micro_batches(down, SendGrad) == micro_batches(up, PostRecvGrad), (stage_id, tick)
+            for step, post, wait in ((down, PostRecvActivation, WaitActivation), (up, PostRecvGrad, WaitGrad)):
+                rows = plan[stage_id + 1] if step is down else plan[stage_id]
+                if micro_batches(step, post) and tick + 1 < len(rows):
+                    assert micro_batches(rows[tick + 1], wait) == micro_batches(step, post), (stage_id, tick)
 
 
 def test_first_and_last_stage_read_each_micro_batch_at_the_same_tick() -> None:
@@ -224,9 +233,9 @@ def test_a_drain_learns_an_earlier_end_of_the_data_on_its_way_down() -> None:
             if isinstance(cmd, WaitActivation):
                 running.end_data(5)
         rendered.append(" ".join(cmds))
-    assert rendered == ["A5 X[] T"]
+    assert rendered == ["A5 X T"]
     assert drain.limit == 6 and running.schedule.limit == 5  # a new schedule, the drain's own untouched
-    assert render(running.schedule) == ["A5 X[] T"]  # the ended schedule alone gives what ran
+    assert render(running.schedule) == ["A5 X T"]  # the ended schedule alone gives what ran
 
 
 def _render_with_labels_ending_at_7(plan: FDGTrainSchedule) -> list[str]:
@@ -251,7 +260,7 @@ def test_the_last_stage_steps_a_partial_accumulation_at_the_end_of_its_labels() 
     # (read at tick 7); it forwards micro-batch 6 at tick 7 holding no more labels, so it steps after that
     # backward, at tick 7 as the reference does, not at tick 8 when the dummy tells it the data ended.
     rendered = _render_with_labels_ending_at_7(FDGTrainSchedule(9, 2, 1, accumulate=2))
-    assert rendered[6:] == ["A5 L6 F5 B5 R S X[sg,ra] T+", "A6 L7 F6 B6 R S X[sg,ra] T+", "A7 X[] T"]
+    assert rendered[6:] == ["A5 pa6 L6 F5 B5 sg5 R S X T+", "A6 pa7 L7 F6 B6 sg6 R S X T+", "A7 X T"]
     with pytest.raises(FDGRuntimeError, match="labels ran out at micro-batch 3"):
         ScheduleRun(FDGTrainSchedule(9, 2, 0, accumulate=2)).end_labels(3)  # only the last stage holds labels
 
@@ -262,4 +271,4 @@ def test_a_drain_after_the_data_ended_steps_the_partial_accumulation_the_labels_
     # steps after the backward of micro-batch 6 at tick 8, as the reference does, then learns the end.
     drain = FDGTrainSchedule(ticks.drain_ticks(3), 3, 2, start_tick=8, accumulate=2, drain=True)
     rendered = _render_with_labels_ending_at_7(drain)
-    assert rendered == ["A6 F6 B6 R S X[sg,ra] T", "A7 X[] T", "X[] T"]
+    assert rendered == ["A6 pa7 F6 B6 sg6 R S X T", "A7 X T", "X T"]

@@ -1,9 +1,10 @@
 """Write docs/scaling.md: the planner's predictions for FDG and four other schedules at K = 2 ... 64 on three clusters.
 
     export DS_ACCELERATOR=cpu PYTHONPATH=$PWD
-    python -m benchmarks.throughput.scaling  # 3-5 min on one core: docs/scaling.md; docs/results/scaling/*.{json,png}
+    python -m benchmarks.throughput.scaling  # 5-8 min on one core: docs/scaling.md; docs/results/scaling/*.{json,png}
 
-Every number in docs/scaling.md comes from this script: the three settings below are planned with
+Every number in docs/scaling.md comes from this script: the settings below (three clusters, two of them
+again with few micro-batches per batch) are planned with
 ``fdg_schedule.plan`` (FLOP estimates, named clusters), the FDG paper's speed-ups are re-derived
 from a stated cost model, and the calibration on this machine is read from
 ``docs/results/scaling/plan_calibration.json`` (written by ``benchmarks/throughput/plan_calibration.py``, which
@@ -55,6 +56,7 @@ class Setting:
     cluster: str
     dp: int
     stages: list[int]
+    per_batch: int = 4  # flushing schedules run per_batch x K micro-batches per batch (FDG's acc=m steps as often)
 
 
 SETTINGS = [
@@ -90,6 +92,30 @@ SETTINGS = [
         1,
         [2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64],
     ),
+    # Few micro-batches per batch (m = K: a memory- or batch-limited job), where flushing schedules lose half their
+    # time to the bubble and FDG, which never flushes, should not (issue 46)
+    Setting(
+        "gpt13b_h100_m_k",
+        "GPT-1.3B, DP 4, H100 + InfiniBand, m = K",
+        "GPT-1.3B as above, DP 4, on H100 nodes with InfiniBand, with only K micro-batches per batch",
+        lambda: estimate_transformer(TRANSFORMERS["gpt-1.3b"], 1, GPUS["H100"]),
+        "H100",
+        "h100-ib",
+        4,
+        [4, 8, 16, 24],
+        per_batch=1,
+    ),
+    Setting(
+        "llama8b_h100_m_k",
+        "LLaMA-8B shape, H100, 400 Gb/s, m = K",
+        "the LLaMA-8B shape as above, on H100 nodes with one 400 Gb/s port, with only K micro-batches per batch",
+        lambda: estimate_transformer(TRANSFORMERS["llama-8b"], 1, GPUS["H100"]),
+        "H100",
+        "h100-400g",
+        1,
+        [4, 8, 16, 32],
+        per_batch=1,
+    ),
 ]
 
 # The columns of the per-setting tables (all variants are in the JSON)
@@ -110,7 +136,8 @@ def run_setting(setting: Setting) -> Plan:
     profile = setting.profile()
     eff = Efficiency()
     model = CostModel(copy_bandwidth=GPUS[setting.gpu].memory_bandwidth * eff.memory)
-    return plan(profile, CLUSTERS[setting.cluster], setting.stages, default_variants(), setting.dp, model=model)
+    return plan(profile, CLUSTERS[setting.cluster], setting.stages, default_variants(), setting.dp,
+                micro_batches=lambda k: setting.per_batch * k, model=model)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -193,8 +220,9 @@ def setting_section(setting: Setting, result: Plan) -> list[str]:
         "",
         f"{len(p0.layers)} pipeline layers, {params / 1e9:.2f} B parameters; backprop on one device "
         f"{result.backprop_s * 1e3:.1f} ms per micro-batch ({rate(p0.micro_batch / result.backprop_s)} samples/s); "
-        f"data-parallel degree {result.dp} (devices = K x {result.dp}); flushing schedules run 4K micro-batches per "
-        f"batch; memory limit {_gb(result.memory_limit)} GB per device.",
+        f"data-parallel degree {result.dp} (devices = K x {result.dp}); flushing schedules run "
+        f"{'' if setting.per_batch == 1 else setting.per_batch}K micro-batches per batch; "
+        f"memory limit {_gb(result.memory_limit)} GB per device.",
         "",
         f"![throughput and memory against K](results/scaling/scaling_{setting.key}.png)",
         "",
@@ -350,10 +378,10 @@ def reading(result: Plan) -> list[str]:
                 f"- With {result.dp} data-parallel replicas, FDG with a step per micro-batch all-reduces each stage's "
                 f"gradients every tick: {one.allreduce_bytes_per_micro_batch / 1e6:,.0f} MB per rank per micro-batch "
                 "at "
-                f"K = {k}, against {acc.allreduce_bytes_per_micro_batch / 1e6:,.1f} MB with `accumulate` = the 4K "
-                f"micro-batches of the others ({one.samples_per_s / acc.samples_per_s:.2f}x the throughput). Under "
-                "data "
-                "parallelism, set `accumulate`."
+                f"K = {k}, against {acc.allreduce_bytes_per_micro_batch / 1e6:,.1f} MB with `accumulate` = the "
+                f"{acc.micro_batches} micro-batches of the others "
+                f"({one.samples_per_s / acc.samples_per_s:.2f}x the throughput). Under data parallelism, set "
+                "`accumulate`."
             )
     # memory, in the middle of the range where 1F1B fits
     fitting = [k for k in ks if ("deepspeed 1f1b", k) in by and by[("deepspeed 1f1b", k)].fits] or ks
@@ -510,8 +538,11 @@ def summary(settings: list[Setting], results: dict[str, Plan]) -> list[str]:
 def why() -> list[str]:
     return [
         "Why, in the model's terms: the flushing schedules lose (K-1) slots per batch to their bubble (1F1B, "
-        "GPipe), or a fraction of it (interleaved 1F1B, ZB-H1); FDG loses nothing to a flush but puts its exchange "
-        "on the critical path of every tick and steps every `accumulate` ticks. So FDG gains most where the bubble "
+        "GPipe), or a fraction of it (interleaved 1F1B, ZB-H1); FDG loses nothing to a flush and sends each "
+        "message when it is made, but the round trip between its last two stages (the activation down, the last "
+        "stage's forward and backward, the gradient up) must fit in one tick of stage K-2, so with balanced "
+        "stages a transfer longer than half of stage K-2's all-reduce and step stays on the critical path; and it "
+        "steps every `accumulate` ticks. So FDG gains most where the bubble "
         "is large and transfers are short (many stages, fast links, small activations), and least at small K, "
         "where ZB-H1 and interleaving already remove most of the bubble. With data parallelism `accumulate: 1` "
         "all-reduces every stage's gradients every tick, which the flushing schedules do once per batch: that is "
@@ -698,8 +729,9 @@ def render(settings: list[Setting], results: dict[str, Plan], paper: dict[str, A
         "(Narayanan et al. 2021) and ZB-H1 (Qi et al. 2024) are their published orderings.",
         "- **Simulator.** Every rank runs its list in order; among all ranks the action that can start earliest "
         "runs next (`simulate.py`). A message holds its sender's link for bytes / bandwidth and arrives a latency "
-        "later; links between nodes are shared by the replicas that use them at once. FDG's exchange is posted at "
-        "the end of a tick and its gradient is needed at the start of the next, so it is not overlapped; "
+        "later; links between nodes are shared by the replicas that use them at once. FDG sends each message right "
+        "after the compute that made it (Note [each message when it exists] in fdg_schedule/exchange/comm.py), so a "
+        "transfer overlaps whatever the receiver does before it needs it; "
         "DeepSpeed's 1F1B sends are blocking (a rendezvous, as `p2p.send` is); GPipe, interleaved and ZB-H1 send "
         "without blocking. Flushing schedules end every batch with an all-reduce, a step and a cross-stage "
         "collective; FDG is timed in steady state over whole accumulation periods.",
@@ -744,10 +776,11 @@ def render(settings: list[Setting], results: dict[str, Plan], paper: dict[str, A
         "",
         *paper_reading(paper),
         "",
-        "## Three settings",
+        "## The settings",
         "",
         "Each setting plans K up to the layer count (every stage needs a layer; interleaving needs 2K). Flushing "
-        "schedules run 4K micro-batches per batch; FDG's `acc=m` steps as often as they do. ✗ marks a "
+        "schedules run m = 4K micro-batches per batch (m = K in the last two settings: few micro-batches, a memory- "
+        "or batch-limited job); FDG's `acc=m` steps as often as they do. ✗ marks a "
         "configuration no split fits into the device memory.",
         "",
     ]

@@ -1,15 +1,27 @@
-"""One batched, non-blocking exchange per tick between a stage and its two pipeline neighbours.
+"""The point-to-point messages between a stage and its two pipeline neighbours, each sent when it exists.
 
 Activations go down (stage k -> k+1); input gradients and the loss they belong to go up
-(k+1 -> k). Everything a tick sends to a neighbour is posted at its end in one
-``batch_isend_irecv`` per neighbour, together with the receives for the next tick, so the transfer
-overlaps with whatever runs until the next tick waits for it (a stage waits for the gradient only
-before its backward, for the activation only before its forward). Under gloo this is
-deadlock-free without parity ordering (each direction of each link carries one ordered stream of
-messages). Every wait is bounded by the configured timeout and names the neighbour it gave up on.
+(k+1 -> k). Every wait is bounded by the configured timeout and names the neighbour it gave up on.
+
+Note [each message when it exists]: a message leaves as soon as the instruction that made it has
+run, as its own non-blocking operation: the input gradient right after the stage's backward (before
+the all-reduce, the step and the forward), the activation right after the forward. A receive is
+posted as soon as the previous one was waited for (right after the tick's ``WaitGrad`` /
+``WaitActivation``, or at the start of the tick before the first one), and waited for right before
+the instruction that reads it. So the previous stage's gradient travels while this stage reduces,
+steps and forwards, and the transfer is off the critical path whenever it is shorter than that
+(under gloo a transfer starts only once both sides have posted: the early receive matters). The
+schedule places each send and each posted receive (``sa`` ``sg`` ``pa`` ``pg`` in its text,
+:mod:`fdg_schedule.sched.schedule`); the tick ends with :meth:`NeighbourExchange.finish_tick`, which
+sends what had to wait for a header, waits for the previous tick's sends and posts the tied-gradient
+messages. Under gloo this is deadlock-free without parity ordering: each direction of each link
+carries one ordered stream of messages, matched in the order they were posted.
 
 Shapes and dtypes of activations travel once, before the first activation, in a small int64
-header (and before every activation when the module has ``dynamic_shape=True``).
+header (and before every activation when the module has ``dynamic_shape=True``). An activation that
+needs a header, and the receive that expects one, wait for the end of the tick, where both
+neighbours exchange the header (blocking) and then post them: the receiver cannot size its buffers
+before, and a shared-memory link changes there (Note [shared-memory transport]).
 
 Note [three ways to wait]: :func:`choose_path` picks how tensors travel and how a stage waits,
 from the process group's backend and the stage's device:
@@ -37,13 +49,17 @@ stream, and a batch completes only when every send and receive in it has. Were b
 batches posted in the default group, a stage's batch with its next neighbour would wait for its batch
 with its previous one, which waits for the previous stage's batch with *its* previous one, and so on:
 every stage's transfers would wait for stage 0's, the lock step FDG exists to remove. Under STREAM each
-pair of neighbouring stages therefore has a process group of its own (:func:`link_groups`), so a
-stage's two links are two communicators on two streams, each ordered only with the stage it joins.
+pair of neighbouring stages therefore has a process group of its own per direction (:func:`link_groups`):
+with one message per operation (Note [each message when it exists]) a gradient receive posted early
+would otherwise hold up, on the pair's one stream, the activation send the neighbour is waiting for,
+while the neighbour's early activation receive holds up the gradient send -- a deadlock. With a
+communicator for each direction each stream carries the sends of one side and the receives of the
+other, in one order.
 Building them is collective, and so is a communicator's first operation: a ``batch_isend_irecv`` that
 is a group's first operation needs every rank of the group, but at tick 0 of K >= 3 only stages 0 and 1
 post. So when the exchange is built, every rank takes part in one all-ranks operation on the default
-group (its communicator also carries the tied-gradient messages, :meth:`NeighbourExchange.post`'s
-``peers``) and in one operation on each of its links, in one global order: each communicator exists
+group (its communicator also carries the tied-gradient messages, :meth:`NeighbourExchange.finish_tick`'s
+``peers``) and in one operation on each of its links' communicators, in one global order: each communicator exists
 before the first tick, whether or not the process group was bound to a device when it was created.
 
 Note [shared-memory transport] (in :mod:`fdg_schedule.exchange.shm_link`): with ``pipeline.fdg.transport:
@@ -52,8 +68,11 @@ word, gradients with their loss) through a shared-memory :class:`~fdg_schedule.e
 instead of the process group, on the BLOCKING path. The link is set up inside the activation header
 exchange, which then also runs when a pair has no link yet (the first tick, and the first after a
 checkpoint is loaded); until then, and between neighbours on different hosts, messages travel as
-they always did. Both sides of a pair gain and lose the link at the same exchange, so they always
-agree on which way a message goes. Headers and tied gradients always travel through the group.
+they always did. Both sides of a pair gain and lose the link at the same header exchange, at a tick's
+end, so they agree on which way each message goes: activations that need the header are sent after it
+on the new link, and a gradient the downstream stage sent in that tick (before it reads the header)
+went the old way, where the upstream stage's receive, posted earlier in the tick, takes it before it
+changes links. Headers and tied gradients always travel through the group.
 
 Note [control words on the host]: the end-of-data word that travels with every activation (and, under
 fp16, the loss-scale ceiling after it: Note [loss scale per stage] in fdg_schedule.precision.loss_scale), and
@@ -128,8 +147,8 @@ def choose_path(backend: str, device: torch.device) -> Path:
 
 
 _host_groups: dict[int, Any] = {}
-_link_groups: dict[tuple[int, int, int], Any] = {}  # (id of the default group, rank, next rank) -> its group
-_warmed: set[tuple[int, ...]] = set()  # communicators whose first operation has run (Note [one communicator per link])
+_link_groups: dict[tuple[int, int, int, str], Any] = {}  # (id of the default group, rank, next rank, direction)
+_warmed: set[tuple[Any, ...]] = set()  # communicators whose first operation has run (Note [one communicator per link])
 
 
 def needs_host_group(backend: str, device: torch.device) -> bool:
@@ -151,7 +170,12 @@ def host_group(backend: str, device: torch.device) -> Any:
     return _host_groups[key]
 
 
-def link_groups(prev_rank: int | None, next_rank: int | None, device: torch.device, host: Any) -> dict[str, Any]:
+DIRECTIONS = ("down", "up")  # activations down (stage k -> k+1), gradients up
+
+
+def link_groups(
+    prev_rank: int | None, next_rank: int | None, device: torch.device, host: Any
+) -> dict[tuple[str, str], Any]:
     """This stage's process groups with its previous and next neighbour (None at the ends), each with its
     first operation run (Note [one communicator per link]).
 
@@ -162,17 +186,20 @@ def link_groups(prev_rank: int | None, next_rank: int | None, device: torch.devi
     nexts: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(nexts, next_rank, group=host)  # every rank's next stage: every link of the job
     links = sorted((r, n) for r, n in enumerate(nexts) if n is not None)
-    for link in links:  # new_group is collective: every rank creates every group, in one order
-        if (world, *link) not in _link_groups:
-            _link_groups[(world, *link)] = dist.new_group(ranks=list(link))
-    first = [((world,), None)] + [((world, *link), _link_groups[(world, *link)]) for link in links if rank in link]
+    keys = [(world, *link, direction) for link in links for direction in DIRECTIONS]
+    for key in keys:  # new_group is collective: every rank creates every group, in one order
+        if key not in _link_groups:
+            _link_groups[key] = dist.new_group(ranks=[key[1], key[2]])
+    first: list[tuple[tuple[Any, ...], Any]] = [((world,), None)]
+    first += [(key, _link_groups[key]) for key in keys if rank in key[1:3]]
     for key, group in first:  # the default group (all ranks), then this rank's links in the job's order
         if key not in _warmed:
             dist.all_reduce(torch.zeros(1, device=device), group=group)
             _warmed.add(key)
     return {
-        "prev": None if prev_rank is None else _link_groups[(world, prev_rank, rank)],
-        "next": None if next_rank is None else _link_groups[(world, rank, next_rank)],
+        (side, direction): None if peer is None else _link_groups[(world, *pair, direction)]
+        for side, peer, pair in (("prev", prev_rank, (prev_rank, rank)), ("next", next_rank, (rank, next_rank)))
+        for direction in DIRECTIONS
     }
 
 
@@ -275,7 +302,9 @@ class NeighbourExchange:
         self.links: dict[str, Link | None] = {"prev": None, "next": None}
         self.wire = HOST if self.path is Path.STAGED else device  # where tensors travel from and arrive in
         self.host_group = host_group(dist.get_backend(), device)
-        self.groups: dict[str, Any] = {"prev": None, "next": None}  # the default group, but under STREAM:
+        self.groups: dict[tuple[str, str], Any] = {  # (side, direction) -> the default group, but under STREAM:
+            (side, direction): None for side in ("prev", "next") for direction in DIRECTIONS
+        }
         if self.path is Path.STREAM:  # Note [one communicator per link]
             self.groups = link_groups(prev_rank, next_rank, device, self.host_group)
         self._mark = mark
@@ -292,8 +321,11 @@ class NeighbourExchange:
         self.timeout = timedelta(seconds=timeout_s)
         self.sent_meta: Meta | None = None
         self.recv_meta: Meta | None = None
-        self._sends: list[tuple[Any, str]] = []  # waited on the host before the next post
+        self._sends: list[tuple[Any, str]] = []  # this tick's host-waited sends, waited at the end of the next
         self._send_refs: list[Tensor] = []
+        self._older: tuple[list[tuple[Any, str]], list[Tensor]] = ([], [])  # the previous tick's
+        self._deferred_send: tuple[tuple[Tensor, ...], Tensor] | None = None  # an activation waiting for its header
+        self._deferred_recv = False  # the activation receive, waiting for its header
         self._in_flight = InFlightSends()  # STREAM: sends nobody waits for
         self.watchdog = Watchdog(timeout_s, self.describe) if self.path is Path.STREAM else None
         self._activation: tuple[list[Any], list[Tensor]] | None = None  # works: dist.Work or HostWork
@@ -311,58 +343,124 @@ class NeighbourExchange:
         peers: Sequence[PeerMessage] = (),
         ceiling: float | None = None,
     ) -> None:
-        """Send this tick's activation / gradients+loss; receive next tick's (shapes in ``recv_grad_meta``).
+        """A whole tick's messages at once, as FDG's exchange ran before the messages were split: the activation
+        header first (a shared-memory link changes there, and a gradient receive still pending then is an error:
+        the callers' ticks are out of step), then the gradients+loss and the activation sent, next tick's
+        receives posted, and :meth:`finish_tick`.
 
-        One ``batch_isend_irecv`` per neighbour. An activation travels with a control word: ``end``
-        is the number of micro-batches of the segment when the data ran out, sent instead of an
-        activation in a dummy of the last activation's shapes (Note [end of data]). ``peers``: more
-        messages to other ranks (tied gradients), posted in one more batch after the neighbours' (in the
-        default group; under NCCL its own communicator, Note [one communicator per link]);
-        :meth:`wait_peers` waits for them. ``ceiling``: the loss-scale ceiling in the activation's control word
-        (``loss_scale`` only); ``loss`` is then the pair (loss, scale).
+        The engine sends and posts each message where its schedule says (Note [each message when it
+        exists]); this is for tools and tests that drive an exchange tick by tick.
         """
+        self._check_watchdog()
+        sending = self._dummy_activation() if end != NO_END else activation
+        header_out = sending is not None and self._header_out(sending)
+        header_in = recv_activation and self._header_in()
+        if header_out or header_in:  # the header first, as the one batch did: nothing of this tick waits for it
+            self._exchange_headers(sending if header_out else None, header_in, pending_grad="refuse")
+        if grads is not None:
+            self.send_grad(grads, loss)
+        if sending is not None:
+            self.send_activation(activation, end, ceiling)
+        if recv_activation:
+            self.post_recv_activation()
+        if recv_grad_meta is not None:
+            self.post_recv_grad(recv_grad_meta)
+        self.finish_tick(peers)
+
+    def send_grad(self, grads: Sequence[Tensor], loss: Tensor | None) -> None:
+        """Send a backward's input gradients and the loss they carry to the previous stage, now (non-blocking)."""
+        self._check_watchdog()
+        sends = [*(self._out(g) for g in grads), self._out(_loss_message(loss))]
+        self._via("prev", "up", self._prev, sends, [])
+
+    def send_activation(
+        self, activation: Sequence[Tensor] | None, end: int = NO_END, ceiling: float | None = None
+    ) -> None:
+        """Send a forward's output to the next stage with its control word, now (non-blocking); or, when it
+        needs a header first (its shapes are new, or a shared-memory link is set up), at :meth:`finish_tick`.
+
+        ``end``: the segment's number of micro-batches when the data ran out, sent instead of an activation in
+        a dummy of the last activation's shapes (Note [end of data]). ``ceiling``: the loss-scale ceiling in
+        the control word (``loss_scale`` only).
+        """
+        self._check_watchdog()
         if end != NO_END:
             activation = self._dummy_activation()
-        if self.watchdog is not None:
-            self.watchdog.raise_if_failed()
-        self.wait_sends()
-        self._exchange_headers(activation, recv_activation)  # shapes and dtypes as the stage made them
-        to_prev = [] if grads is None else [*(self._out(g) for g in grads), self._out(_loss_message(loss))]
-        to_next = [] if activation is None else [self._out(t) for t in activation]
+        assert activation is not None
         words = [end, to_word(math.inf if ceiling is None else ceiling)] if self.loss_scale else [end]
-        word_out = [] if activation is None else [torch.tensor(words, dtype=torch.int64)]  # on the host
-        from_prev: list[Tensor] = []
-        word_in: list[Tensor] = []
-        if recv_activation:
-            assert self.recv_meta is not None
-            from_prev = [torch.empty(s, dtype=_wire_dtype(d), device=self.wire) for s, d in self.recv_meta]
-            word_in = [torch.empty(1 + self.loss_scale, dtype=torch.int64)]
-        from_next: list[Tensor] = []
-        if recv_grad_meta is not None:
-            from_next = [torch.empty(s, dtype=d, device=self.wire) for s, d in recv_grad_meta]
-            from_next.append(torch.empty(1 + self.loss_scale, dtype=torch.float32, device=self.wire))
-        if self.host_group is None:  # Note [control words on the host]: one batch per neighbour
-            prev_works = self._via("prev", self._prev, to_prev, from_prev + word_in)
-            next_works = self._via("next", self._next, to_next + word_out, from_next)
-        else:
-            prev_works = self._via("prev", self._prev, to_prev, from_prev)
-            prev_works += self._batch(self.prev_rank, self._prev, [], word_in, self.host_group)
-            next_works = self._via("next", self._next, to_next, from_next)
-            self._batch(self.next_rank, self._next, word_out, [], self.host_group)
-        if recv_activation:
-            self._activation = (prev_works, from_prev + word_in)
-        if recv_grad_meta is not None:
-            self._grad = (next_works, from_next[:-1], from_next[-1])
+        message = (tuple(activation), torch.tensor(words, dtype=torch.int64))  # the word on the host
+        if self._header_out(activation):
+            self._deferred_send = message
+            return
+        self._check_same_shapes(activation)
+        self._post_activation(*message)
+
+    def post_recv_activation(self) -> None:
+        """Post the receive of the activation next tick's forward reads (at :meth:`finish_tick` when a header
+        comes first)."""
+        if self._header_in():
+            self._deferred_recv = True
+            return
+        self._post_recv_activation()
+
+    def post_recv_grad(self, meta: Meta) -> None:
+        """Post the receive of the gradient (shapes ``meta``: this stage's output) next tick's backward reads."""
+        if self._grad is not None:
+            raise FDGRuntimeError(f"{self.describe}: a gradient receive was posted twice\n{self.plan()}")
+        grads = [torch.empty(s, dtype=d, device=self.wire) for s, d in meta]
+        loss = torch.empty(1 + self.loss_scale, dtype=torch.float32, device=self.wire)
+        self._grad = (self._via("next", "up", self._next, [], [*grads, loss]), grads, loss)
+
+    def finish_tick(self, peers: Sequence[PeerMessage] = ()) -> None:
+        """End the tick's exchange: the activation header and what waited for it (blocking, only when a header
+        travels), the previous tick's sends waited for, and the tied-gradient messages to other ranks
+        (``peers``, one more batch; :meth:`wait_peers` waits for them)."""
+        self._check_watchdog()
+        deferred, self._deferred_send = self._deferred_send, None
+        recv, self._deferred_recv = self._deferred_recv, False
+        if deferred is not None or recv:
+            self._exchange_headers(None if deferred is None else deferred[0], recv)
+            if deferred is not None:
+                self._post_activation(*deferred)
+            if recv:
+                self._post_recv_activation()
+        self._retire_sends()
         if peers:
             self._post_peers(peers)
 
-    def _via(self, side: str, name: str, sends: list[Tensor], recvs: list[Tensor]) -> list[Any]:
-        """The exchange with one neighbour: through its shared-memory link if the pair has one, else one batch
-        (in the pair's own group under STREAM, Note [one communicator per link])."""
+    def _post_activation(self, activation: Sequence[Tensor], word: Tensor) -> None:
+        data = [self._out(t) for t in activation]
+        if self.host_group is None:  # Note [control words on the host]: one message with its word
+            self._via("next", "down", self._next, [*data, word], [])
+        else:
+            self._via("next", "down", self._next, data, [])
+            self._batch(self.next_rank, self._next, [word], [], self.host_group)
+
+    def _post_recv_activation(self) -> None:
+        if self._activation is not None:
+            raise FDGRuntimeError(f"{self.describe}: an activation receive was posted twice\n{self.plan()}")
+        assert self.recv_meta is not None
+        data = [torch.empty(s, dtype=_wire_dtype(d), device=self.wire) for s, d in self.recv_meta]
+        word = torch.empty(1 + self.loss_scale, dtype=torch.int64)
+        if self.host_group is None:
+            works = self._via("prev", "down", self._prev, [], [*data, word])
+        else:
+            works = self._via("prev", "down", self._prev, [], data)
+            works += self._batch(self.prev_rank, self._prev, [], [word], self.host_group)
+        self._activation = (works, [*data, word])
+
+    def _check_watchdog(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.raise_if_failed()
+
+    def _via(self, side: str, direction: str, name: str, sends: list[Tensor], recvs: list[Tensor]) -> list[Any]:
+        """One message with one neighbour: through its shared-memory link if the pair has one, else one batch (in
+        the pair's own group for that ``direction``, "down" or "up", under STREAM: Note [one communicator per
+        link])."""
         link = self.links[side]
         if link is None:
             peer = self.prev_rank if side == "prev" else self.next_rank
-            return self._batch(peer, name, sends, recvs, self.groups[side])
+            return self._batch(peer, name, sends, recvs, self.groups[(side, direction)])
         if sends:
             try:
                 link.send(sends, self.timeout)
@@ -486,10 +584,17 @@ class NeighbourExchange:
 
     def wait_sends(self) -> None:
         """Wait for the host-waited sends; let go of stream-ordered send buffers whose transfer completed."""
-        while self._sends:
-            work, name = self._sends.pop(0)
+        self._retire_sends()
+        self._retire_sends()
+
+    def _retire_sends(self) -> None:
+        """Wait for the previous tick's host-waited sends (the neighbour took them in its tick, long since:
+        waiting for this tick's would wait for the neighbour); this tick's become the previous."""
+        sends, _ = self._older
+        while sends:
+            work, name = sends.pop(0)
             self._wait([work], f"{name} to take what this stage sent")
-        self._send_refs = []
+        self._older, self._sends, self._send_refs = (self._sends, self._send_refs), [], []
         self._in_flight.release_completed()
 
     def complete(self) -> None:
@@ -517,7 +622,8 @@ class NeighbourExchange:
         """What arrived for the next tick and the shape headers, after :meth:`complete` (for checkpoints)."""
         self.settle()
         pending = any(p is not None and p[0] for p in (self._activation, self._grad)) or self._peers is not None
-        if self._sends or self._in_flight.held() or pending:
+        unsent = self._sends or self._older[0] or self._deferred_send is not None or self._deferred_recv
+        if unsent or self._in_flight.held() or pending:
             raise FDGRuntimeError(f"{self.describe}: messages still in flight; complete() the exchange first")
         return {
             "activation": None if self._activation is None else self._activation[1],
@@ -530,32 +636,42 @@ class NeighbourExchange:
         """Undo :meth:`received` in a new process (or forget everything with None)."""
         state = state or {"activation": None, "grad": None, "sent_meta": None, "recv_meta": None}
         self.close_links()  # both neighbours restore: the next header exchange sets up new ones
-        self._sends, self._send_refs, self._in_flight = [], [], InFlightSends()
+        self._sends, self._send_refs, self._older, self._in_flight = [], [], ([], []), InFlightSends()
+        self._deferred_send, self._deferred_recv = None, False
         self._peers = None
         self.sent_meta, self.recv_meta = state["sent_meta"], state["recv_meta"]
         self._activation = None if state["activation"] is None else ([], list(state["activation"]))
         grad = state["grad"]
         self._grad = None if grad is None else ([], list(grad[0]), grad[1])
 
-    def _exchange_headers(self, activation: Sequence[Tensor] | None, recv_activation: bool) -> None:
-        """Shapes and dtypes of the activation, once (every tick with dynamic shapes); and the
-        shared-memory link, where a pair of neighbours should have one and has none yet, or the
-        activation outgrew its slots (Note [shared-memory transport])."""
-        link_next = activation is not None and self.shared_memory["next"] and self._link_too_small(activation)
-        link_prev = recv_activation and self.shared_memory["prev"] and self.links["prev"] is None
-        send = activation is not None and (self.sent_meta is None or self.dynamic_shape or link_next)
-        recv = recv_activation and (self.recv_meta is None or self.dynamic_shape or link_prev)
-        if activation is not None and not send:
-            self._check_same_shapes(activation)
-        if not (send or recv):
-            return
+    def _header_out(self, activation: Sequence[Tensor]) -> bool:
+        """Whether ``activation`` travels after a header: shapes and dtypes once (every time with dynamic
+        shapes), and the shared-memory link where the pair should have one and has none yet, or the activation
+        outgrew its slots (Note [shared-memory transport]). The next stage decides alike (:meth:`_header_in`)."""
+        link = self.shared_memory["next"] and self._link_too_small(activation)
+        return self.sent_meta is None or self.dynamic_shape or link
+
+    def _header_in(self) -> bool:
+        """Whether the next activation this stage receives comes after a header (as :meth:`_header_out`)."""
+        link = self.shared_memory["prev"] and self.links["prev"] is None
+        return self.recv_meta is None or self.dynamic_shape or link
+
+    def _exchange_headers(
+        self, activation: Sequence[Tensor] | None, recv_activation: bool, pending_grad: str = "receive"
+    ) -> None:
+        """Send the header of ``activation`` (setting up a new shared-memory link first where it needs one) and
+        receive the previous stage's (joining its link), blocking: both neighbours run it at the same tick's
+        end (Note [each message when it exists]). ``pending_grad``: what to do with a gradient receive pending
+        when the link to the next stage changes: ``"receive"`` it the old way (the engine's order), or
+        ``"refuse"`` (:meth:`post`'s order, in which none is pending then)."""
         ops = []
-        if send:
-            assert activation is not None
+        if activation is not None:
             self.sent_meta = meta_of(activation)
             token = capacity = 0
-            if link_next:
-                self._check_nothing_pending(self._grad, "a gradient receive")
+            if self.shared_memory["next"] and self._link_too_small(activation):
+                if pending_grad == "refuse":
+                    self._check_nothing_pending(self._grad, "a gradient receive")
+                self._receive_pending_grad()  # sent on the old way, before the neighbour reads this header
                 self._close_link("next")
                 try:
                     link = Link.create(self._activation_bytes(activation), peer_pid=self.next_pid)
@@ -569,13 +685,13 @@ class NeighbourExchange:
             header_out = _encode(self.sent_meta, token, capacity)
             ops.append(dist.P2POp(dist.isend, header_out, self.next_rank, self.host_group, TAG))
         header = torch.empty(_HEADER_INTS, dtype=torch.int64)  # Note [control words on the host]
-        if recv:
+        if recv_activation:
             ops.append(dist.P2POp(dist.irecv, header, self.prev_rank, self.host_group, TAG))
         works: list[Any] = list(dist.batch_isend_irecv(ops))
         if self.host_group is not None:
             works = [HostWork(w) for w in works]
         self._wait(works, f"the activation header from {self._prev}")
-        if recv:
+        if recv_activation:
             self.recv_meta, token, capacity = _decode(header)
             if token:
                 self._check_nothing_pending(self._activation, "an activation receive")
@@ -585,10 +701,18 @@ class NeighbourExchange:
                 except OSError as err:
                     raise self._failed(f"joining the shared-memory link of {self._prev}", err) from err
 
+    def _receive_pending_grad(self) -> None:
+        """Before this stage changes its link to the next: the gradient receive posted this tick is for what
+        the next stage sent this tick, before it reads the header, on the old way; take it from there
+        (kept for the next tick's :meth:`wait_grad`)."""
+        if self._grad is not None:
+            self._wait(self._grad[0], f"the gradient from {self._next}")
+
     def _check_nothing_pending(self, posted: tuple[Any, ...] | None, what: str) -> None:
-        """Note [shared-memory transport]: a pair changes links only between messages. The neighbours post
-        matching sends and receives at the same tick's exchange, so when the header arrives every receive
-        posted before it has been waited for; one still pending would be matched on the other link."""
+        """Note [shared-memory transport]: a pair changes links only between messages. A receive that waits
+        for a header is posted only after it (:meth:`post_recv_activation`), so when the header arrives
+        every activation receive posted before it has been waited for; one still pending would be matched on
+        the other link."""
         if posted is not None and posted[0]:
             raise FDGRuntimeError(
                 f"{self.describe}: {what} is still pending while the shared-memory link changes; the stages' "

@@ -301,20 +301,27 @@ def render(trace_path: str | Path, out: str | Path) -> Path:
 
 def compare(fdg: str | Path, one_f_one_b: str | Path, out: str | Path) -> Path:
     """The same job under 1F1B (top) and FDG (bottom) on one time scale, as a PNG."""
+    return stacked([one_f_one_b, fdg], out, xlabel="ms from each schedule's first recorded event")
+
+
+def stacked(paths: Sequence[str | Path], out: str | Path, titles: Sequence[str] = (), xlabel: str = "ms") -> Path:
+    """Traces one above the other on one time scale, as a PNG; a title per trace (default: its schedule, stages,
+    micro-batches and span), the total span appended to a given one."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    traces = [load(one_f_one_b), load(fdg)]
+    traces = [load(p) for p in paths]
     heights = [len(t["otherData"]["ranks"]) for t in traces]
     span_ms = max(_busy_ms(t["traceEvents"]) for t in traces)
-    fig, axes = plt.subplots(2, 1, figsize=(14, 1.6 + 0.5 * sum(heights)), height_ratios=heights, sharex=True)
-    for ax, trace in zip(axes, traces):
-        gantt(trace, ax, title=_title(trace), span_ms=span_ms)
+    fig, axes = plt.subplots(len(traces), 1, figsize=(14, 1.6 + 0.5 * sum(heights)), height_ratios=heights, sharex=True)
+    for i, (ax, trace) in enumerate(zip(axes, traces)):
+        title = f"{titles[i]}, {_busy_ms(trace['traceEvents']):.0f} ms" if titles else _title(trace)
+        gantt(trace, ax, title=title, span_ms=span_ms)
         ax.set_xlabel("")
-    axes[-1].set_xlabel("ms from each schedule's first recorded event")
-    axes[-1].set_xlim(0, span_ms)  # shared by both rows
+    axes[-1].set_xlabel(xlabel)
+    axes[-1].set_xlim(0, span_ms)  # shared by every row
     fig.subplots_adjust(bottom=0.22, hspace=0.45)
     _legend(fig)
     fig.savefig(out, dpi=120)

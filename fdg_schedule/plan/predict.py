@@ -337,10 +337,12 @@ def variant_streams(variant: Variant, stages: int, micro_batches: int, ticks: in
 def fdg_window(stages: int, accumulate: int) -> tuple[int, int, int]:
     """``(ticks, first, length)``: simulate ``ticks`` ticks and time micro-batches ``first ... first + length``.
 
-    The window starts after the fill (``2(K-1)`` ticks) and one accumulation period, and covers
-    whole accumulation periods (at least 8 ticks, at least K).
+    The window starts after the fill (``2(K-1)`` ticks), ``K-1`` more for the stages' phases to settle (with
+    each message sent when it is made, a stage can run ahead of the slowest for a while: Note [each message
+    when it exists] in fdg_schedule.exchange.comm) and one accumulation period, and covers whole accumulation
+    periods (at least 8 ticks, at least K).
     """
-    first = 2 * (stages - 1) + 2 * accumulate
+    first = 3 * (stages - 1) + 2 * accumulate
     length = accumulate * math.ceil(max(8, stages) / accumulate)
     return first + length + 1, first, length
 

@@ -51,8 +51,8 @@ def fdg_streams(stages: int, micro_batches: int, accumulate: int = 1, drain: boo
 
     The ticks of :func:`fdg_schedule.sched.actions.fdg_tick` lowered by
     :func:`~fdg_schedule.sched.actions.add_exchange`: receives before the backward / forward that waits for
-    them, the non-blocking sends of what the tick produced at its end (so a gradient leaves only after
-    the tick's forward, as in the engine). Loads cost nothing here.
+    them, the non-blocking send of each message right after the compute that made it (a gradient leaves
+    before the tick's all-reduce, step and forward, as in the engine). Loads cost nothing here.
     """
     return [[a for tick in _fdg_ticks(stages, stage, micro_batches, accumulate, drain) for a in tick]
             for stage in range(stages)]  # fmt: skip

@@ -45,7 +45,19 @@ from fdg_schedule.sched import grid, schedule, ticks
 from fdg_schedule.sched.kinds import Kind
 from fdg_schedule.sched.schedule import OPS, FDGTrainSchedule, ScheduleRun
 
-Field = int | None  # an Exchange field: a buffer_id, or the segment's micro-batch count for send_end; or None
+
+# Three handlers that are one call to the exchange each (Note [each message when it exists] in
+# fdg_schedule.exchange.comm), kept out of the engine class.
+def _send_grad(engine: FDGPipelineEngine, buffer_id: int, micro_batch: int) -> None:
+    engine._exchange.send_grad(*engine.fdg_state.to_send.pop(buffer_id))
+
+
+def _post_recv_activation(engine: FDGPipelineEngine, buffer_id: int, micro_batch: int) -> None:
+    engine._exchange.post_recv_activation()
+
+
+def _post_recv_grad(engine: FDGPipelineEngine, buffer_id: int, micro_batch: int) -> None:
+    engine._exchange.post_recv_grad(engine.fdg_state.sent_meta[buffer_id])
 
 
 class FDGPipelineEngine(FDGCheckpoints):
@@ -363,25 +375,15 @@ class FDGPipelineEngine(FDGCheckpoints):
             self._stop_timers(self.engine_timers.step_timers)
         return not getattr(self.optimizer, "overflow", False)
 
-    def _exec_exchange(
-        self, send_activation: Field, send_grad: Field, recv_activation: Field, recv_grad: Field, send_end: Field
-    ) -> None:
-        activation = None
-        if send_activation is not None:
-            activation = as_tuple(self.pipe_buffers["outputs"][send_activation])
-            if self._delayed.recompute:  # only the input waits for the backward
-                self.pipe_buffers["outputs"][send_activation] = None
-        grads, loss = self.fdg_state.to_send.pop(send_grad) if send_grad is not None else (None, None)
-        self._exchange.post(
-            activation=activation,
-            grads=grads,
-            loss=loss,
-            recv_activation=recv_activation is not None,
-            recv_grad_meta=None if recv_grad is None else self.fdg_state.sent_meta[recv_grad],
-            end=NO_END if send_end is None else send_end,
-            peers=self._tied.messages(),
-            ceiling=self.fdg_state.scaling.ceiling(sending=activation is not None),
-        )
+    def _exec_send_activation(self, buffer_id: int, micro_batch: int, end: bool) -> None:
+        activation = None if end else as_tuple(self.pipe_buffers["outputs"][buffer_id])
+        if not end and self._delayed.recompute:  # only the input waits for the backward
+            self.pipe_buffers["outputs"][buffer_id] = None
+        ceiling = self.fdg_state.scaling.ceiling(sending=not end)
+        self._exchange.send_activation(activation, micro_batch if end else NO_END, ceiling)
+
+    def _exec_exchange(self) -> None:
+        self._exchange.finish_tick(peers=self._tied.messages())
 
     def _exec_advance_tick(self, entered: bool) -> None:
         print_flops_profile(self)
@@ -423,6 +425,10 @@ class FDGPipelineEngine(FDGCheckpoints):
         schedule.FDGBackward: _exec_fdg_backward,
         schedule.ReduceGrads: _exec_reduce_grads,
         schedule.LocalOptimizerStep: _exec_local_optimizer_step,
+        schedule.SendActivation: _exec_send_activation,
+        schedule.SendGrad: _send_grad,
+        schedule.PostRecvActivation: _post_recv_activation,
+        schedule.PostRecvGrad: _post_recv_grad,
         schedule.Exchange: _exec_exchange,
         schedule.AdvanceTick: _exec_advance_tick,
         ReduceGrads: _exec_reduce_grads,

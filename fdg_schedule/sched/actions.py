@@ -125,27 +125,26 @@ def fdg_tick(
 
 
 def add_exchange(actions: list[Action], stages: int) -> list[Action]:
-    """Lower one stage's tick to what it runs with its neighbours: each backward of a non-last stage
-    waits for its gradient (``rg``) and each forward of a non-first stage for its activation (``ra``)
-    first; the tick ends with the non-blocking sends of what it produced (``sa``, then ``sg``)."""
+    """Lower one stage's tick to what it runs with its neighbours, each message where it exists (Note [each
+    message when it exists] in fdg_schedule.exchange.comm): each backward of a non-last stage waits for its
+    gradient (``rg``) first and each forward of a non-first stage for its activation (``ra``); the input
+    gradient a backward made leaves right after it (``sg``), the activation a forward made right after it
+    (``sa``), each a non-blocking send."""
     out: list[Action] = []
-    sends: list[Action] = []
     for action in actions:
         first, last_stage = action.stage == 0, action.stage == stages - 1
-        if action.op is Op.BACKWARD:
-            if not last_stage:
-                out.append(dataclasses.replace(action, op=Op.RECV_GRAD))
-            if not first:
-                sends.append(dataclasses.replace(action, op=Op.SEND_GRAD))
-        if action.op is Op.FORWARD:
-            if not first:
-                # the wait precedes the last stage's label load of the same tick
-                at = next((i for i, a in enumerate(out) if a.op is Op.LOAD and a.tick == action.tick), len(out))
-                out.insert(at, dataclasses.replace(action, op=Op.RECV_ACTIVATION))
-            if not last_stage:
-                sends.insert(0, dataclasses.replace(action, op=Op.SEND_ACTIVATION))
+        if action.op is Op.BACKWARD and not last_stage:
+            out.append(dataclasses.replace(action, op=Op.RECV_GRAD))
+        if action.op is Op.FORWARD and not first:
+            # the wait precedes the last stage's label load of the same tick
+            at = next((i for i, a in enumerate(out) if a.op is Op.LOAD and a.tick == action.tick), len(out))
+            out.insert(at, dataclasses.replace(action, op=Op.RECV_ACTIVATION))
         out.append(action)
-    return out + sends
+        if action.op is Op.BACKWARD and not first:
+            out.append(dataclasses.replace(action, op=Op.SEND_GRAD))
+        if action.op is Op.FORWARD and not last_stage:
+            out.append(dataclasses.replace(action, op=Op.SEND_ACTIVATION))
+    return out
 
 
 def fdg_grid(

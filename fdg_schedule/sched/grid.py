@@ -5,9 +5,9 @@ the grid puts all stages side by side, as the engines run them -- including how 
 the end of the data at its own tick (Note [end of data]) -- so that one can check that every
 message meets its counterpart and print the plan, with the offending cell marked, in an error::
 
-    tick  stage 0              stage 1
-    0     L0 F0 X[sa] T+       L0 X[ra] T+
-    1   > L1 F1 X[sa,rg] T+ <  A0 L1 F0 B0 R S X[sg,ra] T+
+    tick  stage 0                 stage 1
+    0     L0 F0 sa0 X T+          pa0 L0 X T+
+    1   > pg0 L1 F1 sa1 X T+ <    A0 pa1 L1 F0 B0 sg0 R S X T+
 
 Rows are ticks, columns stages; a row ``+`` is K = 1's final partial step, which has no tick.
 :meth:`Grid.actions` is the same grid in the one schedule vocabulary (:mod:`fdg_schedule.sched.actions`),
@@ -30,8 +30,12 @@ from fdg_schedule.sched.schedule import (
     FDGLoad,
     FDGTrainSchedule,
     LocalOptimizerStep,
+    PostRecvActivation,
+    PostRecvGrad,
     ReduceGrads,
     ScheduleRun,
+    SendActivation,
+    SendGrad,
     WaitActivation,
     WaitGrad,
     short,
@@ -104,19 +108,19 @@ class Grid:
         out = []
         row = self.rows[stage_id]
         for i in range(1, len(row)):
-            posted, step = _exchange(row[i - 1]), row[i]
-            if posted is None:
+            before, step = row[i - 1], row[i]
+            if not _is_tick(before):
                 continue
-            for wait, field, what in (
-                (WaitActivation, "recv_activation", "activation"),
-                (WaitGrad, "recv_grad", "gradient"),
+            for wait, post, what in (
+                (WaitActivation, PostRecvActivation, "activation"),
+                (WaitGrad, PostRecvGrad, "gradient"),
             ):
                 buffers = [c.buffer_id for c in step if isinstance(c, wait)]
-                expected = getattr(posted, field)
-                if buffers != ([] if expected is None else [expected]):
+                expected = [c.buffer_id for c in before if isinstance(c, post)]
+                if buffers != expected:
                     tick = self.start_tick + i
                     message = (
-                        f"stage {stage_id} waits for {what} in buffers {buffers} but posted a receive for {expected}"
+                        f"stage {stage_id} waits for {what} in buffers {buffers} but posted receives for {expected}"
                     )
                     out.append(Problem(stage_id, tick, message))
         return out
@@ -176,8 +180,8 @@ def _learns_end(cmd: PipeInstruction, schedule: FDGTrainSchedule, data_end: int)
     return (reads_inputs or isinstance(cmd, WaitActivation)) and cmd.micro_batch == data_end
 
 
-# What each instruction is in the one vocabulary; the exchange is its sends (its posted receives are the
-# waits of the next tick), AdvanceTick is no action.
+# What each instruction is in the one vocabulary; posted receives are none (the action is the wait that reads
+# the message), nor are the tick's end (Exchange) and AdvanceTick.
 _ACTION_OPS: dict[type[PipeInstruction], actions.Op] = {
     FDGLoad: actions.Op.LOAD,
     WaitActivation: actions.Op.RECV_ACTIVATION,
@@ -186,26 +190,20 @@ _ACTION_OPS: dict[type[PipeInstruction], actions.Op] = {
     FDGBackward: actions.Op.BACKWARD,
     ReduceGrads: actions.Op.ALLREDUCE,
     LocalOptimizerStep: actions.Op.STEP,
+    SendActivation: actions.Op.SEND_ACTIVATION,
+    SendGrad: actions.Op.SEND_GRAD,
 }
 
 
 def as_actions(step: Step, stage_id: int, tick: int) -> list[actions.Action]:
-    """One cell's instructions as actions of ``stage_id`` at ``tick``: the activation sent is the tick's
-    forward (or the end word, sent where micro-batch ``send_end`` would have gone), the gradient its backward."""
+    """One cell's instructions as actions of ``stage_id`` at ``tick`` (the end word is sent as the activation
+    of the micro-batch where it stands)."""
     out = []
     for cmd in step:
         op = _ACTION_OPS.get(type(cmd))
         if op is not None:
             micro_batch = None if op in (actions.Op.ALLREDUCE, actions.Op.STEP) else cmd.micro_batch
             out.append(actions.Action(stage_id, op, micro_batch, tick))
-        if isinstance(cmd, Exchange):
-            forward = next((c.micro_batch for c in step if isinstance(c, FDGForward)), None)
-            backward = next((c.micro_batch for c in step if isinstance(c, FDGBackward)), None)
-            if cmd.send_activation is not None or cmd.send_end is not None:
-                sent = cmd.send_end if cmd.send_end is not None else forward
-                out.append(actions.Action(stage_id, actions.Op.SEND_ACTIVATION, sent, tick))
-            if cmd.send_grad is not None:
-                out.append(actions.Action(stage_id, actions.Op.SEND_GRAD, backward, tick))
     return out
 
 

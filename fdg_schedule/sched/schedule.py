@@ -5,18 +5,25 @@ the whole plan of one ``train_batch()`` call (or one drain) for one stage. All t
 lives in :mod:`fdg_schedule.sched.ticks`; this module only orders the instructions within a tick and
 knows how a segment ends (Note [end of data]). Each instruction kind has one letter and one kind of
 time, in :data:`OPS`: ``str(instruction)`` gives the compact form (``B3`` backward of micro-batch
-3, ``F5`` forward, ``S`` optimizer step, ``X[...]`` exchange) used by golden tests, error
-messages and traces, and the kind names ``fdg_stats`` and W&B keys.
+3, ``F5`` forward, ``S`` optimizer step, ``sg3`` send its input gradient, ``pa6`` post the receive of
+micro-batch 6's activation, ``X`` the tick's end of the exchange) used by golden tests, error messages
+and traces, and the kind names ``fdg_stats`` and W&B keys. Each message is sent right after the
+instruction that made it and each receive posted as soon as the previous one was read (Note [each
+message when it exists] in :mod:`fdg_schedule.exchange.comm`); K = 2, stage 0 then stage 1::
+
+    L0 F0 sa0 X T+                 pa0 L0 X T+
+    pg0 L1 F1 sa1 X T+             A0 pa1 L1 F0 B0 sg0 R S X T+
+    G0 pg1 B0 R S L2 F2 sa2 X T+   A1 pa2 L2 F1 B1 sg1 R S X T+
 
 Note [end of data]: a segment (the pipeline fills at its tick 0) ends with a drain or when the data
 runs out. Stage 0's iterator runs out at micro-batch ``limit`` at tick ``limit``: the handler of
 that ``FDGLoad`` calls :meth:`ScheduleRun.end_data`, which runs on with a new schedule, the one of a
 segment of ``limit`` micro-batches learned at that tick (:meth:`FDGTrainSchedule.ended`; a schedule
-is never changed). The same tick's exchange then sends a dummy activation carrying ``limit``
-(``Exchange.send_end``) where micro-batch ``limit`` would have gone, and stage k learns the end from
+is never changed). Before the tick ends the stage sends a dummy activation carrying ``limit``
+(``SendActivation(end=True)``, ``se``) where micro-batch ``limit`` would have gone, and stage k learns the end from
 that dummy at tick ``limit + k``, in the ``WaitActivation`` it had posted for micro-batch ``limit``,
 and passes it on in that tick's exchange. The new schedule's tick begins with the instructions that
-already ran (checked), so the rest of the tick (no forward, the exchange with ``send_end``,
+already ran (checked), so the rest of the tick (no forward, the end sent on (``se``),
 ``AdvanceTick(entered=False)``) and the ticks after it (through the segment's last tick, at which
 stage 0 back-propagates micro-batch ``limit - 1``; K = 1 learns the end one tick after it) are those
 of a segment of ``limit`` micro-batches. What ran before the end was learned does not depend on the limit: on a non-last
@@ -100,15 +107,31 @@ class LocalOptimizerStep(_Short, PipeInstruction):
     """Step this stage's optimizer with stage-local clipping; no counters, no cross-stage collective."""
 
 
-class Exchange(_Short, PipeInstruction):
-    """Post this tick's one batched, non-blocking exchange with both neighbours.
+class SendActivation(_Short, BufferOpInstruction):
+    """Send the activation the forward of ``micro_batch`` just made to the next stage (non-blocking).
 
-    Roughly: ``batch_isend_irecv([activation -> next, gradient + loss -> previous,
-    activation <- previous, gradient + loss <- next])`` for the buffers named; the receives are
-    waited for by next tick's :class:`WaitGrad` / :class:`WaitActivation`. Each buffer field is the
-    buffer of the micro-batch concerned, or None. ``send_end``: instead of an activation, send a
-    dummy carrying the segment's number of micro-batches (Note [end of data]).
+    Roughly: ``isend(outputs[buffer_id] -> next)`` with its control word (Note [each message when it
+    exists] in fdg_schedule.exchange.comm). ``end``: instead, send a dummy carrying the segment's number of
+    micro-batches where micro-batch ``micro_batch`` (= ``limit``) would have gone (Note [end of data]).
     """
+
+
+class SendGrad(_Short, BufferOpInstruction):
+    """Send the input gradient the backward of ``micro_batch`` just made, with its loss, to the previous stage
+    (non-blocking): before the all-reduce, the step and the forward that follow in the tick."""
+
+
+class PostRecvActivation(_Short, BufferOpInstruction):
+    """Post the receive of the activation of ``micro_batch``, which next tick's :class:`WaitActivation` reads."""
+
+
+class PostRecvGrad(_Short, BufferOpInstruction):
+    """Post the receive of the gradient of ``micro_batch``, which next tick's :class:`WaitGrad` reads."""
+
+
+class Exchange(_Short, PipeInstruction):
+    """End the tick's exchange: what waits for an activation header (a new shape or shared-memory link) is
+    sent and posted after it, the previous tick's sends are waited for, tied gradients go to their owners."""
 
 
 class AdvanceTick(_Short, PipeInstruction):
@@ -133,26 +156,21 @@ OPS: dict[type[PipeInstruction], Op] = {
     FDGBackward: Op("B", Kind.BACKWARD),
     ReduceGrads: Op("R", Kind.REDUCE),  # DeepSpeed's: the gradient all-reduce over the stage's data-parallel group
     LocalOptimizerStep: Op("S", Kind.STEP),
+    SendActivation: Op("sa", Kind.EXCHANGE),
+    SendGrad: Op("sg", Kind.EXCHANGE),
+    PostRecvActivation: Op("pa", Kind.EXCHANGE),
+    PostRecvGrad: Op("pg", Kind.EXCHANGE),
     Exchange: Op("X", Kind.EXCHANGE),
     AdvanceTick: Op("T", None),
 }
 
-# Exchange fields in its compact text: X[sa,sg,ra,rg,se].
-_EXCHANGE_FLAGS = {
-    "send_activation": "sa",
-    "send_grad": "sg",
-    "recv_activation": "ra",
-    "recv_grad": "rg",
-    "send_end": "se",
-}
-
 
 def short(cmd: PipeInstruction) -> str:
-    """The compact text of an instruction: ``F3``, ``R``, ``X[sa,rg]``, ``T+`` (a micro-batch entered)."""
+    """The compact text of an instruction: ``F3``, ``R``, ``sg1``, ``se4`` (the end word where micro-batch 4
+    would have gone), ``T+`` (a micro-batch entered)."""
     letter = OPS[type(cmd)].letter
-    if isinstance(cmd, Exchange):
-        flags = [flag for field, flag in _EXCHANGE_FLAGS.items() if getattr(cmd, field) is not None]
-        return f"{letter}[{','.join(flags)}]"
+    if isinstance(cmd, SendActivation) and cmd.end:
+        return f"se{cmd.micro_batch}"
     if isinstance(cmd, AdvanceTick):
         return letter + ("+" if cmd.entered else "")
     micro_batch = getattr(cmd, "micro_batch", None)
@@ -260,23 +278,33 @@ class FDGTrainSchedule(PipeSchedule):
     def tick_instructions(self, tick: int) -> list[PipeInstruction]:
         """Everything this stage does at segment tick ``tick``, in order.
 
-        The compute is :func:`fdg_schedule.sched.actions.fdg_tick`'s, lowered to DeepSpeed instructions: the
-        wait for a gradient before each delayed backward, for an activation before each forward, the
-        tick's one :class:`Exchange` and :class:`AdvanceTick` at its end. At ``learned_at`` the load or
-        wait of micro-batch ``limit`` stays where it found the end (Note [end of data]).
+        The compute is :func:`fdg_schedule.sched.actions.fdg_tick`'s, lowered to DeepSpeed instructions with
+        each message where it exists (Note [each message when it exists] in fdg_schedule.exchange.comm): the
+        wait for a gradient before each delayed backward and its input gradient sent right after it, the wait
+        for an activation before each forward and the activation sent right after it; next tick's receives
+        posted as soon as this tick's were waited for (at the tick's start where it waits for none); the
+        tick's :class:`Exchange` and :class:`AdvanceTick` at its end. At ``learned_at`` the load or wait of
+        micro-batch ``limit`` stays where it found the end, and the end is passed on before the tick ends
+        (Note [end of data]).
         """
         plan = actions.fdg_tick(self.stages, self.stage_id, tick, self.accumulate, self.limit, self.labels_end)
-        out: list[PipeInstruction] = []
         bwd = ticks.backward_micro_batch(tick, self.stages, self.stage_id, self.limit)
+        fwd = ticks.forward_micro_batch(tick, self.stage_id, self.limit)
+        learns_here = self.learned_at == tick and self.limit is not None
+        waits_grad = not self.is_last_stage and bwd is not None
+        waits_activation = not self.is_first_stage and (fwd is not None or learns_here)
+        post_grad, post_activation = self._posts(tick)
+        out: list[PipeInstruction] = []
+        early = ((post_grad, waits_grad), (post_activation, waits_activation))  # posted where no wait precedes
+        out += [post for post, waits in early if post is not None and not waits]
         for action in itertools.takewhile(_before_forward, plan):  # a non-last stage's backward
             if action.op is ActionOp.BACKWARD:
-                out.append(WaitGrad(self._buffer(bwd), micro_batch=bwd))
-            out.append(self._lower(action))
-        learns_here = self.learned_at == tick and self.limit is not None
-        fwd = ticks.forward_micro_batch(tick, self.stage_id, self.limit)
-        if not self.is_first_stage and (fwd is not None or learns_here):
+                out += [WaitGrad(self._buffer(bwd), micro_batch=bwd), *([post_grad] if post_grad else [])]
+            out += self._lower(action)
+        if waits_activation:
             waited = self.limit if fwd is None else fwd
             out.append(WaitActivation(self._buffer(waited), micro_batch=waited))  # learns the end at learned_at
+            out += [post_activation] if post_activation else []
         loads = [action.micro_batch for action in plan if action.op is ActionOp.LOAD]
         if self.is_first_stage and learns_here:
             loads.append(self.limit)  # stage 0's iterator was found empty here
@@ -291,36 +319,44 @@ class FDGTrainSchedule(PipeSchedule):
             out += [ReduceGrads(), LocalOptimizerStep()]
         forward = next((action for action in plan if action.op is ActionOp.FORWARD), None)
         if forward is not None:
-            out += [self._lower(action) for action in plan[plan.index(forward) :]]
-        out.append(self._exchange(tick, None if forward is None else forward.micro_batch, bwd))
+            out += [cmd for action in plan[plan.index(forward) :] for cmd in self._lower(action)]
+        if learns_here and not self.is_last_stage and self.limit is not None:
+            # The next stage posted a receive for micro-batch `limit`: tell it the data ended instead.
+            out.append(SendActivation(self._buffer(self.limit), micro_batch=self.limit, end=True))
+        out.append(Exchange())
         out.append(AdvanceTick(entered=ticks.forward_micro_batch(tick, 0, self.limit) is not None))
         return out
 
-    def _lower(self, action: actions.Action) -> PipeInstruction:
-        if action.op is ActionOp.FORWARD:
-            return FDGForward(self._buffer(action.micro_batch), micro_batch=action.micro_batch)
-        if action.op is ActionOp.BACKWARD:
-            return FDGBackward(self._buffer(action.micro_batch), micro_batch=action.micro_batch)
-        if action.op is ActionOp.ALLREDUCE:
-            return ReduceGrads()
-        if action.op is ActionOp.STEP:
-            return LocalOptimizerStep()
-        raise FDGRuntimeError(f"stage {self.stage_id}: the schedule cannot lower action {action}")
-
-    def _exchange(self, tick: int, fwd: int | None, bwd: int | None) -> Exchange:
-        # What the neighbours need next tick is exactly what they will forward / back-propagate.
-        next_fwd = ticks.forward_micro_batch(tick + 1, self.stage_id, self.limit)
+    def _posts(self, tick: int) -> tuple[PostRecvGrad | None, PostRecvActivation | None]:
+        """The receives this tick posts for the next: what the stage will back-propagate and forward then."""
         next_bwd = ticks.backward_micro_batch(tick + 1, self.stages, self.stage_id, self.limit)
-        back_propagated = fwd if self.is_last_stage else bwd
-        # The next stage posted a receive for micro-batch `limit`: tell it the data ended instead.
-        passes_end = not self.is_last_stage and self.learned_at == tick
-        return Exchange(
-            send_activation=None if self.is_last_stage or fwd is None else self._buffer(fwd),
-            send_grad=None if self.is_first_stage or back_propagated is None else self._buffer(back_propagated),
-            recv_activation=None if self.is_first_stage or next_fwd is None else self._buffer(next_fwd),
-            recv_grad=None if self.is_last_stage or next_bwd is None else self._buffer(next_bwd),
-            send_end=self.limit if passes_end else None,
+        next_fwd = ticks.forward_micro_batch(tick + 1, self.stage_id, self.limit)
+        grad = (
+            None
+            if self.is_last_stage or next_bwd is None
+            else PostRecvGrad(self._buffer(next_bwd), micro_batch=next_bwd)
         )
+        activation = None
+        if not self.is_first_stage and next_fwd is not None:
+            activation = PostRecvActivation(self._buffer(next_fwd), micro_batch=next_fwd)
+        return grad, activation
+
+    def _lower(self, action: actions.Action) -> list[PipeInstruction]:
+        """One compute action as instructions: a forward followed by the send of its activation, a backward by
+        the send of its input gradient (Note [each message when it exists])."""
+        if action.op is ActionOp.FORWARD:
+            buffer = self._buffer(action.micro_batch)
+            sent = [] if self.is_last_stage else [SendActivation(buffer, micro_batch=action.micro_batch, end=False)]
+            return [FDGForward(buffer, micro_batch=action.micro_batch), *sent]
+        if action.op is ActionOp.BACKWARD:
+            buffer = self._buffer(action.micro_batch)
+            sent = [] if self.is_first_stage else [SendGrad(buffer, micro_batch=action.micro_batch)]
+            return [FDGBackward(buffer, micro_batch=action.micro_batch), *sent]
+        if action.op is ActionOp.ALLREDUCE:
+            return [ReduceGrads()]
+        if action.op is ActionOp.STEP:
+            return [LocalOptimizerStep()]
+        raise FDGRuntimeError(f"stage {self.stage_id}: the schedule cannot lower action {action}")
 
     def _buffer(self, micro_batch: int | None) -> int:
         assert micro_batch is not None
@@ -394,5 +430,5 @@ def _before_forward(action: actions.Action) -> bool:
 
 
 def render(schedule: FDGTrainSchedule) -> list[str]:
-    """The compact text of each tick, e.g. ``["L0 F0 X[sa] T+", "G0 B0 R S L1 F1 X[sa,rg] T+"]``."""
+    """The compact text of each tick, e.g. ``["L0 F0 sa0 X T+", "pg0 L1 F1 sa1 X T+"]``."""
     return [" ".join(short(cmd) for cmd in step) for step in schedule.steps()]
