@@ -334,6 +334,8 @@ def draw(before: Path, after: Path, out: Path, result: dict[str, Any], link_s: f
 
 
 def report(result: dict[str, Any]) -> str:
+    from benchmarks.common.stats import spread
+
     links, ticks, predicted = result["links_s"], result["ticks"], result["predicted"]
     base = {n: statistics.median(ticks[n][repr(links[0])]) for n in ticks}
     lines = [
@@ -351,11 +353,10 @@ def report(result: dict[str, Any]) -> str:
     ]
     for i, (c, frac) in enumerate(zip(links, result["fractions"])):
         cells = [f"{c * 1e3:.1f} ms", f"{frac:g}"]
+        median = {n: statistics.median(ticks[n][repr(c)]) for n in ticks}
         for n in ("before", "after"):
-            t = statistics.median(ticks[n][repr(c)])
-            cells += [f"{t * 1e3:.1f} [{min(ticks[n][repr(c)]) * 1e3:.1f}–{max(ticks[n][repr(c)]) * 1e3:.1f}]",
-                      f"{t / base[n]:.3f}"]  # fmt: skip
-        after, before = (statistics.median(ticks[n][repr(c)]) for n in ("after", "before"))
+            cells += [spread(ticks[n][repr(c)], 1e3), f"{median[n] / base[n]:.3f}"]
+        after, before = median["after"], median["before"]
         pb, pa = predicted["before"]["ticks"][i], predicted["after"]["ticks"][i]
         cells += [f"{after / before:.3f}", f"{pb * 1e3:.1f}", f"{pa * 1e3:.1f}", f"{pa / after:.3f}"]
         lines.append("| " + " | ".join(cells) + " |")
