@@ -12,8 +12,19 @@ neighbours on one host exchange their per-tick messages through a :class:`Link` 
   rewritten only after its ``FREE``. The records also order the copies: the sender's stores come
   before its ``send()``, the receiver's loads after its ``recv()``, and the kernel's socket locks
   make that a happens-before on any CPU.
-- A wait blocks in ``select()`` on the socket for at most the remaining timeout. A neighbour that
-  dies closes its end, so the wait fails at once with an error naming it instead of at the timeout.
+- The peer is woken by a doorbell, an eventfd per direction rung after each record, not by the
+  record itself (Note [doorbells]). A wait blocks in ``poll()`` on its eventfd, and on the socket
+  for its closing only, for at most the remaining timeout. A neighbour that dies closes its end,
+  so the wait fails at once with an error naming it instead of at the timeout.
+
+Note [doorbells]: a write to a Unix socket wakes a reader blocked on it with a *synchronous*
+wake-up (the kernel assumes the writer is about to sleep), and Linux's wake-affine placement then
+queues the woken rank on the writer's CPU when its own CPU is busy with anything else. A stage goes
+on computing after it sends, so the two ranks shared one core until the load balancer separated
+them: 10-20 ms of runnable-but-waiting time per tick on a 2-core machine with background load
+(docs/performance.md, "FDG's tick on models nobody tuned for"). An eventfd write wakes without
+that hint, as gloo's futex wake-ups do. The upstream creates both eventfds and hands them to the
+downstream over the socket (``SCM_RIGHTS``) right after it accepts the connection.
 
 Set up once per pair of neighbours, inside the activation header exchange (Note [control words on
 the host] in :mod:`fdg_schedule.exchange.comm`). The upstream stage, which sends the header, first creates
@@ -110,6 +121,8 @@ class Link:
         self._listener: socket.socket | None = None
         self._sock: socket.socket | None = None
         self._pending = b""
+        self._bells: tuple[int, int] | None = None  # (rung by this side, waited on by this side): Note [doorbells]
+        self._poll: select.poll | None = None
         self._ready_bytes: dict[int, int] = {}  # a READY record's message size, until the message is taken
         self._paths: list[str] = []
 
@@ -128,6 +141,8 @@ class Link:
                     link._map(direction, fd)
                 finally:
                     os.close(fd)
+            down, up = (os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK) for _ in Direction)
+            link._bells = (down, up)
             link._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             link._listener.bind(_socket_name(link.token))
             link._listener.listen(4)  # a foreign connection waiting to be refused does not block the neighbour
@@ -218,6 +233,8 @@ class Link:
                     raise LinkError(f"could not be accepted on this stage's shared-memory link ({err})") from err
                 who = peer_credentials(sock)
                 if who[1] == os.getuid() and (self.peer_pid is None or who[0] == self.peer_pid):
+                    assert self._bells is not None
+                    socket.send_fds(sock, [b"B"], list(self._bells))  # Note [doorbells]: before any record
                     self._sock = sock
                 else:
                     self.refused.append(who)
@@ -226,6 +243,25 @@ class Link:
             self._listener.close()
             self._listener = None
             self._remove_files()  # both sides have mapped them
+        elif self._bells is None:  # the downstream: the upstream sends the doorbells once it accepts
+            self._sock.settimeout(max(0.0, deadline - time.monotonic()))
+            try:
+                _, fds, _, _ = socket.recv_fds(self._sock, 1, 2)
+            except TimeoutError as err:
+                raise LinkError("never accepted this stage's connection to the shared-memory link") from err
+            except OSError as err:
+                raise LinkError(f"closed the shared-memory link before it was set up ({err})") from err
+            finally:
+                self._sock.settimeout(None)
+            if len(fds) != 2:
+                raise LinkError("closed the shared-memory link before it was set up (no doorbells received)")
+            down, up = fds
+            self._bells = (up, down)
+        if self._poll is None:
+            assert self._bells is not None
+            self._poll = select.poll()
+            self._poll.register(self._bells[1], select.POLLIN)
+            self._poll.register(self._sock, select.POLLRDHUP)  # its closing only: data must not wake us
         return self._sock
 
     def _post(self, kind: Kind, direction: Direction, seq: int, nbytes: int) -> None:
@@ -236,22 +272,40 @@ class Link:
         # for next on the link fails, reading the closed socket.
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             sock.sendall(_RECORD.pack(kind, direction, seq, nbytes))
+        assert self._bells is not None, "connected, so the doorbells are known"
+        os.eventfd_write(self._bells[0], 1)  # Note [doorbells]: after the record it announces
 
     def _wait_until(self, done: Callable[[], bool], timeout: timedelta, what: str) -> None:
         """Read records until ``done()`` holds; LinkError past the timeout or when the peer closed the link."""
         deadline = time.monotonic() + timeout.total_seconds()
         sock = self._connected(deadline)
+        assert self._poll is not None and self._bells is not None
         while not done():
-            left = deadline - time.monotonic()
-            readable, _, _ = select.select([sock], [], [], max(0.0, left))
-            if not readable:
-                raise LinkError(f"did not {what} within {timeout.total_seconds():g} s")
-            try:
-                data = sock.recv(65536)
-            except ConnectionResetError:  # it ended with records of this stage unread
-                data = b""
-            if not data:
+            # Read what has come, then sleep until the next doorbell. A record is written before its doorbell
+            # is rung, and the doorbell is reset before the socket is read, so no record goes unseen.
+            if self._read_available(sock):
+                if done():
+                    return
                 raise LinkError("closed the shared-memory link: its process ended")
+            if done():
+                return
+            left = deadline - time.monotonic()
+            if not self._poll.poll(max(0.0, left) * 1e3):
+                raise LinkError(f"did not {what} within {timeout.total_seconds():g} s")
+            with contextlib.suppress(BlockingIOError):  # rung since the last read
+                os.eventfd_read(self._bells[1])
+
+    def _read_available(self, sock: socket.socket) -> bool:
+        """Read every record already in the socket, without blocking; True if the peer closed its end."""
+        while True:
+            try:
+                data = sock.recv(65536, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return False
+            except ConnectionResetError:  # it ended with records of this stage unread
+                return True
+            if not data:
+                return True
             self._read_records(data)
 
     def _read_records(self, data: bytes) -> None:
@@ -279,6 +333,11 @@ class Link:
             if sock is not None:
                 sock.close()
         self._sock = self._listener = None
+        self._poll = None
+        for bell in self._bells or ():
+            with contextlib.suppress(OSError):
+                os.close(bell)
+        self._bells = None
         self._remove_files()
         self._views.clear()
         for ring in self._rings.values():
