@@ -6,12 +6,13 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
+import time
 from datetime import timedelta
 
 import pytest
 import torch
 
-from fdg_schedule.exchange.shm_link import Link, LinkError, _socket_name
+from fdg_schedule.exchange.shm_link import SLOTS, Link, LinkError, _socket_name
 
 TIMEOUT = timedelta(seconds=30)
 
@@ -63,3 +64,68 @@ def test_a_link_whose_neighbour_never_connects_names_what_it_refused() -> None:
     assert foreign.recv(1) == b""  # closed by the link
     link.close()
     foreign.close()
+
+
+def _take_all_then_send_back(token: int, capacity: int, messages: int) -> None:
+    """The downstream stage: join, receive ``messages`` messages (slowly), then send each back doubled."""
+    link = Link.join(token, capacity, TIMEOUT)
+    got = [torch.empty(4) for _ in range(messages)]
+    for i, into in enumerate(got):
+        if i % SLOTS == 0:
+            time.sleep(0.05)  # the upstream has filled every slot and sleeps until a FREE record rings it
+        link.receive([into], TIMEOUT)
+    for t in got:
+        link.send([t * 2], TIMEOUT)
+    link.close()
+
+
+@pytest.mark.timeout(60)
+def test_every_record_wakes_its_reader_through_many_reuses_of_every_slot() -> None:
+    """Note [doorbells]: each side sleeps in turn on READY records (a message to read) and on FREE records (a slot
+    to reuse), many times over every slot. A record whose doorbell is lost hangs its reader until the timeout."""
+    ctx = mp.get_context("spawn")
+    link = Link.create(64)
+    messages = 6 * SLOTS
+    neighbour = ctx.Process(target=_take_all_then_send_back, args=(link.token, link.capacity, messages))
+    neighbour.start()
+    try:
+        link.peer_pid = neighbour.pid
+        for i in range(messages):
+            link.send([torch.full((4,), float(i))], TIMEOUT)
+        back = torch.empty(4)
+        received = []
+        for i in range(messages):
+            if i % SLOTS == 0:
+                time.sleep(0.05)  # now the neighbour waits for FREE records
+            link.receive([back], TIMEOUT)
+            received.append(back[0].item())
+        assert received == [2.0 * i for i in range(messages)]
+        assert link.sent == link.taken == link.freed == messages
+    finally:
+        neighbour.join(30)
+        link.close()
+    assert neighbour.exitcode == 0
+
+
+def _receive_once_then_exit(token: int, capacity: int) -> None:
+    link = Link.join(token, capacity, TIMEOUT)
+    link.receive([torch.empty(4)], TIMEOUT)
+    os._exit(0)  # no close: the kernel closes the socket as the process ends
+
+
+@pytest.mark.timeout(60)
+def test_a_wait_on_a_neighbour_that_exited_fails_at_once_naming_it() -> None:
+    ctx = mp.get_context("spawn")
+    link = Link.create(64)
+    neighbour = ctx.Process(target=_receive_once_then_exit, args=(link.token, link.capacity))
+    neighbour.start()
+    try:
+        link.peer_pid = neighbour.pid
+        link.send([torch.zeros(4)], TIMEOUT)
+        neighbour.join(30)
+        start = time.monotonic()
+        with pytest.raises(LinkError, match="closed the shared-memory link: its process ended"):
+            link.receive([torch.empty(4)], TIMEOUT)
+        assert time.monotonic() - start < 5, "the closed socket ends the wait, not the 30 s timeout"
+    finally:
+        link.close()
