@@ -129,3 +129,28 @@ def test_a_wait_on_a_neighbour_that_exited_fails_at_once_naming_it() -> None:
         assert time.monotonic() - start < 5, "the closed socket ends the wait, not the 30 s timeout"
     finally:
         link.close()
+
+
+def _send_first(token: int, capacity: int) -> None:
+    link = Link.join(token, capacity, TIMEOUT)
+    link.send([torch.arange(4.0)], TIMEOUT)  # before the upstream has accepted: must not wait for it
+    link.close()
+
+
+@pytest.mark.timeout(60)
+def test_the_downstream_sends_before_the_upstream_accepts() -> None:
+    """Note [doorbells]: the downstream brings the doorbells as it connects, so its first record waits for nothing
+    of the upstream's (the exchange relies on it when a link is replaced mid-run)."""
+    ctx = mp.get_context("spawn")
+    link = Link.create(64)
+    neighbour = ctx.Process(target=_send_first, args=(link.token, link.capacity))
+    neighbour.start()
+    try:
+        link.peer_pid = neighbour.pid
+        neighbour.join(30)  # it sent and exited while this side had not yet accepted
+        assert neighbour.exitcode == 0
+        got = torch.empty(4)
+        link.receive([got], TIMEOUT)  # accepts now, and the record and its doorbell are there
+        assert got.tolist() == [0.0, 1.0, 2.0, 3.0]
+    finally:
+        link.close()

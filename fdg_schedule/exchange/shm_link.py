@@ -23,8 +23,9 @@ queues the woken rank on the writer's CPU when its own CPU is busy with anything
 on computing after it sends, so the two ranks shared one core until the load balancer separated
 them: 10-20 ms of runnable-but-waiting time per tick on a 2-core machine with background load
 (docs/performance.md, "FDG's tick on models nobody tuned for"). An eventfd write wakes without
-that hint, as gloo's futex wake-ups do. The upstream creates both eventfds and hands them to the
-downstream over the socket (``SCM_RIGHTS``) right after it accepts the connection.
+that hint, as gloo's futex wake-ups do. The downstream creates both eventfds and sends them over the
+socket (``SCM_RIGHTS``) as soon as it connects; the upstream takes them when it accepts. So the downstream never
+waits for the accept: it may post records (and ring the upstream's doorbell) before it.
 
 Set up once per pair of neighbours, inside the activation header exchange (Note [control words on
 the host] in :mod:`fdg_schedule.exchange.comm`). The upstream stage, which sends the header, first creates
@@ -141,8 +142,6 @@ class Link:
                     link._map(direction, fd)
                 finally:
                     os.close(fd)
-            down, up = (os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK) for _ in Direction)
-            link._bells = (down, up)
             link._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             link._listener.bind(_socket_name(link.token))
             link._listener.listen(4)  # a foreign connection waiting to be refused does not block the neighbour
@@ -166,6 +165,15 @@ class Link:
         sock.connect(_socket_name(token))
         sock.settimeout(None)
         link._sock = sock
+        # Note [doorbells]: the downstream makes both and sends them at once (the socket holds them until the
+        # upstream accepts), so nothing of this side waits for the upstream to accept.
+        down, up = (os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK) for _ in Direction)
+        link._bells = (up, down)  # rings the upstream's, waits on its own
+        try:
+            socket.send_fds(sock, [b"B"], [down, up])
+        except OSError as err:
+            link.close()
+            raise LinkError(f"closed the shared-memory link before it was set up ({err})") from err
         return link
 
     def _map(self, direction: Direction, fd: int) -> None:
@@ -233,8 +241,11 @@ class Link:
                     raise LinkError(f"could not be accepted on this stage's shared-memory link ({err})") from err
                 who = peer_credentials(sock)
                 if who[1] == os.getuid() and (self.peer_pid is None or who[0] == self.peer_pid):
-                    assert self._bells is not None
-                    socket.send_fds(sock, [b"B"], list(self._bells))  # Note [doorbells]: before any record
+                    try:
+                        self._bells = self._receive_bells(sock, deadline)
+                    except LinkError:
+                        sock.close()
+                        raise
                     self._sock = sock
                 else:
                     self.refused.append(who)
@@ -243,26 +254,30 @@ class Link:
             self._listener.close()
             self._listener = None
             self._remove_files()  # both sides have mapped them
-        elif self._bells is None:  # the downstream: the upstream sends the doorbells once it accepts
-            self._sock.settimeout(max(0.0, deadline - time.monotonic()))
-            try:
-                _, fds, _, _ = socket.recv_fds(self._sock, 1, 2)
-            except TimeoutError as err:
-                raise LinkError("never accepted this stage's connection to the shared-memory link") from err
-            except OSError as err:
-                raise LinkError(f"closed the shared-memory link before it was set up ({err})") from err
-            finally:
-                self._sock.settimeout(None)
-            if len(fds) != 2:
-                raise LinkError("closed the shared-memory link before it was set up (no doorbells received)")
-            down, up = fds
-            self._bells = (up, down)
         if self._poll is None:
             assert self._bells is not None
             self._poll = select.poll()
             self._poll.register(self._bells[1], select.POLLIN)
             self._poll.register(self._sock, select.POLLRDHUP)  # its closing only: data must not wake us
         return self._sock
+
+    @staticmethod
+    def _receive_bells(sock: socket.socket, deadline: float) -> tuple[int, int]:
+        """The upstream's side of Note [doorbells]: the two eventfds the downstream sent as it connected, as (rung by
+        this side, waited on by this side)."""
+        sock.settimeout(max(0.0, deadline - time.monotonic()))
+        try:
+            _, fds, _, _ = socket.recv_fds(sock, 1, 2)
+        except TimeoutError as err:
+            raise LinkError("connected to the shared-memory link but sent no doorbells") from err
+        except OSError as err:
+            raise LinkError(f"closed the shared-memory link before it was set up ({err})") from err
+        if len(fds) != 2:
+            for fd in fds:
+                os.close(fd)
+            raise LinkError("closed the shared-memory link before it was set up (no doorbells received)")
+        down, up = fds
+        return down, up
 
     def _post(self, kind: Kind, direction: Direction, seq: int, nbytes: int) -> None:
         sock = self._sock
