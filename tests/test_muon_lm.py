@@ -38,3 +38,28 @@ def test_paired_differences_are_relative_and_skip_other_machines() -> None:
     assert stats["differences"] == pytest.approx([10.0, 5.0])
     assert stats["mean"] == pytest.approx(7.5)
     assert stats["upper_95"] == pytest.approx(7.5 + 6.313752 * (5 / 2**0.5) / 2**0.5, abs=1e-4)
+
+
+def _write(file, record) -> None:
+    import json
+
+    file.parent.mkdir(parents=True, exist_ok=True)
+    file.write_text(json.dumps(record))
+
+
+def test_bp_adamw_is_run_here_only_where_the_auto_tests_ran_on_another_processor(tmp_path, monkeypatch) -> None:
+    out, auto = tmp_path / "muon", tmp_path / "auto"
+    monkeypatch.setattr(muon_lm.auto_test, "machine", lambda: "here")
+    for seed in muon_lm.SEEDS:
+        _write(muon_lm.path(out, "gpt2", "muon_k4", seed), {"test": 4.0, "machine": "here" if seed < 104 else "x"})
+        theirs = {"test": 4.4, "machine": "x" if seed < 102 else "here"}
+        _write(muon_lm.auto_test.run_path(auto, "gpt2", "bp", seed), theirs)
+    planned = [t for t in muon_lm.plan(out, auto) if t[1] == muon_lm.BP_ADAMW_HERE]
+    # 100, 101: theirs elsewhere, ours here; 102, 103: theirs pairs already; 104: ours ran elsewhere, cannot pair here
+    assert planned == [("gpt2", muon_lm.BP_ADAMW_HERE, 100, None), ("gpt2", muon_lm.BP_ADAMW_HERE, 101, None)]
+    _write(muon_lm.path(out, "gpt2", muon_lm.BP_ADAMW_HERE, 100), {"test": 5.0, "machine": "here"})
+    against_ours = muon_lm.runs_of(out, auto, "gpt2", "bp_adamw", for_arm="muon_k4")
+    against_theirs = muon_lm.runs_of(out, auto, "gpt2", "bp_adamw", for_arm="adamw_k4_auto")
+    assert against_ours[100] == {"test": 5.0, "machine": "here"} and against_ours[101]["machine"] == "x"
+    assert against_theirs[100] == {"test": 4.4, "machine": "x"}
+    assert muon_lm.paired(muon_lm.runs_of(out, auto, "gpt2", "muon_k4"), against_ours)["n"] == 3  # 100, 102, 103

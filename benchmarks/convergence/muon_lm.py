@@ -21,6 +21,11 @@ Order, fixed before any run:
    no correction, so these are also the ``"none"`` arms; each run file records the rule's line), and the
    AdamW K = 2 arms ``adamw_k2_none`` / ``adamw_k2_auto``. BP-AdamW and AdamW K = 4 (``none``, ``auto``)
    are the auto test's run files of the same seed (docs/results/auto/runs).
+   Added after the runs began (2026-12-06; no run was chosen or dropped by it): where the auto test's BP-AdamW
+   of a seed ran on another processor than this queue's, so that no arm of this queue pairs with it, this queue
+   runs BP-AdamW itself (``bp_adamw_here``: ``auto_test.one_run`` of arm ``bp``, with its frozen warm-up)
+   after every other run; the rows of this queue's arms against BP-AdamW use it for that seed. The auto test's
+   own AdamW K = 4 rows keep its BP-AdamW.
 3. The report: per task and arm, the paired relative differences of the test loss (%), their mean, sd and
    the one-sided 95 % upper bound (Student t), as the auto test computes them. Target: FDG-Muon at K = 4
    within 1 % of BP-Muon (bound below +1 %); and FDG-Muon K = 4 against BP-AdamW.
@@ -45,6 +50,7 @@ TASKS = ("llama", "gpt2")
 TUNING_SEED, TUNING_LRS = 99, (0.01, 0.02, 0.04)
 SEEDS = tuple(range(100, 105))
 ARMS = ("bp_muon", "muon_k4", "muon_k2", "adamw_k2_none", "adamw_k2_auto")
+BP_ADAMW_HERE = "bp_adamw_here"  # BP-AdamW run by this queue where the auto test's ran on another processor
 MUON = {"momentum": 0.95, "adam_lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
 
 
@@ -156,18 +162,33 @@ def tuned_lr(out: Path, task: str) -> float | None:
     return min(finite, key=lambda lr: finite[lr])
 
 
-def plan(out: Path) -> list[tuple[str, str, int, float | None]]:
+def plan(out: Path, auto_runs: Path = AUTO_RUNS) -> list[tuple[str, str, int, float | None]]:
     """Every run still to do, in order: per task, the tuning runs, then each seed's arms."""
     todo: list[tuple[str, str, int, float | None]] = []
     for task in TASKS:
         todo += [(task, f"bp_lr{lr}", TUNING_SEED, lr) for lr in TUNING_LRS]
         todo += [(task, arm, seed, None) for seed in SEEDS for arm in ARMS]
+    here = auto_test.machine()
+    for task in TASKS:
+        for seed in SEEDS:  # BP-AdamW where the auto test's ran on another processor than this seed's Muon arms
+            theirs, ours = read(auto_test.run_path(auto_runs, task, "bp", seed)), read(path(out, task, "muon_k4", seed))
+            if theirs is not None and ours is not None and theirs["machine"] != ours["machine"] == here:
+                todo.append((task, BP_ADAMW_HERE, seed, None))
     return [t for t in todo if not path(out, t[0], t[1], t[2]).exists()]
 
 
-def queue(out: Path) -> None:
-    while todo := plan(out):
+def queue(out: Path, auto_runs: Path = AUTO_RUNS) -> None:
+    while todo := plan(out, auto_runs):
         task, arm, seed, lr = todo[0]
+        if arm == BP_ADAMW_HERE:  # the auto test's own BP-AdamW run, with its frozen warm-up choice
+            print(f"muon_lm: {task} {arm} seed {seed} (the auto test's BP-AdamW)", flush=True)
+            warmup = auto_test.selection(auto_runs, task)
+            assert warmup is not None, "the auto test's BP-AdamW of this seed ran, so its selection did"
+            record = {**auto_test.one_run(task, "bp", seed, warmup, smoke=False), "arm": BP_ADAMW_HERE}
+            file = path(out, task, arm, seed)
+            file.parent.mkdir(parents=True, exist_ok=True)
+            file.write_text(json.dumps(record, indent=1) + "\n")
+            continue
         lr = lr if lr is not None else tuned_lr(out, task)
         assert lr is not None, "the plan runs a task's tuning first"
         print(f"muon_lm: {task} {arm} seed {seed} (muon lr {lr})", flush=True)
@@ -209,9 +230,15 @@ COMPARISONS = (  # (row, arm, against); "adamw_*" of K = 4 and "bp_adamw" are th
 AUTO_TEST_ARMS = {"bp_adamw": "bp", "adamw_k4_none": "none", "adamw_k4_auto": "auto"}
 
 
-def runs_of(out: Path, auto_runs: Path, task: str, arm: str) -> dict[int, dict | None]:
+def runs_of(out: Path, auto_runs: Path, task: str, arm: str, for_arm: str = "") -> dict[int, dict | None]:
+    """An arm's run per seed. BP-AdamW compared with an arm of this queue (``for_arm``) is this queue's own
+    BP-AdamW run where there is one (see the module's order, step 2), else the auto test's."""
     if arm in AUTO_TEST_ARMS:
-        return {s: read(auto_test.run_path(auto_runs, task, AUTO_TEST_ARMS[arm], s)) for s in SEEDS}
+        theirs = {s: read(auto_test.run_path(auto_runs, task, AUTO_TEST_ARMS[arm], s)) for s in SEEDS}
+        if arm != "bp_adamw" or for_arm in AUTO_TEST_ARMS:
+            return theirs
+        here = {s: read(path(out, task, BP_ADAMW_HERE, s)) for s in SEEDS}
+        return {s: here[s] or theirs[s] for s in SEEDS}
     return {s: read(path(out, task, arm, s)) for s in SEEDS}
 
 
@@ -222,7 +249,7 @@ def report(out: Path, auto_runs: Path) -> dict[str, Any]:
     for task in TASKS:
         entry: dict[str, Any] = {"muon_lr": tuned_lr(out, task), "comparisons": {}}
         for row, arm, against in COMPARISONS:
-            stats = paired(runs_of(out, auto_runs, task, arm), runs_of(out, auto_runs, task, against))
+            stats = paired(runs_of(out, auto_runs, task, arm), runs_of(out, auto_runs, task, against, for_arm=arm))
             entry["comparisons"][row] = stats
             shown = lambda key, s=stats: f"{s[key]:+.2f} %" if key in s else "–"  # noqa: E731
             lines.append(f"| {task} | {row} | {stats['n']} | {shown('mean')} | {shown('sd')} | {shown('upper_95')} |")
@@ -238,7 +265,7 @@ def main() -> None:
     parser.add_argument("--auto-runs", type=Path, default=AUTO_RUNS, help="the auto test's run files (AdamW rows)")
     args = parser.parse_args()
     if args.what == "run":
-        queue(args.out)
+        queue(args.out, args.auto_runs)
         return
     result = report(args.out, args.auto_runs)
     REPORT.parent.mkdir(parents=True, exist_ok=True)
