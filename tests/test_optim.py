@@ -21,7 +21,7 @@ def test_fill_missing_grads_gives_zeros_where_deepspeeds_reduce_would() -> None:
     used(torch.randn(4, 3)).sum().backward()
     before = used.weight.grad.clone()
 
-    assert optim.fill_missing_grads(module)
+    assert optim.fill_missing_grads(module.parameters())
 
     assert torch.equal(used.weight.grad, before)  # an existing gradient is left as it is (not copied)
     assert torch.equal(unused.weight.grad, torch.zeros(2, 3)) and torch.equal(unused.bias.grad, torch.zeros(2))
@@ -37,5 +37,5 @@ def test_fill_missing_grads_gives_zeros_where_deepspeeds_reduce_would() -> None:
 def test_fill_missing_grads_leaves_sparse_gradients_to_deepspeed() -> None:
     embedding, unused = nn.Embedding(5, 2, sparse=True), nn.Linear(2, 2)
     embedding(torch.tensor([1, 3])).sum().backward()
-    assert not optim.fill_missing_grads(nn.ModuleList([embedding, unused]))
+    assert not optim.fill_missing_grads(nn.ModuleList([embedding, unused]).parameters())
     assert unused.weight.grad is None  # nothing changed

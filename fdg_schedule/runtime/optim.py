@@ -109,18 +109,25 @@ def reduce_is_identity(engine: Any) -> bool:
     )
 
 
-def fill_missing_grads(module: nn.Module) -> bool:
-    """Give every trainable, non-empty parameter without a gradient a zero one, as DeepSpeed's reduce does.
+def fill_missing_grads(parameters: Iterable[nn.Parameter]) -> bool:
+    """Give every trainable, non-empty parameter without a gradient a zero one, as DeepSpeed's reduce does for
+    a module's ``parameters()``.
 
     Returns False, changing nothing, when a gradient is sparse (DeepSpeed's reduce rebuilds those: run it).
     """
-    params = [p for p in module.parameters() if p.requires_grad and p.numel()]
+    params = [p for p in parameters if p.requires_grad and p.numel()]
     if any(p.grad is not None and p.grad.is_sparse for p in params):
         return False
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros(p.size(), dtype=p.dtype, device=p.device)
     return True
+
+
+def clear_grads(parameters: Iterable[nn.Parameter]) -> None:
+    """DeepSpeed's ``zero_grad`` (every gradient set to None) on a module's parameters, listed once."""
+    for p in parameters:
+        p.grad = None
 
 
 def clip_stage_local(parameters: Iterable[nn.Parameter], clip: float) -> Tensor:
