@@ -1,13 +1,17 @@
-"""The shared-memory link accepts its neighbour only (Note [who may connect] in fdg_schedule/exchange/shm_link.py): a
-foreign connection to the abstract socket is refused and closed, and the neighbour still gets the link."""
+"""The shared-memory link (fdg_schedule/exchange/shm_link.py) accepts its neighbour only (Note [who may connect]): a
+foreign connection to the abstract socket is refused and closed, and the neighbour still gets the link. Its
+doorbells (Note [doorbells]) wake every wait, need no accept first, and a neighbour's exit ends a wait at once."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import socket
 import time
+from collections.abc import Callable, Iterator
 from datetime import timedelta
+from multiprocessing.process import BaseProcess
 
 import pytest
 import torch
@@ -66,6 +70,21 @@ def test_a_link_whose_neighbour_never_connects_names_what_it_refused() -> None:
     foreign.close()
 
 
+@contextlib.contextmanager
+def _downstream_running(target: Callable[..., None], *args: object) -> Iterator[tuple[Link, BaseProcess]]:
+    """A link and its downstream stage, ``target(token, capacity, *args)`` in a process of its own; joined and
+    closed on the way out."""
+    link = Link.create(64)
+    neighbour = mp.get_context("spawn").Process(target=target, args=(link.token, link.capacity, *args))
+    neighbour.start()
+    try:
+        link.peer_pid = neighbour.pid
+        yield link, neighbour
+    finally:
+        neighbour.join(30)
+        link.close()
+
+
 def _take_all_then_send_back(token: int, capacity: int, messages: int) -> None:
     """The downstream stage: join, receive ``messages`` messages (slowly), then send each back doubled."""
     link = Link.join(token, capacity, TIMEOUT)
@@ -83,13 +102,8 @@ def _take_all_then_send_back(token: int, capacity: int, messages: int) -> None:
 def test_every_record_wakes_its_reader_through_many_reuses_of_every_slot() -> None:
     """Note [doorbells]: each side sleeps in turn on READY records (a message to read) and on FREE records (a slot
     to reuse), many times over every slot. A record whose doorbell is lost hangs its reader until the timeout."""
-    ctx = mp.get_context("spawn")
-    link = Link.create(64)
     messages = 6 * SLOTS
-    neighbour = ctx.Process(target=_take_all_then_send_back, args=(link.token, link.capacity, messages))
-    neighbour.start()
-    try:
-        link.peer_pid = neighbour.pid
+    with _downstream_running(_take_all_then_send_back, messages) as (link, neighbour):
         for i in range(messages):
             link.send([torch.full((4,), float(i))], TIMEOUT)
         back = torch.empty(4)
@@ -101,9 +115,6 @@ def test_every_record_wakes_its_reader_through_many_reuses_of_every_slot() -> No
             received.append(back[0].item())
         assert received == [2.0 * i for i in range(messages)]
         assert link.sent == link.taken == link.freed == messages
-    finally:
-        neighbour.join(30)
-        link.close()
     assert neighbour.exitcode == 0
 
 
@@ -115,20 +126,13 @@ def _receive_once_then_exit(token: int, capacity: int) -> None:
 
 @pytest.mark.timeout(60)
 def test_a_wait_on_a_neighbour_that_exited_fails_at_once_naming_it() -> None:
-    ctx = mp.get_context("spawn")
-    link = Link.create(64)
-    neighbour = ctx.Process(target=_receive_once_then_exit, args=(link.token, link.capacity))
-    neighbour.start()
-    try:
-        link.peer_pid = neighbour.pid
+    with _downstream_running(_receive_once_then_exit) as (link, neighbour):
         link.send([torch.zeros(4)], TIMEOUT)
         neighbour.join(30)
         start = time.monotonic()
         with pytest.raises(LinkError, match="closed the shared-memory link: its process ended"):
             link.receive([torch.empty(4)], TIMEOUT)
         assert time.monotonic() - start < 5, "the closed socket ends the wait, not the 30 s timeout"
-    finally:
-        link.close()
 
 
 def _send_first(token: int, capacity: int) -> None:
@@ -141,16 +145,9 @@ def _send_first(token: int, capacity: int) -> None:
 def test_the_downstream_sends_before_the_upstream_accepts() -> None:
     """Note [doorbells]: the downstream brings the doorbells as it connects, so its first record waits for nothing
     of the upstream's (the exchange relies on it when a link is replaced mid-run)."""
-    ctx = mp.get_context("spawn")
-    link = Link.create(64)
-    neighbour = ctx.Process(target=_send_first, args=(link.token, link.capacity))
-    neighbour.start()
-    try:
-        link.peer_pid = neighbour.pid
+    with _downstream_running(_send_first) as (link, neighbour):
         neighbour.join(30)  # it sent and exited while this side had not yet accepted
         assert neighbour.exitcode == 0
         got = torch.empty(4)
         link.receive([got], TIMEOUT)  # accepts now, and the record and its doorbell are there
         assert got.tolist() == [0.0, 1.0, 2.0, 3.0]
-    finally:
-        link.close()
