@@ -22,10 +22,10 @@ Order, fixed before any run:
    AdamW K = 2 arms ``adamw_k2_none`` / ``adamw_k2_auto``. BP-AdamW and AdamW K = 4 (``none``, ``auto``)
    are the auto test's run files of the same seed (docs/results/auto/runs).
    Added after the runs began (2026-12-06; no run was chosen or dropped by it): where the auto test's BP-AdamW
-   of a seed ran on another processor than this queue's, so that no arm of this queue pairs with it, this queue
-   runs BP-AdamW itself (``bp_adamw_here``: ``auto_test.one_run`` of arm ``bp``, with its frozen warm-up)
-   after every other run; the rows of this queue's arms against BP-AdamW use it for that seed. The auto test's
-   own AdamW K = 4 rows keep its BP-AdamW.
+   of a seed ran on another processor than the seed's Muon arms (so no arm of this queue pairs with it) and this
+   machine is the Muon arms' processor, this queue runs BP-AdamW itself (``bp_adamw_here``: ``auto_test.one_run``
+   of arm ``bp``, with its frozen warm-up) after every other run; the rows of this queue's arms against BP-AdamW
+   use it for that seed. The auto test's own AdamW K = 4 rows keep its BP-AdamW.
 3. The report: per task and arm, the paired relative differences of the test loss (%), their mean, sd and
    the one-sided 95 % upper bound (Student t), as the auto test computes them. Target: FDG-Muon at K = 4
    within 1 % of BP-Muon (bound below +1 %); and FDG-Muon K = 4 against BP-AdamW.
