@@ -185,17 +185,14 @@ def queue(out: Path, auto_runs: Path = AUTO_RUNS) -> None:
             warmup = auto_test.selection(auto_runs, task)
             assert warmup is not None, "the auto test's BP-AdamW of this seed ran, so its selection did"
             record = {**auto_test.one_run(task, "bp", seed, warmup, smoke=False), "arm": BP_ADAMW_HERE}
-            file = path(out, task, arm, seed)
-            file.parent.mkdir(parents=True, exist_ok=True)
-            file.write_text(json.dumps(record, indent=1) + "\n")
-            continue
-        lr = lr if lr is not None else tuned_lr(out, task)
-        assert lr is not None, "the plan runs a task's tuning first"
-        print(f"muon_lm: {task} {arm} seed {seed} (muon lr {lr})", flush=True)
-        start = time.time()
-        result = run_lm(task, arm, seed, lr)
-        record = {"task": task, "arm": arm, "seed": seed, "muon_lr": lr, "wall_s": time.time() - start,
-                  "machine": auto_test.machine(), "commit": auto_test.commit(), **result}  # fmt: skip
+        else:
+            lr = lr if lr is not None else tuned_lr(out, task)
+            assert lr is not None, "the plan runs a task's tuning first"
+            print(f"muon_lm: {task} {arm} seed {seed} (muon lr {lr})", flush=True)
+            start = time.time()
+            result = run_lm(task, arm, seed, lr)
+            record = {"task": task, "arm": arm, "seed": seed, "muon_lr": lr, "wall_s": time.time() - start,
+                      "machine": auto_test.machine(), "commit": auto_test.commit(), **result}  # fmt: skip
         file = path(out, task, arm, seed)
         file.parent.mkdir(parents=True, exist_ok=True)
         file.write_text(json.dumps(record, indent=1) + "\n")

@@ -298,12 +298,11 @@ class Link:
         while not done():
             # Read what has come, then sleep until the next doorbell. A record is written before its doorbell
             # is rung, and the doorbell is reset before the socket is read, so no record goes unseen.
-            if self._read_available(sock):
-                if done():
-                    return
-                raise LinkError("closed the shared-memory link: its process ended")
+            closed = self._read_available(sock)
             if done():
                 return
+            if closed:
+                raise LinkError("closed the shared-memory link: its process ended")
             left = deadline - time.monotonic()
             if not self._poll.poll(max(0.0, left) * 1e3):
                 raise LinkError(f"did not {what} within {timeout.total_seconds():g} s")
