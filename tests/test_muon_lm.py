@@ -63,3 +63,25 @@ def test_bp_adamw_is_run_here_only_where_the_auto_tests_ran_on_another_processor
     assert against_ours[100] == {"test": 5.0, "machine": "here"} and against_ours[101]["machine"] == "x"
     assert against_theirs[100] == {"test": 4.4, "machine": "x"}
     assert muon_lm.paired(muon_lm.runs_of(out, auto, "gpt2", "muon_k4"), against_ours)["n"] == 3  # 100, 102, 103
+
+
+def test_this_queues_arms_are_rerun_here_where_bp_adamw_ran_here_and_they_elsewhere(tmp_path, monkeypatch) -> None:
+    out, auto = tmp_path / "muon", tmp_path / "auto"
+    monkeypatch.setattr(muon_lm.auto_test, "machine", lambda: "here")
+    for seed in muon_lm.SEEDS:  # 100-102: all elsewhere; 103, 104: BP-AdamW here, the Muon arms elsewhere
+        for arm in muon_lm.ARMS:
+            _write(muon_lm.path(out, "llama", arm, seed), {"test": 4.0, "machine": "x"})
+        _write(
+            muon_lm.auto_test.run_path(auto, "llama", "bp", seed),
+            {"test": 5.0, "machine": "x" if seed < 103 else "here"},
+        )
+    planned = [t for t in muon_lm.plan(out, auto) if t[1].endswith("_here")]
+    assert planned == [("llama", arm + "_here", seed, None) for seed in (103, 104) for arm in muon_lm.AGAINST_BP_ADAMW]
+    _write(muon_lm.path(out, "llama", "muon_k4_here", 103), {"test": 4.5, "machine": "here"})
+    against_bp_adamw = muon_lm.runs_of(out, auto, "llama", "muon_k4", against="bp_adamw")
+    assert against_bp_adamw[103] == {"test": 4.5, "machine": "here"} and against_bp_adamw[104]["machine"] == "x"
+    assert muon_lm.runs_of(out, auto, "llama", "muon_k4", against="bp_muon")[103]["test"] == 4.0
+    bp_adamw = muon_lm.runs_of(out, auto, "llama", "bp_adamw", for_arm="muon_k4")
+    stats = muon_lm.paired(against_bp_adamw, bp_adamw)
+    assert stats["n"] == 4 and stats["differences"][-1] == pytest.approx(-10.0)  # 100-102 (x) and 103 (here)
+    assert ("llama", "muon_k4_here", 103, None) not in muon_lm.plan(out, auto)

@@ -26,6 +26,10 @@ Order, fixed before any run:
    machine is the Muon arms' processor, this queue runs BP-AdamW itself (``bp_adamw_here``: ``auto_test.one_run``
    of arm ``bp``, with its frozen warm-up) after every other run; the rows of this queue's arms against BP-AdamW
    use it for that seed. The auto test's own AdamW K = 4 rows keep its BP-AdamW.
+   Added the same way (2026-12-06, before any of these runs): where the auto test's BP-AdamW of a seed ran on
+   this machine and the seed's Muon arms on another, this queue reruns here the arms it compares with BP-AdamW
+   (``<arm>_here``: ``bp_muon``, ``muon_k4``, ``adamw_k2_none``, ``adamw_k2_auto``, same seed, same lr); only
+   the rows against BP-AdamW use them, every other row keeps the arm's first run.
 3. The report: per task and arm, the paired relative differences of the test loss (%), their mean, sd and
    the one-sided 95 % upper bound (Student t), as the auto test computes them. Target: FDG-Muon at K = 4
    within 1 % of BP-Muon (bound below +1 %); and FDG-Muon K = 4 against BP-AdamW.
@@ -51,6 +55,8 @@ TUNING_SEED, TUNING_LRS = 99, (0.01, 0.02, 0.04)
 SEEDS = tuple(range(100, 105))
 ARMS = ("bp_muon", "muon_k4", "muon_k2", "adamw_k2_none", "adamw_k2_auto")
 BP_ADAMW_HERE = "bp_adamw_here"  # BP-AdamW run by this queue where the auto test's ran on another processor
+HERE = "_here"  # an arm of this queue rerun on the processor the auto test's BP-AdamW of the seed ran on
+AGAINST_BP_ADAMW = ("bp_muon", "muon_k4", "adamw_k2_none", "adamw_k2_auto")  # this queue's arms in rows vs BP-AdamW
 MUON = {"momentum": 0.95, "adam_lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
 
 
@@ -172,8 +178,12 @@ def plan(out: Path, auto_runs: Path = AUTO_RUNS) -> list[tuple[str, str, int, fl
     for task in TASKS:
         for seed in SEEDS:  # BP-AdamW where the auto test's ran on another processor than this seed's Muon arms
             theirs, ours = read(auto_test.run_path(auto_runs, task, "bp", seed)), read(path(out, task, "muon_k4", seed))
-            if theirs is not None and ours is not None and theirs["machine"] != ours["machine"] == here:
+            if theirs is None or ours is None or theirs["machine"] == ours["machine"]:
+                continue
+            if ours["machine"] == here:
                 todo.append((task, BP_ADAMW_HERE, seed, None))
+            elif theirs["machine"] == here:  # the other way round: this queue's arms, rerun here
+                todo += [(task, arm + HERE, seed, None) for arm in AGAINST_BP_ADAMW]
     return [t for t in todo if not path(out, t[0], t[1], t[2]).exists()]
 
 
@@ -190,7 +200,7 @@ def queue(out: Path, auto_runs: Path = AUTO_RUNS) -> None:
             assert lr is not None, "the plan runs a task's tuning first"
             print(f"muon_lm: {task} {arm} seed {seed} (muon lr {lr})", flush=True)
             start = time.time()
-            result = run_lm(task, arm, seed, lr)
+            result = run_lm(task, arm.removesuffix(HERE), seed, lr)
             record = {"task": task, "arm": arm, "seed": seed, "muon_lr": lr, "wall_s": time.time() - start,
                       "machine": auto_test.machine(), "commit": auto_test.commit(), **result}  # fmt: skip
         file = path(out, task, arm, seed)
@@ -227,16 +237,22 @@ COMPARISONS = (  # (row, arm, against); "adamw_*" of K = 4 and "bp_adamw" are th
 AUTO_TEST_ARMS = {"bp_adamw": "bp", "adamw_k4_none": "none", "adamw_k4_auto": "auto"}
 
 
-def runs_of(out: Path, auto_runs: Path, task: str, arm: str, for_arm: str = "") -> dict[int, dict | None]:
+def runs_of(
+    out: Path, auto_runs: Path, task: str, arm: str, for_arm: str = "", against: str = ""
+) -> dict[int, dict | None]:
     """An arm's run per seed. BP-AdamW compared with an arm of this queue (``for_arm``) is this queue's own
-    BP-AdamW run where there is one (see the module's order, step 2), else the auto test's."""
+    BP-AdamW run where there is one, else the auto test's; an arm of this queue compared ``against`` BP-AdamW
+    is its rerun on BP-AdamW's processor where there is one, else its run (see the module's order, step 2)."""
     if arm in AUTO_TEST_ARMS:
         theirs = {s: read(auto_test.run_path(auto_runs, task, AUTO_TEST_ARMS[arm], s)) for s in SEEDS}
         if arm != "bp_adamw" or for_arm in AUTO_TEST_ARMS:
             return theirs
         here = {s: read(path(out, task, BP_ADAMW_HERE, s)) for s in SEEDS}
         return {s: here[s] or theirs[s] for s in SEEDS}
-    return {s: read(path(out, task, arm, s)) for s in SEEDS}
+    runs = {s: read(path(out, task, arm, s)) for s in SEEDS}
+    if against == "bp_adamw" and arm in AGAINST_BP_ADAMW:
+        return {s: read(path(out, task, arm + HERE, s)) or runs[s] for s in SEEDS}
+    return runs
 
 
 def report(out: Path, auto_runs: Path) -> dict[str, Any]:
@@ -246,7 +262,8 @@ def report(out: Path, auto_runs: Path) -> dict[str, Any]:
     for task in TASKS:
         entry: dict[str, Any] = {"muon_lr": tuned_lr(out, task), "comparisons": {}}
         for row, arm, against in COMPARISONS:
-            stats = paired(runs_of(out, auto_runs, task, arm), runs_of(out, auto_runs, task, against, for_arm=arm))
+            ours = runs_of(out, auto_runs, task, arm, against=against)
+            stats = paired(ours, runs_of(out, auto_runs, task, against, for_arm=arm))
             entry["comparisons"][row] = stats
             shown = lambda key, s=stats: f"{s[key]:+.2f} %" if key in s else "–"  # noqa: E731
             lines.append(f"| {task} | {row} | {stats['n']} | {shown('mean')} | {shown('sd')} | {shown('upper_95')} |")
