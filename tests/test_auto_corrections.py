@@ -99,7 +99,7 @@ def test_deepspeeds_fused_adam_is_adam_family() -> None:
         (lambda ps: torch.optim.SGD(ps, lr=0.1), "neither momentum > 0"),
         (lambda ps: torch.optim.Adagrad(ps, lr=0.1), "neither momentum > 0"),
         (lambda ps: torch.optim.SGD([{"params": ps[:1], "momentum": 0.9}, {"params": ps[1:]}], lr=0.1), "neither"),
-        (lambda ps: torch.optim.Muon(ps[:1], lr=0.02), "no evidence for Muon"),
+        (lambda ps: torch.optim.Muon(ps[:1], lr=0.02), "no correction measured for Muon"),
     ],
     ids=["sgd-without-momentum", "adagrad", "one-group-without-momentum", "muon"],
 )
