@@ -119,3 +119,32 @@ def test_torch_muon_as_a_client_optimizer_equals_the_reference(tmp_path) -> None
         assert want.keys() == r["state"].keys()
         for key, value in r["state"].items():
             torch.testing.assert_close(value, want[key], rtol=1e-6, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
+
+
+def test_torch_muon_on_a_stage_with_anything_but_matrices_names_them_and_the_fix() -> None:
+    """torch.optim.Muon given as a client callable, on a stage with a bias and a norm: the error names them and
+    DeepSpeed's "Muon" config; other errors and other optimizers pass through unchanged."""
+    from fdg_schedule.runtime import optim
+    from fdg_schedule.runtime.config import FDGConfigError
+
+    stage = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2))
+    build = optim.explain_client_optimizer(lambda ps: torch.optim.Muon(ps, lr=0.02), stage)
+    with pytest.raises(FDGConfigError) as error:
+        build(stage.parameters())
+    message = str(error.value)
+    assert "1.weight (4,)" in message and "1.bias (4,)" in message and "2.bias (2,)" in message
+    assert "0.weight" not in message and "2.weight" not in message
+    assert '"optimizer": {"type": "Muon"}' in message
+    assert isinstance(error.value.__cause__, ValueError)
+    groups = [{"params": list(stage[0].parameters())}, {"params": list(stage[2].parameters())}]
+    with pytest.raises(FDGConfigError, match=r"2\.bias \(2,\)"):
+        build(groups)
+    matrices = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False))
+    assert isinstance(build(matrices.parameters()), torch.optim.Muon)
+    sgd = optim.explain_client_optimizer(lambda ps: torch.optim.SGD(ps, lr=-1.0), stage)
+    with pytest.raises(ValueError, match="Invalid learning rate") as other:
+        sgd(stage.parameters())
+    assert not isinstance(other.value, FDGConfigError)
+    instance = torch.optim.SGD(stage.parameters(), lr=0.1)
+    assert optim.explain_client_optimizer(instance, stage) is instance
+    assert optim.explain_client_optimizer(None, stage) is None

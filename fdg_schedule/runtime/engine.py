@@ -77,6 +77,7 @@ class FDGPipelineEngine(FDGCheckpoints):
             tied.check_own_parameters(kwargs["model"], ties)
             model_parameters = kwargs.get("model_parameters")
             kwargs["model_parameters"] = tied.take_out(ties, kwargs.get("optimizer"), model_parameters, kwargs["model"])
+        kwargs["optimizer"] = optim.explain_client_optimizer(kwargs.get("optimizer"), kwargs.get("model"))
         super().__init__(*args, **kwargs)
         self.fdg_config = fdg_config = auto_corrections.for_engine(fdg_config, self)  # Note [the auto rule]
         optim.decouple_from_other_stages(self.optimizer, self.basic_optimizer)

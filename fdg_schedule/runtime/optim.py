@@ -46,6 +46,8 @@ from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from torch import Tensor, nn
 
+from fdg_schedule.runtime.config import FDGConfigError
+
 
 def decouple_from_other_stages(optimizer: Any, basic: Any = None) -> None:
     """Make a DeepSpeed optimizer wrapper's norms and overflow checks stage-local (no cross-stage all-reduce),
@@ -61,6 +63,34 @@ def decouple_from_other_stages(optimizer: Any, basic: Any = None) -> None:
         optimizer.model_parallel_rank = 0
     if basic is not None:
         pure_steps(basic)
+
+
+def explain_client_optimizer(client: Any, model: nn.Module | None) -> Any:
+    """``deepspeed.initialize``'s ``optimizer=`` argument, with a client callable that builds ``torch.optim.Muon`` on
+    a stage holding anything but matrices made to fail naming those parameters and the fix (torch's own error
+    names only a shape). DeepSpeed calls the callable with the stage's parameters; anything else passes through."""
+    if not callable(client) or isinstance(client, torch.optim.Optimizer):
+        return client
+
+    def build(model_parameters: Any) -> Any:
+        given = list(model_parameters)
+        try:
+            return client(given)
+        except ValueError as error:
+            if "Muon only supports 2D parameters" not in str(error):
+                raise
+            names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+            params = [q for g in given for q in (g["params"] if isinstance(g, dict) else [g])]
+            others = [f"{names.get(id(q), 'a parameter')} {tuple(q.shape)}" for q in params if q.ndim != 2]
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+            raise FDGConfigError(
+                f"rank {rank}: torch.optim.Muon takes matrices only, and this stage also holds "
+                f"{', '.join(others[:4])}{' and more' if len(others) > 4 else ''}. Use DeepSpeed's "
+                '"optimizer": {"type": "Muon"} (Muon for the matrices, Adam for the rest), or make every parameter '
+                "of every stage a matrix (for example Linear layers with bias=False and no norms)"
+            ) from error
+
+    return build
 
 
 def pure_steps(optimizer: Any) -> None:
