@@ -56,7 +56,6 @@ SEEDS = tuple(range(100, 105))
 ARMS = ("bp_muon", "muon_k4", "muon_k2", "adamw_k2_none", "adamw_k2_auto")
 BP_ADAMW_HERE = "bp_adamw_here"  # BP-AdamW run by this queue where the auto test's ran on another processor
 HERE = "_here"  # an arm of this queue rerun on the processor the auto test's BP-AdamW of the seed ran on
-AGAINST_BP_ADAMW = ("bp_muon", "muon_k4", "adamw_k2_none", "adamw_k2_auto")  # this queue's arms in rows vs BP-AdamW
 MUON = {"momentum": 0.95, "adam_lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
 
 
@@ -235,6 +234,9 @@ COMPARISONS = (  # (row, arm, against); "adamw_*" of K = 4 and "bp_adamw" are th
     ('FDG-AdamW K=2 "auto" vs BP-AdamW', "adamw_k2_auto", "bp_adamw"),
 )
 AUTO_TEST_ARMS = {"bp_adamw": "bp", "adamw_k4_none": "none", "adamw_k4_auto": "auto"}
+AGAINST_BP_ADAMW = tuple(  # this queue's arms in the rows against BP-AdamW: the ones rerun ``HERE``
+    arm for _, arm, against in COMPARISONS if against == "bp_adamw" and arm not in AUTO_TEST_ARMS
+)
 
 
 def runs_of(

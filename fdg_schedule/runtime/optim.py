@@ -69,7 +69,7 @@ def explain_client_optimizer(client: Any, model: nn.Module | None) -> Any:
     """``deepspeed.initialize``'s ``optimizer=`` argument, with a client callable that builds ``torch.optim.Muon`` on
     a stage holding anything but matrices made to fail naming those parameters and the fix (torch's own error
     names only a shape). DeepSpeed calls the callable with the stage's parameters; anything else passes through."""
-    if not callable(client) or isinstance(client, torch.optim.Optimizer):
+    if not callable(client):  # an optimizer instance, or None
         return client
 
     def build(model_parameters: Any) -> Any:
