@@ -1,10 +1,10 @@
 #!/bin/bash
 # issue 48's table, three readings in a row with the queues stopped (SIGSTOP; resumed at the end), so that the only
-# load is the benchmark's own. Same commands as issue48_2026-12-06/throughput_runs.sh and convstack_runs.sh.
+# load is the benchmark's own. The commands of issue48_2026-12-06/throughput_runs.sh, convstack joining the second.
 cd /work/main
 export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 PYTHONPATH=$PWD
 py=/work/main/.venv/bin/python
-queues() { pkill -"$1" -f auto_test.py; pkill -"$1" -f resnet_reference.py; pkill -"$1" -f lm_reference.py; }
+queues() { pkill -"$1" -f auto_test.py; pkill -"$1" -f resnet_reference.py; }
 trap 'queues CONT' EXIT
 queues STOP
 sleep 5
