@@ -110,7 +110,7 @@ def test_quick_run_writes_a_complete_report(tmp_path: Path) -> None:
 @pytest.mark.timeout(150)
 def test_the_plain_halves_run_fdgs_split_on_both_ranks_and_every_pipeline_is_compared_with_them(tmp_path: Path) -> None:
     variants = "--variants=bp,1f1b_m4,fdg_current_stored,halves,halves_exchange,halves_shm,fdg_current_stored_shm"
-    variants += ",fdg_current_recomputed_shm"
+    variants += ",fdg_current_recomputed_shm,halves_recomputed"
     run_benchmark("throughput", "--quick", "--models=transformer_tiny", "--repeats=1", variants, f"--out={tmp_path}")
     rows = json.loads((tmp_path / "throughput.json").read_text())["models"]["transformer_tiny"]["variants"]
     halves = rows["halves"]
@@ -131,6 +131,13 @@ def test_the_plain_halves_run_fdgs_split_on_both_ranks_and_every_pipeline_is_com
         assert rows[name]["ratio_vs_halves"]["median"] > 0, name
         assert f"- {name}: {rows[name]['ratio_vs_halves']['median']:.2f} [" in markdown, name
     assert "ratio_vs_halves" not in rows["bp"] and "ratio_vs_halves" not in halves
+    # the recomputed halves: the recomputed split, stage 0's extra forward counted, and the recomputed mode's ceiling
+    recomputed = rows["halves_recomputed"]
+    assert recomputed["split"] == rows["fdg_current_recomputed_shm"]["split"]
+    assert recomputed["stage_wait_s_per_micro_batch"] == [0.0, 0.0]
+    ratio = rows["fdg_current_recomputed_shm"]["ratio_vs_halves_recomputed"]["median"]
+    assert ratio > 0 and f"- fdg_current_recomputed_shm: {ratio:.2f} [" in markdown
+    assert "ratio_vs_halves_recomputed" not in rows["fdg_current_stored_shm"]
 
 
 @pytest.mark.timeout(150)

@@ -63,6 +63,7 @@ def split_objective(key: str) -> Any:
 
 
 HALVES = "halves"
+HALVES_RECOMPUTED = "halves_recomputed"  # the same ceiling for FDG's recomputed modes, on their own split
 SHM = "_shm"  # name suffix of the FDG variants whose neighbours exchange through shared memory
 BOUND = "_bound"
 BOUND_OF = ("bp", "1f1b_m4", "fdg_current_stored")
@@ -79,6 +80,11 @@ def variants(gas_fdg: int) -> list[dict[str, Any]]:
     out.append(dict(name="dp2", kind="dp", stages=1, ranks=2, gas=1, per_unit=1))
     # the machine's own ceiling, in the same processes and rounds: FDG's stages in plain torch (run when named)
     out.append(dict(name=HALVES, kind="halves", stages=STAGES, ranks=STAGES, per_unit=1, optional=True))
+    # the same in FDG's recomputed order on the recomputed split: every stage but the last forwards twice
+    out.append(
+        dict(name=HALVES_RECOMPUTED, kind="halves", stages=STAGES, ranks=STAGES, per_unit=1, activations="recomputed",
+             optional=True)
+    )  # fmt: skip
     # the same, plus FDG's exchange: each tick ends posting the boundary tensor to the neighbour, the next waits for it
     out.append(
         dict(name=HALVES + "_exchange", kind="halves", stages=STAGES, ranks=STAGES, per_unit=1, exchange=True,
@@ -149,6 +155,10 @@ class PlainHalves:
     micro-batches. Nothing is exchanged and no rank waits for another, so a window's samples/s is
     what the two busy cores allow FDG's stages with no engine, no communication and no lock-step.
 
+    ``recompute``: FDG's recomputed order instead (``activations: "recomputed"``): stage k < K-1 holds its
+    input only, forwards with gradients enabled and drops the graph (Note [the recomputed forward runs as
+    the first did]), and reruns the forward on the held input right before the delayed backward.
+
     ``exchange``: each tick also ends posting a tensor of the boundary activation's shape to the
     neighbour and receiving one (one ``batch_isend_irecv``, as the engine's tick), and the next tick
     waits for both first (``wait_s``): FDG's exchange and lock-step without its engine. ``"shm"``:
@@ -156,7 +166,7 @@ class PlainHalves:
     thread, one copy each way).
     """
 
-    def __init__(self, model: str, parts: list[int], exchange: bool | str = False) -> None:
+    def __init__(self, model: str, parts: list[int], exchange: bool | str = False, recompute: bool = False) -> None:
         torch.manual_seed(0)
         device = get_accelerator().current_device_name()
         self.stage_id = dist.get_rank()
@@ -165,6 +175,7 @@ class PlainHalves:
         self.module = nn.Sequential(*layers[start:stop]).to(device)
         self.last = self.stage_id == STAGES - 1
         self.delay = 2 * (STAGES - 1 - self.stage_id)
+        self.recompute = recompute
         self.loss_fn = loss_fn(model)
         self.optimizer = torch.optim.SGD(self.module.parameters(), lr=LR, momentum=MOMENTUM)
         earlier = nn.Sequential(*layers[:start]).to(device)
@@ -199,6 +210,8 @@ class PlainHalves:
             t1 = t0
             if len(self.held) == self.delay:
                 out = self.held.pop(0)
+                if self.recompute:  # the held input's forward again, on the current weights
+                    out = self.module(out)
                 if self.grad is None:
                     self.grad = torch.full_like(out, 1e-4)
                 out.backward(self.grad)
@@ -206,7 +219,12 @@ class PlainHalves:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
-        if not self.last:  # as the engine's stored forward: the weights are read live at backward time
+        if not self.last and self.recompute:  # as the engine's recomputed forward: the input is held
+            with torch.enable_grad():
+                self.module(x).detach()
+            self.held.append(x)
+            self.stats["forward_s"] += time.perf_counter() - t3
+        elif not self.last:  # as the engine's stored forward: the weights are read live at backward time
             with torch.autograd.graph.saved_tensors_hooks(_same, _same):
                 self.held.append(self.module(x))
             self.stats["forward_s"] += time.perf_counter() - t3
@@ -329,6 +347,7 @@ def build_variant(spec: dict[str, Any], model: str, splits: dict[str, list[int]]
     if spec["kind"] == "bp":
         return PlainBP(model) if dist.get_rank() == 0 else None
     if spec["kind"] == "halves":
-        return PlainHalves(model, splits[split_key(spec)], exchange=spec.get("exchange", False))
+        recompute = spec.get("activations") == "recomputed"
+        return PlainHalves(model, splits[split_key(spec)], exchange=spec.get("exchange", False), recompute=recompute)
     parts = splits[split_key(spec)] if spec["stages"] > 1 else [0, len(model_layers(model))]
     return DeepSpeedVariant(spec, model, parts)

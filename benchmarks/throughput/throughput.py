@@ -19,6 +19,10 @@ round, so drift on this shared machine falls on all variants alike):
     fdg_current_{stored,recomputed}_shm
                         FDG with pipeline.fdg.transport "shm" (the neighbours' messages through shared memory,
                         not gloo), only when named in --variants
+    halves, halves_recomputed
+                        the machine's ceiling, only when named: FDG's stages in plain torch, one per rank, both at
+                        once, in FDG's stored (recomputed) order on its stored (recomputed) split; every FDG
+                        variant is reported against halves, a recomputed one against halves_recomputed too
 
 Every round gives each variant the same number of micro-batches of the same size. Inputs are
 synthetic, fixed tensors (data loading is excluded). Wall time is taken from the outside (the slowest
