@@ -131,6 +131,11 @@ def test_the_plain_halves_run_fdgs_split_on_both_ranks_and_every_pipeline_is_com
         assert rows[name]["ratio_vs_halves"]["median"] > 0, name
         assert f"- {name}: {rows[name]['ratio_vs_halves']['median']:.2f} [" in markdown, name
     assert "ratio_vs_halves" not in rows["bp"] and "ratio_vs_halves" not in halves
+    # the exchanges alone against the halves, and FDG stored against the halves with its own transport's messages
+    assert exchange["ratio_vs_halves"]["median"] > 0 and shm["ratio_vs_halves"]["median"] > 0
+    assert rows["fdg_current_stored"]["ratio_bases"]["ratio_vs_halves_with_its_messages"] == "halves_exchange"
+    assert rows["fdg_current_stored_shm"]["ratio_bases"]["ratio_vs_halves_with_its_messages"] == "halves_shm"
+    assert "- fdg_current_stored_shm: " in markdown and " × `halves_shm` (the halves plus the same" in markdown
     # the recomputed halves: the recomputed split, stage 0's extra forward counted, and the recomputed mode's ceiling
     recomputed = rows["halves_recomputed"]
     assert recomputed["split"] == rows["fdg_current_recomputed_shm"]["split"]

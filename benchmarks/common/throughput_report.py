@@ -18,6 +18,8 @@ from benchmarks.common.throughput_variants import (
     split_objective,
 )
 
+WITH_MESSAGES = "ratio_vs_halves_with_its_messages"  # FDG stored over the halves exchanging its messages
+
 
 def _spread(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
@@ -99,8 +101,11 @@ def summarize(plan: dict[str, Any], ranks: list[dict[str, Any]], memory: dict[st
         ]
         if "corrections" in specs[name]:  # a staleness correction: its cost next to the same mode without it
             bases.append((f"ratio_vs_{CORRECTED}", CORRECTED))
-        if specs[name]["kind"] in ("fdg", "1f1b"):  # against what the cores allow FDG's stages without a pipeline
-            bases.append((f"ratio_vs_{HALVES}", HALVES))
+        if specs[name]["kind"] in ("fdg", "1f1b") or specs[name].get("exchange"):  # against what the cores allow
+            bases.append((f"ratio_vs_{HALVES}", HALVES))  # FDG's stages without a pipeline (or with its messages)
+        if specs[name]["kind"] == "fdg" and specs[name].get("activations") == "stored":  # the same messages, no engine
+            exchange = HALVES + (SHM if specs[name].get("transport") == "shm" else "_exchange")
+            bases.append((WITH_MESSAGES, exchange))
         if specs[name]["kind"] == "fdg" and specs[name].get("activations") == "recomputed":  # and its own ceiling
             bases.append((f"ratio_vs_{HALVES_RECOMPUTED}", HALVES_RECOMPUTED))
         for key, base in bases:
@@ -250,6 +255,12 @@ def _against_halves(rows: dict[str, dict[str, Any]]) -> list[str]:
         "busy, no engine, no exchange, no lock-step; paired per round)"
         for name, row in rows.items()
         if f"ratio_vs_{HALVES}" in row
+    ]
+    lines += [
+        f"- {name}: {_ratio(row, WITH_MESSAGES)} × `{row['ratio_bases'][WITH_MESSAGES]}` (the halves plus the "
+        "same messages through the same transport, no engine; paired per round)"
+        for name, row in rows.items()
+        if WITH_MESSAGES in row
     ]
     lines += [
         f"- {name}: {_ratio(row, f'ratio_vs_{HALVES_RECOMPUTED}')} × `{HALVES_RECOMPUTED}` (the same in FDG's "
