@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 
@@ -71,3 +72,30 @@ def test_the_new_shapes_are_layer_lists_with_their_boundaries(
         logits = nn.Sequential(*build_layers(model)[cut:])(boundary)
     assert boundary.numel() * boundary.element_size() == boundary_bytes
     assert logits.shape == (y.shape[0], 10)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.usefixtures("one_rank_group")
+def test_the_recomputed_halves_hold_inputs_and_forward_each_micro_batch_twice(recompute: bool) -> None:
+    """`halves_recomputed`, the recomputed modes' ceiling: stage 0 holds its inputs (not their graphs) and runs each
+    micro-batch's forward again right before its delayed backward; the stored halves forward it once."""
+    from benchmarks.common.throughput_variants import PlainHalves
+
+    halves = PlainHalves("transformer_tiny", [0, 1, 3], recompute=recompute)  # rank 0: stage 0 of K = 2, delay 2
+    inputs = [x for x, _ in itertools.islice(halves.data, 6)]
+    forwards: list[int] = []
+    halves.module.register_forward_hook(lambda module, args, out: forwards.append(id(args[0])))
+    halves.data = itertools.cycle([(x, x) for x in inputs])  # stage 0 reads no labels
+    for _ in range(5):
+        halves.unit()
+    backwards = max(0, 5 - halves.delay)
+    assert halves.delay == 2 and len(halves.held) == 2
+    if recompute:
+        assert all(held is inputs[3 + i] for i, held in enumerate(halves.held))  # the inputs themselves
+        # ticks 0-4 forward inputs 0-4; ticks 2-4 first forward inputs 0-2 again, on the weights of that tick
+        assert forwards == [id(inputs[0]), id(inputs[1]), id(inputs[0]), id(inputs[2]), id(inputs[1]), id(inputs[3]),
+                            id(inputs[2]), id(inputs[4])]  # fmt: skip
+        assert len(forwards) == 5 + backwards
+    else:
+        assert all(held.grad_fn is not None for held in halves.held)  # the outputs with their graphs
+        assert forwards == [id(x) for x in inputs[:5]]

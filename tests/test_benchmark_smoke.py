@@ -136,7 +136,7 @@ def test_the_plain_halves_run_fdgs_split_on_both_ranks_and_every_pipeline_is_com
     assert rows["fdg_current_stored"]["ratio_bases"]["ratio_vs_halves_with_its_messages"] == "halves_exchange"
     assert rows["fdg_current_stored_shm"]["ratio_bases"]["ratio_vs_halves_with_its_messages"] == "halves_shm"
     assert "- fdg_current_stored_shm: " in markdown and " × `halves_shm` (the halves plus the same" in markdown
-    # the recomputed halves: the recomputed split, stage 0's extra forward counted, and the recomputed mode's ceiling
+    # the recomputed halves: the recomputed split, no waits, and the recomputed modes' ceiling in the report
     recomputed = rows["halves_recomputed"]
     assert recomputed["split"] == rows["fdg_current_recomputed_shm"]["split"]
     assert recomputed["stage_wait_s_per_micro_batch"] == [0.0, 0.0]
