@@ -249,24 +249,18 @@ def _rebalanced(result: dict[str, Any]) -> list[str]:
 
 def _against_halves(rows: dict[str, dict[str, Any]]) -> list[str]:
     """Per pipeline variant: its samples/s over the plain halves' (the machine's ceiling), paired per round;
-    a recomputed FDG variant also over the recomputed halves' (its own ceiling: the extra forward included)."""
+    FDG stored also over the halves with its own transport's messages, a recomputed FDG variant over the
+    recomputed halves' (its own ceiling: the extra forward included)."""
+    what = {
+        f"ratio_vs_{HALVES}": "FDG's stages in plain torch, both cores busy, no engine, no exchange, no lock-step",
+        WITH_MESSAGES: "the halves plus the same messages through the same transport, no engine",
+        f"ratio_vs_{HALVES_RECOMPUTED}": "the same in FDG's recomputed order on the recomputed split: its own ceiling",
+    }
     lines = [
-        f"- {name}: {_ratio(row, f'ratio_vs_{HALVES}')} × `{HALVES}` (FDG's stages in plain torch, both cores "
-        "busy, no engine, no exchange, no lock-step; paired per round)"
+        f"- {name}: {_ratio(row, key)} × `{row['ratio_bases'][key]}` ({text}; paired per round)"
+        for key, text in what.items()
         for name, row in rows.items()
-        if f"ratio_vs_{HALVES}" in row
-    ]
-    lines += [
-        f"- {name}: {_ratio(row, WITH_MESSAGES)} × `{row['ratio_bases'][WITH_MESSAGES]}` (the halves plus the "
-        "same messages through the same transport, no engine; paired per round)"
-        for name, row in rows.items()
-        if WITH_MESSAGES in row
-    ]
-    lines += [
-        f"- {name}: {_ratio(row, f'ratio_vs_{HALVES_RECOMPUTED}')} × `{HALVES_RECOMPUTED}` (the same in FDG's "
-        "recomputed order on the recomputed split: its own ceiling; paired per round)"
-        for name, row in rows.items()
-        if f"ratio_vs_{HALVES_RECOMPUTED}" in row
+        if key in row
     ]
     return ["", *lines] if lines else []
 

@@ -219,14 +219,14 @@ class PlainHalves:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
-        if not self.last and self.recompute:  # as the engine's recomputed forward: the input is held
-            with torch.enable_grad():
-                self.module(x).detach()
-            self.held.append(x)
-            self.stats["forward_s"] += time.perf_counter() - t3
-        elif not self.last:  # as the engine's stored forward: the weights are read live at backward time
-            with torch.autograd.graph.saved_tensors_hooks(_same, _same):
-                self.held.append(self.module(x))
+        if not self.last:
+            if self.recompute:  # as the engine's recomputed forward: the input is held, the graph dropped
+                with torch.enable_grad():
+                    self.module(x).detach()
+                self.held.append(x)
+            else:  # as the engine's stored forward: the weights are read live at backward time
+                with torch.autograd.graph.saved_tensors_hooks(_same, _same):
+                    self.held.append(self.module(x))
             self.stats["forward_s"] += time.perf_counter() - t3
         self.stats["forward_s"] += t1 - t0
         self.stats["backward_s"] += t2 - t1
