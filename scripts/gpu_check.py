@@ -1,7 +1,7 @@
 """The device check's parts: FDG on a GPU against its references. ``scripts/gpu_check.sh`` runs each part in a
 process of its own, bounded, and writes the report; run one by hand as
 
-    PYTHONPATH=.:tests python3 scripts/gpu_check.py single|shared|nccl [--dry-run]
+    PYTHONPATH=.:tests python3 scripts/gpu_check.py env|single|shared|nccl [--timeout-s N]
 
 single  one rank, K = 1, on the GPU: the engine equals plain backprop (computed on the GPU); then steady-state
         ticks under torch.cuda.set_sync_debug_mode("error"), where any host synchronisation raises (Note [no
@@ -13,15 +13,21 @@ shared  K = 2 and K = 3 with every rank on GPU 0 over gloo (the STAGED path: CUD
 nccl    K = 2 over NCCL, one rank per GPU (the STREAM path), when two or more GPUs are visible: the same
         checks, and "ran, finite, no hang" (every rank returned within the deadline, every loss finite).
 
-``--dry-run``: the same parts on the CPU (gloo, no sync-debug mode), as tests/test_gpu_check.py runs them.
+With ``DS_ACCELERATOR=cpu`` (``gpu_check.sh --dry-run``) the same parts run on the CPU (gloo, no sync-debug
+mode), as tests/test_gpu_check.py runs them. ``--timeout-s``: the shell's timeout around the part, checked
+against the part's launcher deadlines (Note [the device check's time bounds] in scripts/gpu_check_plan.py,
+which holds them). Every part first points gloo and NCCL at the loopback when it is the only interface up.
 A part prints what it checked and ends with one line ``RESULT {"ok": ..., "summary": ...}``.
 """
 
 from __future__ import annotations
 
+import argparse
+import faulthandler
 import json
 import math
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -29,7 +35,11 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-import torch
+if __name__ == "__main__":  # killed by the shell's timeout regardless, even in an import: print where it was
+    faulthandler.register(signal.SIGTERM, chain=True)
+
+import gpu_check_plan as plan  # noqa: E402
+import torch  # noqa: E402
 
 TOL = 1e-5  # engine vs reference on the same device: the same kernels, in another order in places
 SYNC_FREE_CALLS = 2  # steady-state calls run under the sync-debug mode
@@ -237,19 +247,20 @@ def run_part(part: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         if part == "single":
             os.environ["FDG_LAUNCH_BACKEND"] = "nccl" if gpus else "gloo"  # NCCL's one-rank stream path on a GPU
-            ranks = run(single_rank, 1, deadline_s=150, workdir=tmp)
+            ranks = run(single_rank, 1, deadline_s=plan.DEADLINES_S[part][0], workdir=tmp)
         elif part == "shared":
             os.environ.update(FDG_LAUNCH_BACKEND="gloo", FDG_LAUNCH_DEVICES="1")  # every rank on GPU 0
-            ranks = [r for k in (2, 3) for r in run(pipeline_rank, k, k, tmp, k == 2, deadline_s=200, workdir=tmp)]
+            ranks = [r for k, deadline_s in zip((2, 3), plan.DEADLINES_S[part], strict=True)
+                     for r in run(pipeline_rank, k, k, tmp, k == 2, deadline_s=deadline_s, workdir=tmp)]  # fmt: skip
         elif part == "nccl":
             if gpus < 2:
                 return {"ok": True, "skipped": True, "summary": f"skipped: {gpus} GPU(s) visible, NCCL needs 2"}
             os.environ.update(FDG_LAUNCH_BACKEND="nccl", FDG_LAUNCH_DEVICES=str(gpus))
             start = time.monotonic()
-            ranks = run(pipeline_rank, 2, 2, tmp, False, deadline_s=150, workdir=tmp)
+            ranks = run(pipeline_rank, 2, 2, tmp, False, deadline_s=plan.DEADLINES_S[part][0], workdir=tmp)
             ranks[0]["ran"] = f"ran, every rank returned in {time.monotonic() - start:.0f} s (no hang)"
         else:
-            raise SystemExit(f"unknown part {part!r}: env, single, shared or nccl")
+            raise ValueError(f"unknown part {part!r}: single, shared or nccl")
     lines, ok = [], True
     for r in ranks:
         for c in r["checks"]:
@@ -264,7 +275,7 @@ def run_part(part: str) -> dict[str, Any]:
     return {"ok": ok, "summary": f"{sum(len(r['checks']) for r in ranks)} checks on {len(ranks)} ranks"}
 
 
-def environment() -> dict[str, Any]:
+def environment(network: str) -> dict[str, Any]:
     import platform
 
     import deepspeed
@@ -285,14 +296,27 @@ def environment() -> dict[str, Any]:
                   f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}"]  # fmt: skip
     else:
         lines.append("no GPU visible (dry run: CPU)")
+    lines.append(network)
     print("\n".join(lines))
     return {"ok": True, "summary": "; ".join(lines)}
 
 
 def main(argv: list[str]) -> int:
-    part = argv[0]  # --dry-run: the shell script sets DS_ACCELERATOR=cpu; nothing differs here
+    parser = argparse.ArgumentParser(prog="gpu_check.py", description="one part of the device check")
+    parser.add_argument("part", choices=list(plan.DEADLINES_S))
+    parser.add_argument("--timeout-s", type=float, help="the shell's timeout around this part (default: the plan's)")
+    parser.add_argument("--dry-run", action="store_true", help="ignored: gpu_check.sh --dry-run sets DS_ACCELERATOR")
+    args = parser.parse_args(argv)
+    part = args.part
+    seen = plan.interfaces()
+    chosen = plan.socket_env(seen, os.environ)
+    os.environ.update(chosen)  # the ranks inherit it
+    print(plan.bounds_line(part, args.timeout_s or plan.timeout_s(part)))
     try:
-        result = environment() if part == "env" else run_part(part)
+        problem = plan.nesting_problem(part, args.timeout_s) if args.timeout_s else None
+        if problem:
+            raise ValueError(problem)
+        result = environment(plan.network_line(seen, chosen, os.environ)) if part == "env" else run_part(part)
     except Exception as err:  # noqa: BLE001 - the report shows every part, failed or not
         traceback.print_exc()
         result = {"ok": False, "summary": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}

@@ -12,7 +12,10 @@
 #                      typing-inspection; typing-extensions too (the machine's may be older than pydantic's floor)
 #   hjson
 # each at the version this checkout's venv runs (a set known to work together). Then DIR/COMMIT names the commit
-# the report is of, and the script checks that the tree and the wheels stay under the device tool's 64 MiB.
+# they were prepared at (and whether the tree had uncommitted changes), DIR/MANIFEST holds the SHA-256 of every
+# file the device tool carries (scripts/gpu_check_plan.py record), against which the report checks the tree it
+# ran (it names the commit, and the files that differ, without git), and the script checks that the tree and the
+# wheels stay under the device tool's 64 MiB.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DIR=${1:-.gpu_wheels}
@@ -36,9 +39,7 @@ for pkg in pydantic pydantic_core annotated_types typing_inspection typing_exten
   "$PY" -m pip download -q --no-deps --only-binary=:all: "${PLATFORM[@]}" -d "$DIR" "$pkg==$(version "$pkg")"
 done
 
-commit=$(git rev-parse --short=12 HEAD)
-git diff --quiet HEAD || commit="$commit with uncommitted changes"
-echo "$commit (wheels prepared $(date -u '+%Y-%m-%d %H:%M UTC'))" >"$DIR/COMMIT"
+commit=$("$PY" scripts/gpu_check_plan.py record "$DIR")  # DIR/COMMIT and DIR/MANIFEST
 
 wheels=$(du -sk "$DIR" | cut -f1)
 tree=$(git ls-files -co --exclude-standard -z | du -ck --files0-from=- 2>/dev/null | tail -n 1 | cut -f1)
