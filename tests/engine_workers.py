@@ -673,3 +673,41 @@ def auto_resume_refused(rank: int, world: int, saved: dict[str, Any], loaded: di
     except fdg_schedule.FDGConfigError as err:
         return str(err)
     return ""
+
+
+# -- waits between calls ----------------------------------------------------------------------------
+
+
+def waits_between_calls(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Note [no wait between calls]: count the exchange's blocking operations inside and outside the ticks.
+
+    After two calls that fill the pipeline, each further call is split at the dispatch loop (``_exec_schedule``):
+    ``inside`` counts ``NeighbourExchange.waits`` while the ticks run, ``outside`` everything else from the end of
+    one call's ticks to the start of the next call's (the call's end, the caller's loop, the next call's start).
+    """
+    out = []
+    for case in cases:
+        torch.manual_seed(1234)
+        engine, _, data = build(case, world)
+        it = iter(data)
+        for _ in range(2):
+            engine.train_batch(it)
+        exchange = engine._exchange
+        inside, marks = [0], [exchange.waits]
+        run_ticks = engine._exec_schedule
+
+        def counted(plan, run_ticks=run_ticks, exchange=exchange, inside=inside, marks=marks):
+            marks.append(exchange.waits)  # the end of the previous call's ticks up to here: outside
+            run_ticks(plan)
+            inside[0] += exchange.waits - marks[-1]
+            marks.append(exchange.waits)
+
+        engine._exec_schedule = counted
+        for _ in range(case.get("measured_calls", 3)):
+            engine.train_batch(it)
+            next(iter([0]))  # the caller's loop
+        marks.append(exchange.waits)
+        outside = sum(b - a for a, b in zip(marks[0::2], marks[1::2]))
+        out.append({"stage_id": engine.stage_id, "transport": exchange.transport, "inside": inside[0],
+                    "outside": outside})  # fmt: skip
+    return out

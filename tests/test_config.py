@@ -37,8 +37,11 @@ def test_staleness_corrections_are_off_by_default_and_read_from_the_block() -> N
     first = {"predict_decay": 0.0, "predict_horizon": "first_stage"}
     assert parse(_ds(first)) == FDGConfig(predict_decay=0.0, predict_horizon="first_stage")
     assert default.delay_momentum is False
-    assert default.transport == "process_group"
+    assert default.transport == "auto"  # Note [the fastest transport by default]
     assert parse(_ds({"transport": "shm"})) == FDGConfig(transport="shm")
+    assert parse(_ds({"transport": "process_group"})) == FDGConfig(transport="process_group")
+    assert default.host_memory == "retain"
+    assert parse(_ds({"host_memory": "system"})) == FDGConfig(host_memory="system")
     assert parse(_ds({"delay_momentum": True})) == FDGConfig(delay_momentum=True)
     assert default.delay_momentum_peak_lr is None
     both = {"delay_momentum": True, "delay_momentum_peak_lr": 0.1}
@@ -131,7 +134,7 @@ def test_no_fdg_means_stock_deepspeed(pipeline) -> None:
         (_ds({"timeout": 0}), "timeout must be > 0 seconds, got 0 (pipeline.fdg.timeout"),
         (
             _ds({"transport": "tcp"}),
-            "transport must be one of ['process_group', 'shm'], got 'tcp' (pipeline.fdg.transport in ds_config)",
+            "transport must be one of ['auto', 'process_group', 'shm'], got 'tcp' (pipeline.fdg.transport in ds_config)",
         ),
         (_ds({"timeout": "60"}), "timeout must be a number, got str '60'"),
         (_ds({"check_every": -1}), "check_every must be an integer >= 0, got -1 (pipeline.fdg.check_every"),
@@ -175,6 +178,7 @@ WRONG_VALUES: dict[str, tuple[Any, list[Any]]] = {
     "nonfinite": (None, ["ignore"]),
     "timeout": ("60", [0, -1.0, math.nan]),
     "transport": (0, ["tcp"]),
+    "host_memory": (False, ["keep"]),
     "check_every": (2.5, [-1]),
     "trace": ("yes", []),  # its own keys' ranges: test_bad_config_is_rejected_with_value_key_and_fix
 }

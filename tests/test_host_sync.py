@@ -9,6 +9,10 @@ the stage's queue; here the same calls run as no-op copies). The one read the
 exchange makes, of the control word that lives in host memory (Note [control words on the host]),
 goes through ``guards.read_host`` and is counted: one per tick on a stage that receives activations.
 On a GPU, ``scripts/gpu_check.sh`` checks the same ticks under ``torch.cuda.set_sync_debug_mode("error")``.
+
+Note [no wait between calls] (in fdg_schedule.exchange.comm): the work a call does around its ticks (the
+non-finite check, the loss, DeepSpeed's monitors and prints, the caller's loop, the next call's set-up) waits for
+no neighbour; the exchange's blocking operations are counted on every path, and none may fall outside the ticks.
 """
 
 from __future__ import annotations
@@ -40,3 +44,16 @@ def test_steady_state_ticks_read_nothing_on_the_host(tmp_path) -> None:
             )
             want = r["ticks"] if r["stage_id"] > 0 else 0  # one control word per received activation
             assert r["control_words"] == [((1,), "torch.int64")] * want
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_no_stage_waits_for_a_neighbour_between_calls(tmp_path, stages: int) -> None:
+    base = {"stages": stages, "n": 64, "gas": 2, "grad_shrink": 0.5, "clip": 1.0, "wall_clock": True}
+    cases = [{**base, "transport": "process_group"}, {**base, "transport": "shm"}, {**base, "gas": 1}]
+    results = run_ranks(engine_workers.waits_between_calls, stages, tmp_path, cases, deadline_s=200)
+    for rank_results in results:
+        for case, r in zip(cases, rank_results):
+            where = f"stage {r['stage_id']} {case}"
+            assert r["inside"] > 0, f"{where}: no wait counted in the ticks -- the counter is not live"
+            assert r["outside"] == 0, f"{where}: {r['outside']} waits for a neighbour between calls"
+            assert r["transport"] == case.get("transport", "shm")  # "auto" runs "shm" on Linux with gloo

@@ -14,6 +14,12 @@
                           micro-batch 256 of 2048 features (2 MiB boundaries, little compute per byte)
     smalltransformer      a transformer with a small boundary: 6 pre-norm encoder blocks of width 128, 4
                           heads, 32-token sequences, micro-batch 8 (128 KiB boundaries)
+    plainconv_w16_d16, plainconv_w64_d6, mlp_1024, blockstack
+                          issue 62's nets nobody tuned for, fixed before they were first measured (commit
+                          "benchmark: untuned nets", never changed after): plainconv at 16 channels x 16 blocks
+                          (2 MiB boundaries) and 64 channels x 6 blocks (8 MiB); 12 x (Linear(1024, 1024), ReLU),
+                          micro-batch 128 (512 KiB); 8 pre-norm encoder blocks of width 192, 6 heads, 64-token
+                          sequences, micro-batch 8 (384 KiB)
     *_tiny                small versions for smoke tests
 
 Every layer list is built the same way on every call (``LayerSpec``s, or modules built under a fixed
@@ -38,6 +44,10 @@ MODELS: dict[str, dict[str, Any]] = {
     "plainconv": dict(kind="plainconv", width=32, blocks=8, micro=32, image=32),
     "widemlp": dict(kind="mlp", width=2048, layers=8, micro=256),
     "smalltransformer": dict(kind="transformer", blocks=6, width=128, heads=4, seq=32, micro=8),
+    "plainconv_w16_d16": dict(kind="plainconv", width=16, blocks=16, micro=32, image=32),
+    "plainconv_w64_d6": dict(kind="plainconv", width=64, blocks=6, micro=32, image=32),
+    "mlp_1024": dict(kind="mlp", width=1024, layers=12, micro=128),
+    "blockstack": dict(kind="transformer", blocks=8, width=192, heads=6, seq=64, micro=8),
     "plainconv_tiny": dict(kind="plainconv", width=8, blocks=2, micro=8, image=16),
     "widemlp_tiny": dict(kind="mlp", width=64, layers=3, micro=16),
     "resnet8_tiny": dict(kind="resnet", depth=8, micro=8, image=16),

@@ -69,13 +69,22 @@ BOUND = "_bound"
 BOUND_OF = ("bp", "1f1b_m4", "fdg_current_stored")
 
 
-def variants(gas_fdg: int) -> list[dict[str, Any]]:
+def gas_suffix(gas: int, gas_fdg: int | list[int]) -> str:
+    """The name suffix of an FDG variant run at ``gas`` ticks per call: none with one ``--fdg-gas``, ``_g<gas>``
+    with several (``fdg_current_stored_g4``)."""
+    return "" if isinstance(gas_fdg, int) or len(gas_fdg) == 1 else f"_g{gas}"
+
+
+def variants(gas_fdg: int | list[int]) -> list[dict[str, Any]]:
+    """Every variant the benchmark knows; ``gas_fdg``: FDG's ticks per ``train_batch()`` call, or several (each
+    FDG variant then runs once per value, named with :func:`gas_suffix`)."""
+    gases = [gas_fdg] if isinstance(gas_fdg, int) else list(gas_fdg)
     out: list[dict[str, Any]] = [dict(name="bp", kind="bp", stages=1, ranks=1, per_unit=1)]
     out += [dict(name=f"1f1b_m{m}", kind="1f1b", stages=STAGES, ranks=STAGES, gas=m, per_unit=m) for m in GAS_1F1B]
     out += [
-        dict(name=f"fdg_{w}_{a}", kind="fdg", stages=STAGES, ranks=STAGES, gas=gas_fdg, per_unit=gas_fdg, weights=w,
-             activations=a)
-        for w, a in MODES
+        dict(name=f"fdg_{w}_{a}{gas_suffix(g, gas_fdg)}", kind="fdg", stages=STAGES, ranks=STAGES, gas=g, per_unit=g,
+             weights=w, activations=a)
+        for g in gases for w, a in MODES
     ]  # fmt: skip
     out.append(dict(name="dp2", kind="dp", stages=1, ranks=2, gas=1, per_unit=1))
     # the machine's own ceiling, in the same processes and rounds: FDG's stages in plain torch (run when named)
@@ -97,11 +106,11 @@ def variants(gas_fdg: int) -> list[dict[str, Any]]:
     )  # fmt: skip
     # FDG's per-tick messages through shared memory instead of gloo (pipeline.fdg.transport "shm"; run when named)
     out += [
-        dict(spec, name=spec["name"] + SHM, transport="shm", optional=True)
+        dict(spec, name=_with_suffix(spec["name"], SHM), transport="shm", optional=True)
         for spec in list(out)
         if spec["kind"] == "fdg" and spec["weights"] == "current"
     ]
-    plain = next(spec for spec in out if spec["name"] == CORRECTED)
+    plain = next(spec for spec in out if spec["name"] == CORRECTED + gas_suffix(gases[0], gas_fdg))  # the first GAS
     out += [
         dict(plain, name=f"{CORRECTED}_{name}", corrections=keys, optional=True) for name, keys in CORRECTIONS.items()
     ]
@@ -116,6 +125,12 @@ def variants(gas_fdg: int) -> list[dict[str, Any]]:
         if spec["name"] in BOUND_OF
     ]
     return out
+
+
+def _with_suffix(name: str, suffix: str) -> str:
+    """``suffix`` before a trailing GAS suffix: ``fdg_current_stored_g4`` + ``_shm`` -> ``fdg_current_stored_shm_g4``."""
+    stem, g, gas = name.rpartition("_g")
+    return f"{stem}{suffix}_g{gas}" if g and gas.isdigit() else name + suffix
 
 
 class PlainBP:
@@ -265,7 +280,7 @@ def _same(t: torch.Tensor) -> torch.Tensor:
 class DeepSpeedVariant:
     """A DeepSpeed pipeline engine (FDG, 1F1B or one-stage data parallel) on the fixed data."""
 
-    def __init__(self, spec: dict[str, Any], model: str, parts: list[int]) -> None:
+    def __init__(self, spec: dict[str, Any], model: str, parts: list[int], host_memory: str = "retain") -> None:
         import deepspeed
 
         import fdg_schedule  # noqa: F401  (a "schedule": "fdg" config now builds the FDG engine)
@@ -288,8 +303,10 @@ class DeepSpeedVariant:
         if spec["kind"] == "fdg":
             fdg = {"grad_shrink": GRAD_SHRINK, "weights": spec["weights"], "activations": spec["activations"]}
             fdg.update(spec.get("corrections", {}))
-            if "transport" in spec:
-                fdg["transport"] = spec["transport"]
+            # named, not "auto": the variants without "_shm" are the process group's (Note [the fastest transport
+            # by default]); the engine's host memory follows the benchmark's --freed-memory, process-wide alike
+            fdg["transport"] = spec.get("transport", "process_group")
+            fdg["host_memory"] = host_memory
             config["pipeline"] = {"schedule": "fdg", "fdg": fdg}
         self.engine, *_ = deepspeed.initialize(
             model=module,
@@ -342,12 +359,15 @@ def _timed(fn: Callable[..., Any], stats: dict[str, float], kind: str) -> Callab
 Variant = PlainBP | PlainHalves | DeepSpeedVariant
 
 
-def build_variant(spec: dict[str, Any], model: str, splits: dict[str, list[int]]) -> Variant | None:
-    """This rank's part of ``spec`` (None: this rank sits the variant out)."""
+def build_variant(
+    spec: dict[str, Any], model: str, splits: dict[str, list[int]], host_memory: str = "retain"
+) -> Variant | None:
+    """This rank's part of ``spec`` (None: this rank sits the variant out); ``host_memory``: what the benchmark's
+    processes do with freed memory ("retain" or "system"), which FDG's engine is told too."""
     if spec["kind"] == "bp":
         return PlainBP(model) if dist.get_rank() == 0 else None
     if spec["kind"] == "halves":
         recompute = spec.get("activations") == "recomputed"
         return PlainHalves(model, splits[split_key(spec)], exchange=spec.get("exchange", False), recompute=recompute)
     parts = splits[split_key(spec)] if spec["stages"] > 1 else [0, len(model_layers(model))]
-    return DeepSpeedVariant(spec, model, parts)
+    return DeepSpeedVariant(spec, model, parts, host_memory)

@@ -4,6 +4,10 @@
     python -m benchmarks.throughput.throughput                  # ResNet-32 and a small transformer (10-20 min)
     python -m benchmarks.throughput.throughput --quick          # tiny models, no RSS runs: a smoke run (< 1 min idle)
     python -m benchmarks.throughput.throughput --repeats 0 --rss 2,3,4   # memory by K only (fresh processes)
+    python -m benchmarks.throughput.throughput --models plainconv --fdg-gas 1,4,16 --window 32 --repeats 7 --rss '' \
+        --variants 1f1b_m4,halves,fdg_current_stored_g1,fdg_current_stored_g4,fdg_current_stored_g16,\
+fdg_current_stored_shm_g1,fdg_current_stored_shm_g4,fdg_current_stored_shm_g16
+                                                                    # FDG by calls and transport (issue 62)
 
 Throughput: one process tree of K = 2 gloo ranks (one thread each) builds every variant of a model
 once, warms each up, then runs them interleaved for ``--repeats`` rounds (the order rotates every
@@ -11,7 +15,8 @@ round, so drift on this shared machine falls on all variants alike):
 
     bp                  plain backprop on rank 0 (an nn.Sequential of the same layers), one step per micro-batch
     1f1b_m{2,4,8}       DeepSpeed's own PipelineEngine, K = 2, GAS = m, one step per m micro-batches
-    fdg_{w}_{a}         FDG, K = 2, every weights/activations mode, one step per stage per tick
+    fdg_{w}_{a}         FDG, K = 2, every weights/activations mode, one step per stage per tick, over the process
+                        group; with several --fdg-gas values each is run once per value, fdg_{w}_{a}_g{GAS}
     dp2                 DeepSpeed data parallelism (a one-stage pipeline on 2 ranks), one step per micro-batch
     fdg_stashed_stored_{delay_lr,predict,both}
                         the staleness corrections (docs/staleness.md) on FDG stashed/stored, only when named in
@@ -144,7 +149,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds (0: memory runs only)")
     parser.add_argument("--window", type=int, default=None, help="micro-batches per variant per round")
     parser.add_argument("--warmup", type=int, default=None, help="micro-batches per variant before timing")
-    parser.add_argument("--fdg-gas", type=int, default=None, help="FDG ticks per train_batch() call")
+    parser.add_argument(
+        "--fdg-gas",
+        default=None,
+        help="FDG ticks per train_batch() call, or several comma-separated (e.g. 1,4,16: each FDG variant once per "
+        "value, named fdg_..._g<N>; give a --window every value divides, so each times the same micro-batches)",
+    )
     parser.add_argument("--rss", default=None, help="K values for fresh-process memory runs, e.g. 2 or 2,3,4 ('' none)")
     parser.add_argument("--memory-micro-batches", type=int, default=8, help="micro-batches per memory count")
     parser.add_argument("--variants", default=None, help="comma-separated subset of variant names")
@@ -183,7 +193,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     repeats = args.repeats if args.repeats is not None else (2 if quick else 5)
     window = args.window or (8 if quick else 16)
     warmup = args.warmup or (4 if quick else 8)
-    fdg_gas = args.fdg_gas or (4 if quick else 8)
+    gases = [int(g) for g in args.fdg_gas.split(",")] if args.fdg_gas else [4 if quick else 8]
+    fdg_gas: int | list[int] = gases[0] if len(gases) == 1 else gases
+    if any(window % g for g in gases):
+        parser.error(f"--window {window} is not a multiple of every --fdg-gas {gases}: the variants would time "
+                     "different micro-batches")  # fmt: skip
     rss_stages = [int(k) for k in (args.rss if args.rss is not None else ("" if quick else "2")).split(",") if k]
     specs = variants(fdg_gas)
     if args.variants:

@@ -24,7 +24,8 @@ def throughput_worker(rank: int, world: int, plan: dict[str, Any]) -> dict[str, 
     """
     cores = prepare_process(rank, plan)
     specs = plan["variants"]
-    built = {spec["name"]: build_variant(spec, plan["model"], plan["splits"]) for spec in specs}
+    freed = plan.get("host_memory", "system")
+    built = {spec["name"]: build_variant(spec, plan["model"], plan["splits"], freed) for spec in specs}
     for spec in specs:
         cores.bind(spec.get("bind_cores", False))
         _window(built[spec["name"]], spec, plan["warmup"])
@@ -199,7 +200,7 @@ def memory_worker(rank: int, world: int, plan: dict[str, Any], spec: dict[str, A
     import psutil
 
     prepare_process(rank, plan)
-    variant = build_variant(spec, plan["model"], plan["splits"])
+    variant = build_variant(spec, plan["model"], plan["splits"], plan.get("host_memory", "system"))
     result: dict[str, Any] = {"rank": rank, "stage_id": None, "rss_build": psutil.Process().memory_info().rss}
     if variant is not None:
         result["stage_id"] = variant.stage_id

@@ -74,6 +74,21 @@ on the new link, and a gradient the downstream stage sent in that tick (before i
 went the old way, where the upstream stage's receive, posted earlier in the tick, takes it before it
 changes links. Headers and tied gradients always travel through the group.
 
+Note [the fastest transport by default]: ``pipeline.fdg.transport: "auto"`` (the default) is ``"shm"`` where
+the shared-memory link can run (Linux, and the BLOCKING path: a stage on the CPU whose group is gloo), and
+``"process_group"`` everywhere else (:func:`resolve_transport`). Under ``"shm"`` each side still checks that its
+neighbour shares the host, and neighbours on other hosts keep the group, so "auto" never changes where a
+message can go, only how. Measured at K = 2 on this project's CPU machine (docs/performance.md), the link runs
+FDG at 0.95-1.0 of the two-stage ceiling and the process group at 0.90-0.93: gloo moves every message through
+a socket and a transport thread of its own that competes with the stages' compute for the cores.
+
+Note [no wait between calls]: a ``train_batch()`` call ends with its last tick's receives still posted and its
+sends in flight; the next call's first wait takes them (:meth:`NeighbourExchange.complete` runs only where
+everything must have arrived: the end of a segment, a checkpoint). The work a call does around its ticks (the
+non-finite check, the loss, monitors, the caller's own loop) then overlaps the neighbour's compute instead of
+following a wait for it. :attr:`NeighbourExchange.waits` counts every blocking operation with a neighbour, so a
+test can check that none happens outside a tick.
+
 Note [control words on the host]: the end-of-data word that travels with every activation (and, under
 fp16, the loss-scale ceiling after it: Note [loss scale per stage] in fdg_schedule.precision.loss_scale), and
 the shape header, must be read on the host (they decide what the next instructions are). They are
@@ -90,6 +105,7 @@ import enum
 import math
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -144,6 +160,14 @@ def choose_path(backend: str, device: torch.device) -> Path:
     if used == "gloo" and device.type != HOST.type:
         return Path.STAGED
     return Path.BLOCKING
+
+
+def resolve_transport(transport: str, path: Path, platform: str = sys.platform) -> str:
+    """``pipeline.fdg.transport`` as it will run: ``"auto"`` becomes ``"shm"`` on Linux on the BLOCKING path and
+    ``"process_group"`` elsewhere (Note [the fastest transport by default]); the other values stay as given."""
+    if transport != "auto":
+        return transport
+    return "shm" if path is Path.BLOCKING and platform.startswith("linux") else "process_group"
 
 
 _host_groups: dict[int, Any] = {}
@@ -264,6 +288,8 @@ class NeighbourExchange:
         transport: ``pipeline.fdg.transport``. ``"shm"``: exchange with each neighbour on this host
             through a shared-memory link (Note [shared-memory transport]); the path must be BLOCKING.
             Finding the neighbours' hosts is collective: every rank builds its exchange at the same point.
+            ``"auto"``: :func:`resolve_transport` (Note [the fastest transport by default]); :attr:`transport` is the
+            one that runs.
         mark: under STREAM, called right after each post: whether the stream has reached it since
             (:func:`~fdg_schedule.runtime.watchdog.stream_mark`, Note [a timeout without a blocking wait]).
         loss_scale: fp16 (Note [loss scale per stage] in fdg_schedule.precision.loss_scale): an activation's control
@@ -290,6 +316,8 @@ class NeighbourExchange:
         loss_scale: bool = False,
     ) -> None:
         self.path = choose_path(dist.get_backend(), device) if path is None else path
+        self.transport = transport = resolve_transport(transport, self.path)
+        self.waits = 0  # blocking operations with a neighbour so far (Note [no wait between calls])
         if transport == "shm" and self.path is not Path.BLOCKING:  # refused before any rank waits
             raise FDGRuntimeError(
                 f'pipeline.fdg.transport "shm" moves tensors in host memory through a process group on the host; '
@@ -462,6 +490,7 @@ class NeighbourExchange:
             peer = self.prev_rank if side == "prev" else self.next_rank
             return self._batch(peer, name, sends, recvs, self.groups[(side, direction)])
         if sends:
+            self.waits += 1  # the link's slot may still hold the neighbour's previous message
             try:
                 link.send(sends, self.timeout)
             except RuntimeError as err:
@@ -754,6 +783,7 @@ class NeighbourExchange:
         watchdog keeps its timeout (Note [a timeout without a blocking wait]). Host messages (gloo)
         are waited for on the host, bounded by the timeout, on every path.
         """
+        self.waits += bool(works)
         if self.watchdog is not None:
             self.watchdog.raise_if_failed()
             stream_ordered = [w for w in works if not _is_host_work(w)]

@@ -20,7 +20,8 @@ The public keys::
         "staleness_every": 100,       # measure ||w_fwd - w_bwd|| / ||w|| every N ticks; 0 = off
         "nonfinite": "error",         # "error" | "skip": a non-finite loss or gradient on a stage
         "timeout": 60,                # seconds a stage waits for a neighbour before failing
-        "transport": "process_group", # "process_group" | "shm": same-host neighbours through shared memory
+        "transport": "auto",          # "auto" | "process_group" | "shm": same-host neighbours through shared memory
+        "host_memory": "retain",      # "retain" | "system": on a CPU device, keep freed host memory in the process
         "check_every": 0,             # ticks between host reads of the non-finite flags; 0 = once per call
         "trace": null                 # {"start_tick": 0, "ticks": 64, "dir": "fdg_trace"}: a timeline
       }
@@ -41,6 +42,7 @@ from typing import Any, Literal, NoReturn
 SCHEDULES = ("1f1b", "fdg")
 TRACE_KEYS = {"start_tick": 0, "ticks": 64, "dir": "fdg_trace"}
 CORRECTIONS = ("none", "auto")
+TRANSPORTS = ("auto", "process_group", "shm")
 # The staleness-correction keys ``corrections`` decides (Note [the auto rule] in
 # fdg_schedule.corrections.auto_corrections).
 CORRECTION_KEYS = (
@@ -96,7 +98,8 @@ KEYS: tuple[Key, ...] = (
     Key("staleness_every", "integer", "an integer >= 0", at_least=0, fix="e.g. 100 (0 turns the staleness metric off)"),
     Key("nonfinite", "choice", choices=("error", "skip")),
     Key("timeout", "number", "> 0 seconds", above=0, fix="e.g. 60"),
-    Key("transport", "choice", choices=("process_group", "shm")),
+    Key("transport", "choice", choices=TRANSPORTS),
+    Key("host_memory", "choice", choices=("retain", "system")),
     Key("check_every", "integer", "an integer >= 0", at_least=0,
         fix="0 reads the non-finite flags once per train_batch() call"),
     Key("trace", "trace", nullable=True),
@@ -195,11 +198,21 @@ class FDGConfig:
     """Seconds a stage waits for a neighbour's message before it fails with an error naming the
     neighbour (a rank that died or stopped sending)."""
 
-    transport: str = "process_group"
+    transport: str = "auto"
     """How a stage's per-tick messages reach its neighbours: ``"process_group"`` through DeepSpeed's
     process group (gloo or NCCL); ``"shm"``: neighbours on the same host through shared memory, with
     no transport thread (Note [shared-memory transport] in :mod:`fdg_schedule.exchange.shm_link`; Linux, host
-    memory and gloo only), neighbours on other hosts through the group as before. The math is the same."""
+    memory and gloo only), neighbours on other hosts through the group as before; ``"auto"`` (the default):
+    ``"shm"`` where it can run (Linux, a stage on the CPU with gloo: the exchange's blocking path), else
+    ``"process_group"`` (Note [the fastest transport by default] in :mod:`fdg_schedule.exchange.comm`). The math
+    is the same."""
+
+    host_memory: str = "retain"
+    """On a CPU device, what the process does with freed host memory (:mod:`fdg_schedule.runtime.host_memory`):
+    ``"retain"`` (the default) keeps it, as a caching allocator keeps device memory, so a tick's tensors reuse
+    pages already mapped instead of faulting fresh zeroed ones in (page faults cost FDG's CPU stages 10-15 %
+    of a tick on the plain conv net of docs/performance.md); ``"system"``: glibc's default, which hands large
+    freed blocks back to the kernel. Process-wide, set when the engine is built; nothing on other devices."""
 
     check_every: int = 0
     """Ticks between host reads of the non-finite flags (Note [no host sync in a tick] in

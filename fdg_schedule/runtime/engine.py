@@ -34,7 +34,7 @@ from fdg_schedule.exchange.comm import NO_END, NeighbourExchange, meta_of
 from fdg_schedule.observability import observe
 from fdg_schedule.observability.report import print_flops_profile, report_call
 from fdg_schedule.precision import fp16
-from fdg_schedule.runtime import dispatch, guards, loading, optim
+from fdg_schedule.runtime import dispatch, guards, host_memory, loading, optim
 from fdg_schedule.runtime.config import FDGConfig
 from fdg_schedule.runtime.engine_checkpoints import FDGCheckpoints
 from fdg_schedule.runtime.errors import DataExhausted, FDGRuntimeError
@@ -79,6 +79,8 @@ class FDGPipelineEngine(FDGCheckpoints):
             kwargs["model_parameters"] = tied.take_out(ties, kwargs.get("optimizer"), model_parameters, kwargs["model"])
         kwargs["optimizer"] = optim.explain_client_optimizer(kwargs.get("optimizer"), kwargs.get("model"))
         super().__init__(*args, **kwargs)
+        if fdg_config.host_memory == "retain" and self.device.type == "cpu":  # pipeline.fdg.host_memory
+            host_memory.retain_freed_memory()
         self.fdg_config = fdg_config = auto_corrections.for_engine(fdg_config, self)  # Note [the auto rule]
         optim.decouple_from_other_stages(self.optimizer, self.basic_optimizer)
         rank = lambda stage: self.grid.stage_to_global(stage) if 0 <= stage < self.num_stages else None  # noqa: E731
@@ -208,11 +210,12 @@ class FDGPipelineEngine(FDGCheckpoints):
                 raise guards.NonFiniteError(f"{err}; {others}", err.what) from err
             raise
         self._replicas.agree(limit)
-        wait_start = time.perf_counter()
-        self._exchange.complete()
-        self.fdg_stats["wait_s"] += time.perf_counter() - wait_start
         self.fdg_state.meter.report_new(self.fdg_stats)
         data_ended = self.fdg_state.segment_over()
+        if data_ended or plan.drain:  # Note [no wait between calls] in fdg_schedule.exchange.comm: a segment's end
+            wait_start = time.perf_counter()
+            self._exchange.complete()
+            self.fdg_stats["wait_s"] += time.perf_counter() - wait_start
         self.agg_train_loss = self._replicas.mean_loss(
             self.fdg_state.call_losses, self.grid.get_data_parallel_group(), self.device
         )

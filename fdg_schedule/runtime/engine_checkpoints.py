@@ -72,6 +72,7 @@ class FDGCheckpoints(PipelineEngine):
             )
         tag = str(tag if tag is not None else f"global_step{self.global_steps}")
         path = checkpoint.state_path(save_dir, tag, self.stage_id, self.grid.data_parallel_id)
+        self._exchange.complete()  # Note [no wait between calls]: the last call's receives have arrived by now
         captured = self.fdg_state.capture()
         captured["corrections_auto"] = auto_corrections.recorded(self.fdg_config)  # Note [the auto rule]
         if self.fdg_config.accumulate > 1:  # Note [a partial accumulation in a checkpoint]
@@ -102,6 +103,7 @@ class FDGCheckpoints(PipelineEngine):
         saying how many. A checkpoint of another number of stages loads its weights (re-partitioned
         by layer) when optimizer and scheduler state are not requested.
         """
+        self._exchange.complete()  # Note [no wait between calls]: nothing posted may outlive the state replaced
         resolved = checkpoint.resolve_tag(load_dir, tag)
         if resolved is not None and not load_module_only:  # before DeepSpeed's load: "auto" must choose alike
             self._check_auto_choice(load_dir, resolved)
