@@ -673,3 +673,17 @@ def auto_resume_refused(rank: int, world: int, saved: dict[str, Any], loaded: di
     except fdg_schedule.FDGConfigError as err:
         return str(err)
     return ""
+
+
+def start_warnings(rank: int, world: int, case: dict[str, Any]) -> list[str]:
+    """Build ``case``'s engine: the warnings ``fdg_schedule``'s loggers gave on this rank while it started."""
+    log = logging.getLogger("fdg_schedule")
+    seen: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    log.addHandler(handler)
+    try:
+        build(case, world)
+    finally:
+        log.removeHandler(handler)
+    return seen
