@@ -711,3 +711,17 @@ def waits_between_calls(rank: int, world: int, cases: list[dict[str, Any]]) -> l
         out.append({"stage_id": engine.stage_id, "transport": exchange.transport, "inside": inside[0],
                     "outside": outside})  # fmt: skip
     return out
+
+
+def start_warnings(rank: int, world: int, case: dict[str, Any]) -> list[str]:
+    """Build ``case``'s engine: the warnings ``fdg_schedule``'s loggers gave on this rank while it started."""
+    log = logging.getLogger("fdg_schedule")
+    seen: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    log.addHandler(handler)
+    try:
+        build(case, world)
+    finally:
+        log.removeHandler(handler)
+    return seen

@@ -1,10 +1,13 @@
 """``pipeline.fdg.corrections`` (Note [the auto rule] in fdg_schedule/corrections/auto_corrections.py): the keys
 "auto" picks
 per optimizer family, K, accumulate and scheduler; the config's errors; the reference resolving "auto" itself;
-a resume that would choose otherwise refused on every rank."""
+a resume that would choose otherwise refused on every rank; the line a K >= 3 job without the key gets, and the
+measured costs it states (Note [the cost of no correction])."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import engine_workers
@@ -15,6 +18,7 @@ from deepspeed.runtime.lr_schedules import OneCycle, WarmupCosineLR, WarmupDecay
 from dist_harness import run_ranks_calls
 
 from fdg_schedule import FDGConfig, fdg_reference
+from fdg_schedule.corrections import auto_corrections
 from fdg_schedule.corrections.auto_corrections import FOREVER, check_resume, choose, recorded, resolve, schedule_of
 from fdg_schedule.runtime.config import FDGConfigError
 
@@ -217,3 +221,72 @@ def test_the_reference_decides_once_across_calls() -> None:
         opt.param_groups[0]["lr"] = 0.01
     fdg_reference(stages, opts, toy.micro_batches(4, 4), toy.loss_fn, config, state=state)
     assert state.configs is not None and {c.delay_momentum_peak_lr for c in state.configs} == {0.1}
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_measured_costs_are_the_auto_tests_report() -> None:
+    """MEASURED_K4 is docs/results/auto/report.json's mean paired differences at K = 4, rounded as the docs state
+    them, from complete tasks with no failed run; docs/staleness.md states the same numbers as the log line."""
+    tasks = json.loads((ROOT / "docs" / "results" / "auto" / "report.json").read_text())["tasks"]
+    assert {m.task for m in auto_corrections.MEASURED_K4} == set(tasks)
+    for m in auto_corrections.MEASURED_K4:
+        assert tasks[m.task]["unit"] == m.unit, m
+        for arm in ("none", "auto"):
+            row = tasks[m.task][arm]
+            assert row["n"] == (24 if m.task == "resnet32" else 8) and row["failed"] == 0, (m.task, arm)
+            assert round(row["mean"], 2) == getattr(m, arm), (m.task, arm, row["mean"])
+    staleness = (ROOT / "docs" / "staleness.md").read_text()
+    for arm in ("none", "auto"):
+        assert auto_corrections.measured_costs(arm) in staleness, auto_corrections.measured_costs(arm)
+
+
+OPTIMIZERS = {
+    "sgd-momentum": lambda: torch.optim.SGD(_params(), lr=0.1, momentum=0.9),
+    "adamw": lambda: torch.optim.AdamW(_params(), lr=1e-3),
+    "plain-sgd": lambda: torch.optim.SGD(_params(), lr=0.1),
+}
+
+
+@pytest.mark.parametrize(
+    ("config", "stages", "optimizer", "expected"),
+    [
+        (FDGConfig(), 3, "sgd-momentum", True),
+        (FDGConfig(weights="stashed"), 8, "adamw", True),
+        (FDGConfig(), 2, "sgd-momentum", False),  # K = 2: the test measured K = 4
+        (FDGConfig(corrections="none"), 4, "adamw", False),  # a choice made
+        (FDGConfig(delay_momentum=True), 4, "sgd-momentum", False),  # a correction of the user's own
+        (FDGConfig(predict_decay=0.9), 4, "adamw", False),
+        (FDGConfig(), 4, "plain-sgd", False),  # "auto" chooses no correction here either
+    ],
+)
+def test_the_no_correction_line_is_for_k3_and_more_without_the_key(config, stages, optimizer, expected) -> None:
+    line = auto_corrections.no_correction_line(config, OPTIMIZERS[optimizer](), stages)
+    assert (line is not None) == expected, line
+    if line is not None:
+        assert f"K = {stages} job" in line and 'Set "corrections": "auto"' in line and "docs/staleness.md" in line
+        assert auto_corrections.measured_costs("none") in line and auto_corrections.measured_costs("auto") in line
+
+
+def _notices(ranks: list[list[str]]) -> list[list[str]]:
+    return [[w for w in warnings if 'no "corrections" key' in w] for warnings in ranks]
+
+
+@pytest.mark.distributed
+def test_a_k3_engine_without_the_key_says_once_on_rank_0_what_no_correction_cost(tmp_path) -> None:
+    """Real engines: K = 3 with no corrections key logs the line once, on global rank 0 only; "none", explicit keys
+    and "auto" do not, and neither does K = 2 (its own launch)."""
+    base = {"stages": 3, "n": 12, "gas": 3}
+    cases = [base, {**base, "corrections": "none"}, {**base, "delay_momentum": True}, {**base, "corrections": "auto"}]
+    (tmp_path / "k3").mkdir()
+    (tmp_path / "k2").mkdir()
+    default, none, explicit, auto = run_ranks_calls(
+        3, tmp_path / "k3", [(engine_workers.start_warnings, (case,)) for case in cases], deadline_s=180
+    )
+    assert len(_notices(default)[0]) == 1 and _notices(default)[1:] == [[], []], default
+    line = _notices(default)[0][0]
+    assert "K = 3 job" in line and auto_corrections.measured_costs("none") in line, line
+    assert _notices(none) == _notices(explicit) == _notices(auto) == [[], [], []], (none, explicit, auto)
+    [k2] = run_ranks_calls(2, tmp_path / "k2", [(engine_workers.start_warnings, ({**base, "stages": 2},))], 120)
+    assert _notices(k2) == [[], []], k2

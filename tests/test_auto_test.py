@@ -99,3 +99,23 @@ def test_one_llama_run_with_auto_at_a_tiny_budget(tmp_path: Path) -> None:
     assert result["bounds"] == [0, 3, 5, 6, 8] and math.isfinite(result["test"]) and math.isfinite(result["validation"])
     ticks = result["train_ticks"]
     assert f"delay_lr_ticks={2 * ticks}, delay_momentum_raise=1.0, predict_decay=0.0" in result["auto_choice"]
+
+
+def test_the_resnet32_pass_is_marginal_as_the_docs_state() -> None:
+    """Issue 64: from report.json's pairs, ResNet-32's "auto" passes one-sided (bound +0.494 < +0.5) but not under the
+    two-sided 95 % interval (upper end +0.534), and 14 of the 24 leave-one-seed-out subsets' one-sided bounds reach
+    the margin; docs/staleness.md states those numbers."""
+    row = json.loads((ROOT / "docs" / "results" / "auto" / "report.json").read_text())["tasks"]["resnet32"]["auto"]
+    diffs = [p["difference"] for p in row["pairs"]]
+
+    def bound(values: list[float], p: float) -> float:
+        n, mean = len(values), sum(values) / len(values)
+        sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+        return mean + auto_test.t_quantile(p, n - 1) * sd / math.sqrt(n)
+
+    assert len(diffs) == 24 and bound(diffs, 0.95) == pytest.approx(row["upper_95"], abs=1e-6)
+    assert round(bound(diffs, 0.95), 3) == 0.494 and round(bound(diffs, 0.975), 3) == 0.534
+    failing = sum(bound(diffs[:i] + diffs[i + 1 :], 0.95) >= 0.5 for i in range(len(diffs)))
+    assert failing == 14
+    staleness = (ROOT / "docs" / "staleness.md").read_text()
+    assert "+0.534" in staleness and "14 of 24" in staleness

@@ -134,7 +134,8 @@ def test_no_fdg_means_stock_deepspeed(pipeline) -> None:
         (_ds({"timeout": 0}), "timeout must be > 0 seconds, got 0 (pipeline.fdg.timeout"),
         (
             _ds({"transport": "tcp"}),
-            "transport must be one of ['auto', 'process_group', 'shm'], got 'tcp' (pipeline.fdg.transport in ds_config)",
+            "transport must be one of ['auto', 'process_group', 'shm'], got 'tcp' "
+            "(pipeline.fdg.transport in ds_config)",
         ),
         (_ds({"timeout": "60"}), "timeout must be a number, got str '60'"),
         (_ds({"check_every": -1}), "check_every must be an integer >= 0, got -1 (pipeline.fdg.check_every"),

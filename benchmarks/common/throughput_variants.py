@@ -128,7 +128,7 @@ def variants(gas_fdg: int | list[int]) -> list[dict[str, Any]]:
 
 
 def _with_suffix(name: str, suffix: str) -> str:
-    """``suffix`` before a trailing GAS suffix: ``fdg_current_stored_g4`` + ``_shm`` -> ``fdg_current_stored_shm_g4``."""
+    """``suffix`` before a trailing GAS suffix (``fdg_current_stored_g4`` + ``_shm``: ``fdg_current_stored_shm_g4``)."""
     stem, g, gas = name.rpartition("_g")
     return f"{stem}{suffix}_g{gas}" if g and gas.isdigit() else name + suffix
 

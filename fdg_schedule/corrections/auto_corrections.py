@@ -36,6 +36,15 @@ docs/results/auto-preregistration.md)
     family at K = 2. ``weights`` is the user's (a memory decision); with ``"current"`` the same keys
     apply and rank 0's log line says that the tested form is ``"stashed"``.
 
+Note [the cost of no correction]
+    A K >= 3 job whose ``pipeline.fdg`` has no ``corrections`` key and no correction key of its own runs no
+    staleness correction (the paper's FDG). Global rank 0 says so at start, once, with what that cost in the
+    pre-registered test (docs/results/auto/report.json, at K = 4, the mean paired difference to backprop, and
+    what "auto" gave on the same seeds) and the key to set: :data:`MEASURED_K4`, the one place those numbers
+    live in code (tests/test_auto_corrections.py checks them against the report and docs/staleness.md).
+    Not for K <= 2 (the test measured K = 4), an explicit ``"none"`` (a choice made), explicit keys, or an
+    optimizer the rule does not cover ("auto" would choose no correction either).
+
 Why: docs/staleness.md. Delayed SGD-momentum stages overshoot (a delayed gradient already carries
 h_k steps of the trajectory; lower momentum keeps less of it, fully at the peak lr and returning to
 mu as the lr decays); Adam-family stages gain from a longer first-moment average (the raise), a
@@ -82,6 +91,49 @@ class Schedule:
     peak_lr: float | None = None
     total_steps: int | None = None
     name: str = "no scheduler"
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """One task of the pre-registered test at K = 4: mean paired difference to backprop of each arm (Note [the cost
+    of no correction]), rounded as docs/staleness.md states it."""
+
+    task: str  # the key in docs/results/auto/report.json
+    name: str  # the task in the log line
+    unit: str  # "%" of BP's test loss, or "points" of test error
+    none: float  # no correction (what a block without "corrections" runs) - BP
+    auto: float  # "corrections": "auto" - BP
+
+
+MEASURED_K4 = (
+    Measured("llama", "LLaMA-style", "%", 11.35, 2.30),
+    Measured("gpt2", "GPT-2", "%", 17.44, 1.54),
+    Measured("resnet32", "ResNet-32", "points", 1.39, 0.30),
+)
+
+
+def measured_costs(arm: str) -> str:
+    """The arm's (``"none"`` or ``"auto"``) measured differences to BP as the log line and docs/staleness.md state
+    them, e.g. ``LLaMA-style +11.35 %, GPT-2 +17.44 %, ResNet-32 +1.39 points``."""
+    return ", ".join(f"{m.name} {getattr(m, arm):+.2f} {m.unit}" for m in MEASURED_K4)
+
+
+def no_correction_line(config: FDGConfig, optimizer: Any, stages: int) -> str | None:
+    """Note [the cost of no correction]: the line rank 0 logs at start, or None when the job needs none."""
+    default = FDGConfig()
+    if stages < 3 or config.corrections is not None or optimizer is None:
+        return None
+    if any(getattr(config, key) != getattr(default, key) for key in CORRECTION_KEYS):
+        return None  # a correction of the user's own
+    if family_of(optimizer)[0] == "uncovered":
+        return None
+    return (
+        f'fdg_schedule: pipeline.fdg has no "corrections" key, so this K = {stages} job trains with no staleness '
+        'correction (the paper\'s FDG). In the pre-registered test (K = 4, "weights": "stashed", grad_shrink 1) '
+        f"that cost, against backprop, {measured_costs('none')} (test loss in %, test error in points); "
+        f'"corrections": "auto" gave {measured_costs("auto")}. Set "corrections": "auto" in pipeline.fdg '
+        '(docs/staleness.md, The pre-registered test), or "none" to keep no correction without this line'
+    )
 
 
 def family_of(optimizer: Any) -> tuple[str, str]:
@@ -173,10 +225,15 @@ def resolve(config: FDGConfig, optimizer: Any, scheduler: Any, stages: int) -> t
 
 
 def for_engine(config: FDGConfig, engine: Any) -> FDGConfig:
-    """:func:`resolve` for a built engine's stage; global rank 0 logs the choice (its stage's)."""
+    """:func:`resolve` for a built engine's stage; global rank 0 logs the choice (its stage's), or what running with
+    no correction cost (Note [the cost of no correction])."""
     resolved, choice = resolve(config, engine.basic_optimizer, engine.lr_scheduler, engine.num_stages)
-    if choice is not None and engine.global_rank == 0:
-        (logger.warning if choice.warning else logger.info)(choice.line())
+    notice = no_correction_line(config, engine.basic_optimizer, engine.num_stages)  # Note [the cost of no correction]
+    if engine.global_rank == 0:
+        if choice is not None:
+            (logger.warning if choice.warning else logger.info)(choice.line())
+        if notice is not None:
+            logger.warning(notice)
     return resolved
 
 
