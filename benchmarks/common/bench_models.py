@@ -15,8 +15,8 @@
     smalltransformer      a transformer with a small boundary: 6 pre-norm encoder blocks of width 128, 4
                           heads, 32-token sequences, micro-batch 8 (128 KiB boundaries)
     plainconv_w16_d16, plainconv_w64_d6, mlp_1024, blockstack
-                          issue 62's nets nobody tuned for, fixed before they were first measured (commit
-                          "benchmark: untuned nets", never changed after): plainconv at 16 channels x 16 blocks
+                          issue 62's nets nobody tuned for, fixed in c20f673 before they were first measured
+                          and not changed after: plainconv at 16 channels x 16 blocks
                           (2 MiB boundaries) and 64 channels x 6 blocks (8 MiB); 12 x (Linear(1024, 1024), ReLU),
                           micro-batch 128 (512 KiB); 8 pre-norm encoder blocks of width 192, 6 heads, 64-token
                           sequences, micro-batch 8 (384 KiB)

@@ -104,6 +104,9 @@ class InstructionClock:
         self.reset()
 
     def reset(self) -> None:
+        self.boundary = 0.0  # wall seconds of each call outside its instructions (Note [no wait between calls])
+        self.call_started: float | None = None
+        self.first: float | None = None  # the first instruction's start in the current call
         self.wall: collections.defaultdict[str, float] = collections.defaultdict(float)
         self.cpu: collections.defaultdict[str, float] = collections.defaultdict(
             float
@@ -118,6 +121,8 @@ class InstructionClock:
         if not self.inner.active:
             return
         name = type(cmd).__name__
+        if self.first is None:
+            self.first = start
         self.wall[name] += end - start
         if self.last is not None:
             self.dispatch_gap += start - self.last[0]
@@ -131,8 +136,19 @@ class InstructionClock:
             self.ticks.append((self.busy, self.wait, thread_cpu_id()))
             self.busy = self.wait = 0.0
 
+    def call(self, unit: Any) -> None:
+        """Run one ``train_batch()`` call; add its time outside the instructions (set-up before the first, the
+        call's end after the last: the non-finite check, the loss, monitors) to :attr:`boundary`."""
+        self.first = None
+        start = time.perf_counter()
+        unit()
+        end = time.perf_counter()
+        if self.inner.active and self.first is not None and self.last is not None:
+            self.boundary += (self.first - start) + (end - self.last[0])
+
     def record(self) -> dict[str, Any]:
         return {
+            "call_boundary_s": self.boundary,
             "instructions": dict(self.wall),
             "instruction_cpu": dict(self.cpu),
             "ticks_busy_wait_s": list(self.ticks),
@@ -151,7 +167,7 @@ def build(plan: dict[str, Any], inner: Inner) -> dict[str, tuple[Any, Instructio
         built[name] = (halves, None)
     for name, extra in FDG.items():
         spec = dict(kind="fdg", stages=2, gas=plan["gas"], weights="current", activations="stored", **extra)
-        variant = DeepSpeedVariant(spec, plan["model"], plan["parts"])
+        variant = DeepSpeedVariant(spec, plan["model"], plan["parts"], plan["host_memory"])
         clock = InstructionClock(inner)
         dispatch.observe(variant.engine, clock)
         inner.time_forward(variant.module)
@@ -172,7 +188,7 @@ def window(name: str, built: tuple[Any, InstructionClock | None], ticks: int, in
     inner.active = True
     start = time.perf_counter()
     for _ in range(units):
-        variant.unit()
+        clock.call(variant.unit) if clock is not None else variant.unit()
     local = time.perf_counter() - start
     inner.active = False
     after, usage_after, sched_after = dict(variant.stats), _usage(), thread_schedstat()
@@ -229,6 +245,12 @@ def stat_ms(windows: list[dict[str, Any]], kind: str) -> float:
     return per_tick_ms(windows, lambda w: w["stats"].get(f"{kind}_s", 0.0))
 
 
+def _tick_and_dispatch(w: dict[str, Any]) -> float:
+    """A window's ``AdvanceTick`` time and the gaps between instructions inside its calls (the calls' edges apart)."""
+    inside = w["dispatch_gap_s"] - w.get("call_boundary_s", 0.0)
+    return w["instructions"].get("AdvanceTick", 0.0) + max(0.0, inside)
+
+
 def table(ranks: list[dict[str, Any]], micro: int) -> str:
     rows = []
     names = list(dict.fromkeys(w["variant"] for w in ranks[0]["windows"]))
@@ -237,7 +259,8 @@ def table(ranks: list[dict[str, Any]], micro: int) -> str:
     )
     head = (
         "| variant | rank | samples/s | x halves | wall/tick | compute | fwd (module) | bwd (autograd) | step "
-        "| exchange | wait | load | reduce | tick+dispatch | other threads CPU | faults/tick | invol. sw/tick |"
+        "| exchange | wait | load | reduce | tick+dispatch | call boundary | other threads CPU | kernel CPU "
+        "| faults/tick | invol. sw/tick |"
     )
     rows.append(head)
     rows.append("|" + "---|" * head.count("|")[:-1] if False else "|" + "---|" * (head.count("|") - 1))
@@ -252,14 +275,15 @@ def table(ranks: list[dict[str, Any]], micro: int) -> str:
             inner_f = ms(lambda w: w["inner"].get("module_forward", 0.0))
             inner_b = ms(lambda w: w["inner"].get("autograd_backward", 0.0))
             other_threads = ms(lambda w: w["usage"]["user_s"] + w["usage"]["sys_s"] - w["usage"]["main_thread_s"])
-            rest = "-"
-            if "instructions" in ws[0]:
-                rest = f"{ms(lambda w: w['instructions'].get('AdvanceTick', 0.0) + w['dispatch_gap_s']):.2f}"
+            rest = boundary = "-"
+            if "instructions" in ws[0]:  # the gaps between instructions inside calls; the calls' own edges apart
+                rest = f"{ms(_tick_and_dispatch):.2f}"
+                boundary = f"{ms(lambda w: w.get('call_boundary_s', 0.0)):.2f}"
             rows.append(
                 f"| {name} | {r['rank']} | {rate:.1f} | {rate / ceiling:.3f} | {ms(lambda w: w['local_wall_s']):.2f} "
                 f"| {compute:.2f} | {fwd:.2f} ({inner_f:.2f}) | {bwd:.2f} ({inner_b:.2f}) "
                 f"| {' | '.join(f'{stat_ms(ws, kind):.2f}' for kind in KINDS)} "
-                f"| {rest} | {other_threads:.2f} "
+                f"| {rest} | {boundary} | {other_threads:.2f} | {ms(lambda w: w['usage']['sys_s']):.2f} "
                 f"| {per_tick_ms(ws, lambda w: w['usage']['minor_faults']) / 1e3:.0f} "
                 f"| {per_tick_ms(ws, lambda w: w['usage']['involuntary_switches']) / 1e3:.1f} |"
             )
