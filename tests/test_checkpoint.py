@@ -60,9 +60,10 @@ def _k2_every_mode() -> list[dict[str, Any]]:
         {**base, "drain_save": True, "zero": 1, **CORRECTIONS},
         # the last stage's delta too (predict_horizon "first_stage"), mid-flight
         {**base, "weights": "stashed", "optimizer": "adam", **CORRECTIONS, "predict_horizon": "first_stage"},
-        # the shared-memory transport: the new processes set up new links at their first exchange
-        {**base, "grad_shrink": 0.5, "weights": "stashed", "activations": "recomputed", "transport": "shm"},
-        {**base, "drain_save": True, "transport": "shm"},
+        # the process group, not the default shared-memory transport (whose new processes set up new links at
+        # their first exchange: the cases above)
+        {**base, "grad_shrink": 0.5, "weights": "stashed", "activations": "recomputed", "transport": "process_group"},
+        {**base, "drain_save": True, "transport": "process_group"},
         # DeepSpeed's FusedAdam (an "Adam" config), resumed at a step whose beta**t it rounded otherwise before
         # Note [FusedAdam's step on the CPU]
         {**base, "grad_shrink": 0.5, "ds_optimizer": "Adam", "gas": 4, "calls_before": 1},
@@ -147,7 +148,7 @@ def _k3_resumes() -> list[dict[str, Any]]:
     cases += [
         {**base, "gas": 5, "calls_before": 1, "accumulate": 2},  # T=5: 1, 0, 1 passes towards a step
         {**base, "gas": 7, "calls_before": 1, "calls_after": 1, "accumulate": 3, "weights": "stashed"},  # 0, 1, 2
-        {**base, "weights": "current", "activations": "stored", "transport": "shm"},
+        {**base, "weights": "current", "activations": "stored", "transport": "process_group"},
     ]
     return cases
 

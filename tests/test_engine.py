@@ -102,9 +102,10 @@ def check_against_reference(results: list[list[dict[str, Any]]], cases: list[dic
     for i, case in enumerate(cases):
         per_rank = [r[i] for r in results]
         assert {r["engine"] for r in per_rank} == {"FDGPipelineEngine"}
-        for r in per_rank:  # Note [shared-memory transport]: a link to each neighbour on this host, none otherwise
-            stage, last = r["stage_id"], case["stages"] - 1
-            expected = ["next"] * (stage < last) + ["prev"] * (stage > 0) if case.get("transport") == "shm" else []
+        for r in per_rank:  # Note [shared-memory transport]: a link to each neighbour on this host, none otherwise;
+            stage, last = r["stage_id"], case["stages"] - 1  # "auto" (the default) runs "shm" on Linux with gloo
+            shm = case.get("transport", "auto") != "process_group"
+            expected = ["next"] * (stage < last) + ["prev"] * (stage > 0) if shm else []
             assert r["links"] == sorted(expected), (i, stage)
         parts = per_rank[0]["parts"]
         ref_states, ref_losses = reference(case, parts)
@@ -266,7 +267,7 @@ def _two_stages_all_modes(flops_file: str) -> list[dict[str, Any]]:
             "activations": "recomputed",
             **BOTH,
         },  # fmt: skip
-        # the per-tick messages through shared memory (Note [shared-memory transport]): the same math
+        # the per-tick messages through the process group, not the default shared memory: the same math
         *(
             {
                 "stages": 2,
@@ -278,7 +279,7 @@ def _two_stages_all_modes(flops_file: str) -> list[dict[str, Any]]:
                 "weights": w,
                 "activations": a,
                 "optimizer": opt,
-                "transport": "shm",
+                "transport": "process_group",
             }
             for w, a, opt in (("current", "stored", "sgd"), ("stashed", "recomputed", "adam"))
         ),  # fmt: skip
@@ -376,7 +377,7 @@ def test_three_stages_all_modes_tick_by_tick(tmp_path) -> None:
                 "grad_shrink": 0.5,
                 "weights": w,
                 "activations": a,
-                "transport": "shm",
+                "transport": "process_group",
             }
             for w, a in (("current", "stored"), ("stashed", "recomputed"))
         ),  # fmt: skip
@@ -408,7 +409,7 @@ def _data_parallel_cases() -> list[dict[str, Any]]:
     cases += [{**base, "weights": "stashed", "activations": "stored", "accumulate": 2, **BOTH}]
     cases += [{**base, "weights": "stashed", "activations": "recomputed", "optimizer": "adam", **FIRST_STAGE}]
     cases += [{**base, "weights": "stashed", "activations": "stored", "optimizer": "adam", **RAISED}]
-    cases += [{**base, "weights": "current", "activations": "stored", "transport": "shm"}]
+    cases += [{**base, "weights": "current", "activations": "stored", "transport": "process_group"}]
     # Muon's Newton-Schulz iteration multiplies a gradient's small singular values by up to 3.4445 ** 5 (about
     # 480): the toy's gradients are rank-deficient (micro-batches of 4 per replica, layers 8 wide), so the
     # rounding of the averaged gradient (DP all-reduce against the reference's one batch) in their null space
