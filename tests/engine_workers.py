@@ -21,7 +21,7 @@ FDG_KEYS = (
     "grad_shrink", "weights", "activations", "accumulate", "delay_lr_ticks", "predict_decay", "delay_momentum",
     "delay_momentum_peak_lr", "predict_horizon", "delay_momentum_raise",
     "staleness_every",
-    "check_every", "nonfinite", "transport", "corrections",
+    "check_every", "nonfinite", "transport", "corrections", "host_memory",
 )  # fmt: skip
 
 
@@ -708,8 +708,10 @@ def waits_between_calls(rank: int, world: int, cases: list[dict[str, Any]]) -> l
             next(iter([0]))  # the caller's loop
         marks.append(exchange.waits)
         outside = sum(b - a for a, b in zip(marks[0::2], marks[1::2]))
+        from fdg_schedule.runtime import host_memory
+
         out.append({"stage_id": engine.stage_id, "transport": exchange.transport, "inside": inside[0],
-                    "outside": outside})  # fmt: skip
+                    "outside": outside, "host_memory": host_memory.describe()})  # fmt: skip
     return out
 
 

@@ -428,3 +428,16 @@ def test_only_neighbours_on_the_same_host_get_a_shared_memory_link(tmp_path) -> 
     assert [f[:2] for f in found] == [(False, True), (True, False), (False, False)]
     # Note [who may connect]: stage 0's link will accept stage 1's process only; no link, no pid
     assert [f[2] for f in found] == [found[1][3], None, None]
+
+
+def test_auto_transport_is_shared_memory_only_on_linux_on_the_blocking_path() -> None:
+    """Note [the fastest transport by default]: "auto" picks the link where it can run, the group elsewhere."""
+    from fdg_schedule.exchange.comm import Path, resolve_transport
+
+    assert resolve_transport("auto", Path.BLOCKING, "linux") == "shm"
+    assert resolve_transport("auto", Path.STAGED, "linux") == "process_group"  # a GPU stage with gloo
+    assert resolve_transport("auto", Path.STREAM, "linux") == "process_group"  # NCCL
+    assert resolve_transport("auto", Path.BLOCKING, "darwin") == "process_group"
+    for named in ("shm", "process_group"):  # a named transport is kept (an impossible one is refused elsewhere)
+        assert resolve_transport(named, Path.BLOCKING, "linux") == named
+        assert resolve_transport(named, Path.STREAM, "darwin") == named

@@ -49,7 +49,9 @@ def test_steady_state_ticks_read_nothing_on_the_host(tmp_path) -> None:
 @pytest.mark.parametrize("stages", [2, 3])
 def test_no_stage_waits_for_a_neighbour_between_calls(tmp_path, stages: int) -> None:
     base = {"stages": stages, "n": 64, "gas": 2, "grad_shrink": 0.5, "clip": 1.0, "wall_clock": True}
-    cases = [{**base, "transport": "process_group"}, {**base, "transport": "shm"}, {**base, "gas": 1}]
+    # the first case keeps glibc's allocator; the default ("retain") then keeps freed memory, process-wide
+    cases = [{**base, "transport": "process_group", "host_memory": "system"}, {**base, "transport": "shm"},
+             {**base, "gas": 1}]  # fmt: skip
     results = run_ranks(engine_workers.waits_between_calls, stages, tmp_path, cases, deadline_s=200)
     for rank_results in results:
         for case, r in zip(cases, rank_results):
@@ -57,3 +59,5 @@ def test_no_stage_waits_for_a_neighbour_between_calls(tmp_path, stages: int) -> 
             assert r["inside"] > 0, f"{where}: no wait counted in the ticks -- the counter is not live"
             assert r["outside"] == 0, f"{where}: {r['outside']} waits for a neighbour between calls"
             assert r["transport"] == case.get("transport", "shm")  # "auto" runs "shm" on Linux with gloo
+            retained = case.get("host_memory", "retain") == "retain"  # pipeline.fdg.host_memory, on the CPU
+            assert r["host_memory"].startswith("retained" if retained else "system"), (where, r["host_memory"])

@@ -43,3 +43,35 @@ def test_it_covers_a_skewed_distributions_median_at_least_95_percent_of_the_time
         lo, hi = median_ci95([rng.expovariate(1.0) for _ in range(12)]) or (math.nan, math.nan)
         hits += lo <= math.log(2) <= hi
     assert hits / 4000 > 0.94  # exactly 0.961 for n = 12; 4,000 draws put the estimate within ±0.01
+
+
+def test_the_calls_summary_lists_fdg_by_transport_and_gas_and_stars_only_what_meets_the_targets(tmp_path) -> None:
+    """benchmarks/throughput/calls_summary.py (issue 62): one row per FDG stored variant of a --fdg-gas list."""
+    import json
+
+    from benchmarks.throughput.calls_summary import summary
+
+    def row(ceiling: float, one_f: float) -> dict:
+        spread = lambda m: {"median": m, "min": m - 0.01, "max": m + 0.01}  # noqa: E731
+        return {"samples_per_s_all": [1.0] * 6, "ratio_vs_halves": spread(ceiling), "ratio_vs_1f1b_m4": spread(one_f)}
+
+    variants = {
+        "fdg_current_stored_g4": row(0.94, 1.25),
+        "fdg_current_stored_shm_g4": row(0.96, 1.21),
+        "fdg_current_stored_shm_g16": row(0.97, 1.05),
+        "fdg_current_recomputed_g4": row(0.5, 0.5),  # not a stored variant: left out
+        "halves": {"samples_per_s_all": [1.0] * 6},
+    }
+    report = {"models": {"plainconv": {"variants": variants}}, "engine": "abc", "date": "d", "command": "c",
+              "load_start": [1.0], "load_end": [2.0]}  # fmt: skip
+    path = tmp_path / "plainconv" / "throughput.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(report))
+    lines = summary([path]).splitlines()
+    table = [line for line in lines if line.startswith("| plainconv")]
+    assert table == [
+        "| plainconv | process group | 4 | 6 | 0.94 [0.93–0.95] | 1.25* [1.24–1.26] |",
+        "| plainconv | shm | 4 | 6 | 0.96* [0.95–0.97] | 1.21* [1.20–1.22] |",
+        "| plainconv | shm | 16 | 6 | 0.97* [0.96–0.98] | 1.05 [1.04–1.06] |",
+    ]
+    assert any("engine abc" in line and "load 1.0 → 2.0" in line for line in lines)

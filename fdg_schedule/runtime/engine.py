@@ -23,6 +23,7 @@ import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.schedule import PipeInstruction, ReduceGrads
+from deepspeed.utils import logger
 from torch import Tensor
 
 from fdg_schedule.checkpointing.replicas import Replicas
@@ -91,6 +92,12 @@ class FDGPipelineEngine(FDGCheckpoints):
             timeout_s=fdg_config.timeout, plan=self._plan, describe=self._describe, transport=fdg_config.transport,
             loss_scale=scale_config is not None,
         )  # fmt: skip
+        if self.global_rank == 0:  # what "auto" and the allocator setting chose, once per job
+            logger.info(
+                f"fdg_schedule: transport {fdg_config.transport!r} runs {self._exchange.transport!r}, host memory "
+                f"{host_memory.describe()} (pipeline.fdg.transport / host_memory; Note [the fastest transport by "
+                "default] in fdg_schedule.exchange.comm)"
+            )
         self._replicas = Replicas(self.grid, self.stage_id, fdg_config.timeout, self._where(), self.device)
         self._delayed = DelayedBackward(self.module, fdg_config, delayed=(delayed := not self.is_last_stage()))
         self._tied = tied.TiedSync(
