@@ -35,7 +35,8 @@ def test_the_module_runs_an_estimate_and_recommends(tmp_path: Path) -> None:
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert "| 4 | fdg current/stored |" in out.stdout and "| 2 | zb-h1 |" in out.stdout
-    assert "Recommendation (best throughput within 80.0 GB per device; within 2% of it, fewest devices):" in out.stdout
+    head = "Recommendation (best throughput to the same loss, samples/s ÷ token overhead r, within 80.0 GB per device"
+    assert head + "; within 2% of it, fewest devices):" in out.stdout
     saved = json.loads((tmp_path / "plan.json").read_text())
     assert len(saved["predictions"]) == 2 * 12  # 8 FDG variants + 4 others, at two K
     assert saved["recommendation"]["fits"] is True
