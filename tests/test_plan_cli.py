@@ -68,6 +68,8 @@ def test_a_profile_plans_and_the_objective_per_device_prefers_fewer_devices(
         (["--inter-bandwidth", "fast"], r"--inter-bandwidth 'fast' is not a bandwidth; write e.g. 100Gb/s"),
         (["--memory-limit", "80 gigs"], r"--memory-limit '80 gigs' is not a size; write e.g. 80GB"),
         (["--dp", "0"], r"--dp must be >= 1, got 0"),
+        (["--token-overhead", "fast"], r"--token-overhead 'fast' is neither a number \(r, e.g. 1.4\) nor a file"),
+        (["--token-overhead", "0"], r"--token-overhead must be a number > 0 \(r, e.g. 1.4\), got 0"),
     ],
 )
 def test_bad_flags_are_refused_naming_the_flag_and_the_fix(
