@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.studies.token_overheads import SETTINGS, TABLE, module_text, table
+from benchmarks.studies.token_overheads import SETTINGS, TABLE, markdown, module_text, table
 from fdg_schedule.plan.measured_overheads import ENTRIES
 from fdg_schedule.plan.overheads import Overheads, lookup, measured
 from fdg_schedule.plan.token_overhead import Setting
@@ -24,6 +24,13 @@ def test_the_shipped_table_equals_what_the_script_computes_from_the_curves() -> 
     computed = table()
     assert computed == ENTRIES
     assert TABLE.read_text() == module_text(computed), "rewrite: python -m benchmarks.studies.token_overheads --write"
+
+
+def test_the_doc_shows_the_shipped_table() -> None:
+    text = (ROOT / "docs" / "token-overhead.md").read_text()
+    after = text.split("<!-- TABLE: python -m benchmarks.studies.token_overheads -->\n")[1]
+    shown = after.split("\n<!-- /TABLE -->")[0]
+    assert shown == markdown(ENTRIES)
 
 
 def test_every_entry_states_its_bound_seeds_cap_and_evidence() -> None:
