@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from plan_helpers import uniform_profile
 
-from fdg_schedule.plan import Cluster, Variant
+from fdg_schedule.plan import Cluster, Prediction, Variant
 from fdg_schedule.plan.__main__ import main
 from fdg_schedule.plan.costs import profile_to_dict
 from fdg_schedule.plan.overheads import Overheads
@@ -29,7 +29,7 @@ def planned(overheads: Overheads | None = None, stages: tuple[int, ...] = (4,)) 
                 micro_batches=lambda k: 4 * k, overheads=overheads)  # fmt: skip
 
 
-def by(result: Plan, name: str, k: int = 4):  # type: ignore[no-untyped-def]
+def by(result: Plan, name: str, k: int = 4) -> Prediction:
     return next(p for p in result.predictions if p.variant.name == name and p.stages == k)
 
 

@@ -145,7 +145,7 @@ def test_measure_pairs_seeds_and_writes_json_the_planner_reads(tmp_path: Path) -
     assert [f for f, _ in m.band] == [0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
     path = write(tmp_path / "r.json", m)
     data = json.loads(path.read_text())
-    assert data["net_speedup"]["value"] == pytest.approx(1.3 / m.final.r)
+    assert m.final.r is not None and data["net_speedup"]["value"] == pytest.approx(1.3 / m.final.r)
     assert data["seeds"][1]["tokens"] == pytest.approx(500.0)
     back = read(path)
     assert back.r == pytest.approx(m.final.r) and back.setting == Setting("gpt", "adamw", 4, "auto", 1, 4)

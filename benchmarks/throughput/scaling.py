@@ -735,6 +735,8 @@ def render(settings: list[Setting], results: dict[str, Plan], paper: dict[str, A
         "    --stages 2-16 --micro-batches 8 --json plan.json --plot plan.png",
         "# a traced FDG run (pipeline.fdg.trace): its stages re-timed under the other schedules",
         "python -m fdg_schedule.plan --trace fdg_trace --cluster cpu-gloo --stages 2",
+        "# FDG's token overhead r measured on your job (docs/token-overhead.md): rank by time to the same loss",
+        "python -m fdg_schedule.plan --model gpt-1.3b --gpu H100 --cluster h100-ib --token-overhead 1.4",
         "```",
         "",
         "```python",
@@ -746,8 +748,11 @@ def render(settings: list[Setting], results: dict[str, Plan], paper: dict[str, A
         "```",
         "",
         "Output per (schedule, K): time per micro-batch (FDG's tick), optimizer-step period, samples/s, speed-up "
-        "over backprop, idle fraction, peak memory per device, point-to-point bytes per micro-batch (and the part "
-        "between nodes), all-reduce bytes per rank per micro-batch; then the recommendation. Schedules: FDG in its "
+        "over backprop, samples/s over the fastest fitting synchronous schedule at the same K (per step), the token "
+        "overhead r and the net speed-up (per step ÷ r), idle fraction, peak memory per device, point-to-point bytes "
+        "per micro-batch (and the part between nodes), all-reduce bytes per rank per micro-batch; then the "
+        "recommendation, ranked by time to the same loss ([token-overhead.md](token-overhead.md): where FDG's r is "
+        "not measured the pick is marked conditional, with the break-even r). Schedules: FDG in its "
         "four weights/activations modes with `accumulate` 1 and m, DeepSpeed's 1F1B, GPipe, interleaved 1F1B "
         "(Megatron, v = 2 chunks) and ZB-H1.",
         "",
