@@ -157,6 +157,9 @@ def test_read_refuses_a_file_that_is_not_a_measurement(tmp_path: Path) -> None:
     (tmp_path / "x.json").write_text(json.dumps({"runs": {}}))
     with pytest.raises(ValueError, match="is not a token-overhead measurement"):
         read(tmp_path / "x.json")
+    (tmp_path / "y.json").write_text(json.dumps({"format": "fdg_schedule.token_overhead/1", "r": 1.2}))
+    with pytest.raises(ValueError, match=r"lacks \['r_at_least', 'upper_95', 'n', 'cap'\]"):
+        read(tmp_path / "y.json")
     for bad in ("0", "-1", "nan"):
         with pytest.raises(ValueError, match="must be a number > 0"):
             parse_token_overhead(bad)

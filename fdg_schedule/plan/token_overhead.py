@@ -384,6 +384,10 @@ def read(path: str | Path) -> Recorded:
         found = data.get("format") if isinstance(data, dict) else type(data).__name__
         raise ValueError(f"{path} is not a token-overhead measurement (format {found!r}, expected {FORMAT!r}); "
                          "write it with python -m fdg_schedule.plan.token_overhead --json")  # fmt: skip
+    missing = [k for k in ("r", "r_at_least", "upper_95", "n", "cap") if k not in data]
+    if missing or (data["r"] is None and data["r_at_least"] is None):
+        raise ValueError(f"{path} lacks {missing or ['r', 'r_at_least']}; write it with python -m "
+                         "fdg_schedule.plan.token_overhead --json")  # fmt: skip
     known = {f.name for f in dataclasses.fields(Setting)}
     setting = Setting(**{k: v for k, v in (data.get("setting") or {}).items() if k in known})
     return Recorded(setting, data["r"], data["r_at_least"], data["upper_95"], data["n"], data["cap"], str(path))
