@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.studies.token_overheads import SETTINGS, TABLE, markdown, module_text, table
+from benchmarks.studies.token_overheads import SETTINGS, TABLE, derive, markdown, module_text, table
 from fdg_schedule.plan.measured_overheads import ENTRIES
 from fdg_schedule.plan.overheads import Overheads, lookup, measured
 from fdg_schedule.plan.token_overhead import Setting
@@ -64,3 +64,21 @@ def test_fdg_at_one_micro_batch_per_step_against_bp_at_four_reached_bps_loss_on_
     e = lookup(Setting("gpt", "adamw", 4, "auto", 1, 4))
     assert e is not None and e.r is not None and e.upper_95 is not None
     assert 0.8 < e.r < e.upper_95 < 0.9 and e.n == 5
+
+
+def test_a_new_measurement_enters_through_curve_paths_and_gives_the_same_r() -> None:
+    # how the lead's new runs enter: per seed (seed, BASELINE, DELAYED) as PATH[:RUN] (load_curve); here two seeds
+    # of the K = 4 row against BP at 4 micro-batches per step, named by path instead of by run name
+    long, split = (
+        "docs/results/staleness/staleness_gpt2_long.json",
+        "docs/results/staleness/staleness_gpt2_split_long.json",
+    )
+    run = "ref_k4_b1.0_stashed_dlr2800_p0.0_first_r1_parts0-1-2-4-8"
+    setting = Setting("gpt", "adamw", 4, "auto", 1, 4)
+    row = SETTINGS[[r.setting for r in SETTINGS].index(setting)]
+    by_path = dataclasses.replace(row, curves=((1234, f"{long}:bp_a4", f"{split}:{run}"),
+                                               (1, f"{long}:bp_a4_s1", f"{split}:{run}_s1")))  # fmt: skip
+    entry = derive(by_path)
+    shipped = next(e for e in ENTRIES if tuple(e[k] for k in ("stages", "accumulate", "baseline_batch")) == (4, 1, 4))
+    assert entry["seeds"] == shipped["seeds"][:2] and entry["evidence"] == sorted([long, split])
+    assert entry["n"] == 2 and entry["baseline"] == f"{long}:bp_a4"

@@ -27,7 +27,7 @@ from typing import Any
 
 from benchmarks.convergence.lm_convergence import parse_run
 from benchmarks.studies.staleness_gpt2_gaps import FIVE, LONG_SOURCES, SEVEN, SOURCES, TEN, curves, seeded
-from fdg_schedule.plan.token_overhead import Setting, measure
+from fdg_schedule.plan.token_overhead import Setting, load_curve, measure
 
 ROOT = Path(__file__).resolve().parents[2]
 TABLE = ROOT / "fdg_schedule" / "plan" / "measured_overheads.py"
@@ -42,7 +42,12 @@ PROTOCOL = ("AdamW lr 1e-3 constant, no warm-up, for BP and FDG alike (not tuned
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    """One measured setting: the key, the runs (names without the seed suffix), the seeds, where the curves are."""
+    """One measured setting: the key, the runs (names without the seed suffix), the seeds, where the curves are.
+
+    A staleness-log row names lm_convergence runs (``run``, ``seeds``, ``against``, ``long``). A new measurement
+    gives ``curves`` instead: per seed (seed, BASELINE, DELAYED), each a ``PATH[:RUN]`` under docs/results/ that
+    ``fdg_schedule.plan.token_overhead.load_curve`` reads, with its own ``model``, ``data`` and ``protocol``.
+    """
 
     setting: Setting
     run: str  # the FDG run
@@ -52,6 +57,10 @@ class Row:
     split: str
     weights: str
     notes: str = ""
+    curves: tuple[tuple[int, str, str], ...] = ()  # (seed, baseline PATH[:RUN], delayed PATH[:RUN]); run unused
+    model: str = ""  # default MODEL, DATA, PROTOCOL (the staleness log's)
+    data: str = ""
+    protocol: str = ""
 
 
 K4_LONG_0124 = "ref_k4_b1.0_stashed_dlr2800_p0.0_first_r1_parts0-1-2-4-8"
@@ -81,19 +90,27 @@ SETTINGS: tuple[Row, ...] = (
 
 def derive(row: Row) -> dict[str, Any]:
     """The shipped entry of one row: r over its seeds, the band, and where the curves are."""
-    found = curves(LONG_SOURCES if row.long else SHORT)
-    pairs, labels = [], []
-    for seed in row.seeds:
-        run = seeded(row.run, seed)
-        base = parse_run(run).baseline if row.against is None else seeded(row.against, seed)
-        missing = [name for name in (run, base) if name not in found]
-        if missing:
-            raise SystemExit(f"token_overheads: {missing} not recorded in {EVIDENCE} (row {row.run})")
-        pairs.append((found[base], found[run]))
-        labels.append((base, run))
+    if row.curves:
+        seeds = tuple(seed for seed, _, _ in row.curves)
+        labels = [(b, d) for _, b, d in row.curves]
+        pairs = [(load_curve(str(ROOT / b)), load_curve(str(ROOT / d))) for b, d in labels]
+        files = sorted({spec.split(":")[0] for pair in labels for spec in pair})
+        baseline, delayed = labels[0]
+    else:
+        seeds, pairs, labels = row.seeds, [], []
+        found = curves(LONG_SOURCES if row.long else SHORT)
+        for seed in row.seeds:
+            run = seeded(row.run, seed)
+            base = parse_run(run).baseline if row.against is None else seeded(row.against, seed)
+            missing = [name for name in (run, base) if name not in found]
+            if missing:
+                raise SystemExit(f"token_overheads: {missing} not recorded in {EVIDENCE} (row {row.run})")
+            pairs.append((found[base], found[run]))
+            labels.append((base, run))
+        files = sources([name for pair in labels for name in pair], LONG_SOURCES if row.long else SHORT)
+        baseline, delayed = row.against or parse_run(row.run).baseline, row.run
     m = measure(pairs, labels, row.setting)
     final = m.final
-    files = sources([name for pair in labels for name in pair], LONG_SOURCES if row.long else SHORT)
     return {
         **dataclasses.asdict(row.setting),
         "r": _round(final.r),
@@ -104,13 +121,13 @@ def derive(row: Row) -> dict[str, Any]:
         "reached": final.reached,
         "cap": _round(final.cap),
         "tokens": int(pairs[0][0][-1][0]),
-        "seeds": [[seed, _round(o.r), _round(o.cap)] for seed, o in zip(row.seeds, final.seeds)],
+        "seeds": [[seed, _round(o.r), _round(o.cap)] for seed, o in zip(seeds, final.seeds)],
         "band": [[f, _round(s.r), _round(s.at_least), _round(s.upper)] for f, s in m.band],
-        "delayed": row.run,
-        "baseline": row.against or parse_run(row.run).baseline,
-        "model": MODEL,
-        "data": DATA,
-        "protocol": PROTOCOL,
+        "delayed": delayed,
+        "baseline": baseline,
+        "model": row.model or MODEL,
+        "data": row.data or DATA,
+        "protocol": row.protocol or PROTOCOL,
         "split": row.split,
         "weights": row.weights,
         "notes": row.notes,
