@@ -27,7 +27,7 @@ from typing import Any
 
 from benchmarks.convergence.lm_convergence import parse_run
 from benchmarks.studies.staleness_gpt2_gaps import FIVE, LONG_SOURCES, SEVEN, SOURCES, TEN, curves, seeded
-from fdg_schedule.plan.token_overhead import Setting, load_curve, measure
+from fdg_schedule.plan.token_overhead import Curve, Setting, load_curve, measure
 
 ROOT = Path(__file__).resolve().parents[2]
 TABLE = ROOT / "fdg_schedule" / "plan" / "measured_overheads.py"
@@ -90,6 +90,7 @@ SETTINGS: tuple[Row, ...] = (
 
 def derive(row: Row) -> dict[str, Any]:
     """The shipped entry of one row: r over its seeds, the band, and where the curves are."""
+    pairs: list[tuple[Curve, Curve]]
     if row.curves:
         seeds = tuple(seed for seed, _, _ in row.curves)
         labels = [(b, d) for _, b, d in row.curves]
