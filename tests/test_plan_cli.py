@@ -35,7 +35,8 @@ def test_the_module_runs_an_estimate_and_recommends(tmp_path: Path) -> None:
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert "| 4 | fdg current/stored |" in out.stdout and "| 2 | zb-h1 |" in out.stdout
-    assert "Recommendation (best throughput within 80.0 GB per device; within 2% of it, fewest devices):" in out.stdout
+    head = "Recommendation (best throughput to the same loss, samples/s ÷ token overhead r, within 80.0 GB per device"
+    assert head + "; within 2% of it, fewest devices):" in out.stdout
     saved = json.loads((tmp_path / "plan.json").read_text())
     assert len(saved["predictions"]) == 2 * 12  # 8 FDG variants + 4 others, at two K
     assert saved["recommendation"]["fits"] is True
@@ -67,6 +68,8 @@ def test_a_profile_plans_and_the_objective_per_device_prefers_fewer_devices(
         (["--inter-bandwidth", "fast"], r"--inter-bandwidth 'fast' is not a bandwidth; write e.g. 100Gb/s"),
         (["--memory-limit", "80 gigs"], r"--memory-limit '80 gigs' is not a size; write e.g. 80GB"),
         (["--dp", "0"], r"--dp must be >= 1, got 0"),
+        (["--token-overhead", "fast"], r"--token-overhead 'fast' is neither a number \(r, e.g. 1.4\) nor a file"),
+        (["--token-overhead", "0"], r"--token-overhead must be a number > 0 \(r, e.g. 1.4\), got 0"),
     ],
 )
 def test_bad_flags_are_refused_naming_the_flag_and_the_fix(

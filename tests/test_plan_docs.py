@@ -16,6 +16,7 @@ import pytest
 from plan_helpers import uniform_profile
 
 from fdg_schedule.plan import Cluster, Variant
+from fdg_schedule.plan.overheads import Overheads
 from fdg_schedule.plan.recommend import plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,4 +107,17 @@ def test_the_page_opens_with_the_answer_drawn_from_the_results() -> None:
         fdg, _, other = scaling.head_to_head(result, k)
         assert fdg is not None and other is not None
         assert f"| toy | {k} | {fdg.variant.name}: " in text and f"**{ratios[k]:.2f}x**" in text
+        # r is not measured for an unnamed model: the net column says so and gives the break-even r
+        assert f"**{ratios[k]:.2f}x** | unknown: r not measured (break-even r = {ratios[k]:.2f}) |" in text
     assert "The planner's pick: " in text and "the predicted speed-up is +25% to +25% off the published one" in text
+
+
+def test_the_answers_net_column_divides_the_per_step_ratio_by_r() -> None:
+    scaling = load("scaling")
+    profile = uniform_profile(8, step=0.1)
+    variants = [Variant("fdg", accumulate=None), Variant("1f1b")]
+    result = plan(profile, Cluster(gpus_per_node=4), [4], variants, overheads=Overheads(value=1.25))
+    fdg, _, other = scaling.head_to_head(result, 4)
+    assert fdg is not None and other is not None
+    ratio = fdg.samples_per_s / other.samples_per_s
+    assert scaling._net(result, 4) == f"{ratio / 1.25:.2f}x (r = 1.25)"

@@ -39,6 +39,7 @@ from fdg_schedule.plan import (  # noqa: E402
     estimate_transformer,
     predict,
 )
+from fdg_schedule.plan.overheads import Overheads  # noqa: E402
 from fdg_schedule.plan.recommend import Plan, describe, plan, plot, rate  # noqa: E402
 
 DOCS = ROOT / "docs"
@@ -57,6 +58,8 @@ class Setting:
     dp: int
     stages: list[int]
     per_batch: int = 4  # flushing schedules run per_batch x K micro-batches per batch (FDG's acc=m steps as often)
+    family: str = ""  # model family and optimizer: where the shipped token overheads are looked up
+    optimizer: str = "adamw"
 
 
 SETTINGS = [
@@ -69,6 +72,8 @@ SETTINGS = [
         "a100-100gbe",
         1,
         [2, 3, 4, 6, 8, 12, 16, 24, 32, 36],
+        family="resnet",
+        optimizer="sgd",
     ),
     Setting(
         "gpt13b_h100",
@@ -80,6 +85,7 @@ SETTINGS = [
         "h100-ib",
         4,
         [2, 3, 4, 6, 8, 12, 16, 24, 32, 48],
+        family="gpt",
     ),
     Setting(
         "llama8b_h100",
@@ -91,6 +97,7 @@ SETTINGS = [
         "h100-400g",
         1,
         [2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64],
+        family="llama",
     ),
     # Few micro-batches per batch (m = K: a memory- or batch-limited job), where flushing schedules lose half their
     # time to the bubble and FDG, which never flushes, should not (issue 46)
@@ -104,6 +111,7 @@ SETTINGS = [
         4,
         [4, 8, 16, 24],
         per_batch=1,
+        family="gpt",
     ),
     Setting(
         "llama8b_h100_m_k",
@@ -115,6 +123,7 @@ SETTINGS = [
         1,
         [4, 8, 16, 32],
         per_batch=1,
+        family="llama",
     ),
 ]
 
@@ -136,8 +145,9 @@ def run_setting(setting: Setting) -> Plan:
     profile = setting.profile()
     eff = Efficiency()
     model = CostModel(copy_bandwidth=GPUS[setting.gpu].memory_bandwidth * eff.memory)
+    overheads = Overheads(family=setting.family or None, optimizer=setting.optimizer, corrections="auto")
     return plan(profile, CLUSTERS[setting.cluster], setting.stages, default_variants(), setting.dp,
-                micro_batches=lambda k: setting.per_batch * k, model=model)  # fmt: skip
+                micro_batches=lambda k: setting.per_batch * k, model=model, overheads=overheads)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -560,6 +570,19 @@ def _vs(result: Plan, k: int) -> str:
     return f"{k} | {name(fdg)} | {name(other)} | {ratio}"
 
 
+def _net(result: Plan, k: int) -> str:
+    """The answer's last cell: the best FDG mode's per-step ratio over the best other schedule's, divided by r."""
+    fdg, _, other = head_to_head(result, k)
+    if fdg is None or other is None:
+        return "–"
+    ratio, r = fdg.samples_per_s / other.samples_per_s, result.r(fdg)
+    if r.known:
+        return f"{r.net(ratio)}x (r = {r.text()})"
+    if r.at_least is not None:
+        return f"{r.net(ratio)}x (r {r.text()})"
+    return f"unknown: r not measured (break-even r = {ratio:.2f})"
+
+
 def calibration_error() -> tuple[float, float] | None:
     """The smallest and largest prediction error at K = 2 on this machine (rows not fitted), if measured."""
     path = RESULTS / "plan_calibration.json"
@@ -577,10 +600,14 @@ def answer(settings: list[Setting], results: dict[str, Plan], paper: dict[str, A
         "",
         "Predicted (not measured) samples/s of the whole job: the fastest FDG mode that fits the device memory "
         "against the fastest other schedule that fits (DeepSpeed 1F1B, GPipe, interleaved 1F1B, ZB-H1), at the "
-        "smallest and the largest K where both fit, and at the K where FDG is fastest:",
+        "smallest and the largest K where both fit, and at the K where FDG is fastest. The last column is the net "
+        "speed-up to the same loss: the per-step ratio divided by FDG's token overhead r against backprop at the "
+        "job's batch ([token-overhead.md](token-overhead.md)). Where r is not measured for the setting (family, "
+        "optimizer, K, corrections auto, `accumulate`, the job's batch) it says so, with the break-even r: the "
+        "per-step ratio, which r must stay below for FDG to reach the loss sooner.",
         "",
-        "| setting | K | best FDG mode: samples/s | best other: samples/s | FDG / other |",
-        "|---|---|---|---|---|",
+        "| setting | K | best FDG mode: samples/s | best other: samples/s | FDG / other per step | net: ÷ r |",
+        "|---|---|---|---|---|---|",
     ]
     picks = []
     for setting in settings:
@@ -589,7 +616,7 @@ def answer(settings: list[Setting], results: dict[str, Plan], paper: dict[str, A
         fastest = max(ks, key=lambda k: getattr(head_to_head(result, k)[0], "samples_per_s", 0.0))
         r = ratios(result)
         for k in sorted({min(r), fastest, max(r)}):
-            lines.append(f"| {setting.short} | {_vs(result, k)} |")
+            lines.append(f"| {setting.short} | {_vs(result, k)} | {_net(result, k)} |")
         ahead, behind = [k for k, x in r.items() if x > 1.0], [k for k, x in r.items() if x <= 1.0]
         where = (f"FDG ahead at K = {_list(ahead)}, level or behind at K = {_list(behind)}" if behind
                  else f"FDG ahead at every K where both fit ({_list(ahead)})")  # fmt: skip
@@ -600,6 +627,11 @@ def answer(settings: list[Setting], results: dict[str, Plan], paper: dict[str, A
         pick = "nothing fits" if rec is None else (
             f"{rec.variant.name} at K = {rec.stages} x dp {rec.dp}, {rate(rec.samples_per_s)} samples/s "
             f"({result.speedup(rec):.1f}x backprop)")  # fmt: skip
+        even = result.break_even()
+        if rec is not None and even is not None and result.alternative is not None:
+            alt = result.alternative
+            pick += (f", conditional: FDG's r is not measured there, and it reaches the loss before {alt.variant.name} "
+                     f"at K = {alt.stages} only if r < {even:.2f}")  # fmt: skip
         picks.append(f"- **{setting.short}**: {where}. The planner's pick: {pick}.")
     lines += ["", *picks, "", *why(), ""]
     wrn = paper["cifar"]["wrn_28_10"]["rows"]
@@ -703,6 +735,8 @@ def render(settings: list[Setting], results: dict[str, Plan], paper: dict[str, A
         "    --stages 2-16 --micro-batches 8 --json plan.json --plot plan.png",
         "# a traced FDG run (pipeline.fdg.trace): its stages re-timed under the other schedules",
         "python -m fdg_schedule.plan --trace fdg_trace --cluster cpu-gloo --stages 2",
+        "# FDG's token overhead r measured on your job (docs/token-overhead.md): rank by time to the same loss",
+        "python -m fdg_schedule.plan --model gpt-1.3b --gpu H100 --cluster h100-ib --token-overhead 1.4",
         "```",
         "",
         "```python",
@@ -714,8 +748,11 @@ def render(settings: list[Setting], results: dict[str, Plan], paper: dict[str, A
         "```",
         "",
         "Output per (schedule, K): time per micro-batch (FDG's tick), optimizer-step period, samples/s, speed-up "
-        "over backprop, idle fraction, peak memory per device, point-to-point bytes per micro-batch (and the part "
-        "between nodes), all-reduce bytes per rank per micro-batch; then the recommendation. Schedules: FDG in its "
+        "over backprop, samples/s over the fastest fitting synchronous schedule at the same K (per step), the token "
+        "overhead r and the net speed-up (per step ÷ r), idle fraction, peak memory per device, point-to-point bytes "
+        "per micro-batch (and the part between nodes), all-reduce bytes per rank per micro-batch; then the "
+        "recommendation, ranked by time to the same loss ([token-overhead.md](token-overhead.md): where FDG's r is "
+        "not measured the pick is marked conditional, with the break-even r). Schedules: FDG in its "
         "four weights/activations modes with `accumulate` 1 and m, DeepSpeed's 1F1B, GPipe, interleaved 1F1B "
         "(Megatron, v = 2 chunks) and ZB-H1.",
         "",
@@ -802,8 +839,10 @@ def render(settings: list[Setting], results: dict[str, Plan], paper: dict[str, A
         "between the pipeline's messages and the data-parallel all-reduce.",
         "- Stragglers, jitter and the per-tick cost of DeepSpeed's Python dispatch on GPUs (calibrated only on "
         "this CPU machine: a fraction of a millisecond per instruction, negligible against GPU-sized stages).",
-        "- Convergence: FDG's delayed gradients and 1F1B's large batches do not learn at the same rate per "
-        "sample (docs/results/convergence/convergence.md); these pages compare samples per second only.",
+        "- Convergence, except through the token overhead r: FDG's delayed gradients and 1F1B's large batches do "
+        "not learn at the same rate per sample (docs/results/convergence/convergence.md). The ranking divides "
+        "samples/s by r where it is measured ([token-overhead.md](token-overhead.md)); where it is not, the "
+        "columns are samples per second only and the pick says it is conditional.",
         "- Interleaved 1F1B's split balances time (and the transfers between nodes) but not memory: what a chunk "
         "holds depends on the interleaving and is known only from the simulation, which then marks the split ✗ "
         "if it exceeds the limit. For that schedule ✗ means the split balanced for speed does not fit, not that "

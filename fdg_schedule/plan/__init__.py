@@ -9,7 +9,9 @@ Modules: :mod:`~fdg_schedule.plan.costs` (what a layer costs), :mod:`~fdg_schedu
 (estimates), :mod:`~fdg_schedule.plan.cluster` (links and placement), :mod:`~fdg_schedule.plan.streams`
 (schedules as action lists), :mod:`~fdg_schedule.plan.simulate` (the simulator),
 :mod:`~fdg_schedule.plan.split` (where to cut), :mod:`~fdg_schedule.plan.predict` (one prediction),
-:mod:`~fdg_schedule.plan.recommend` (all of them, and the pick).
+:mod:`~fdg_schedule.plan.recommend` (all of them, and the pick, by time to the same loss),
+:mod:`~fdg_schedule.plan.token_overhead` (the token overhead r, measured from validation curves),
+:mod:`~fdg_schedule.plan.overheads` (where the planner gets r: yours, the shipped table, or unknown).
 """
 
 from fdg_schedule.plan.cluster import CLUSTERS, Cluster, Placement

@@ -7,8 +7,13 @@
     # a traced FDG run: its stages re-timed under the other schedules
     python -m fdg_schedule.plan --trace fdg_trace --cluster cpu-gloo --stages 2
 
-Prints a Markdown table (time per micro-batch, step, samples/s, speed-up over backprop, idle
-fraction, peak memory, traffic) and the recommendation; ``--json`` and ``--plot`` save them.
+    # FDG's token overhead r measured on your job (python -m fdg_schedule.plan.token_overhead): rank by time to loss
+    python -m fdg_schedule.plan --model gpt-1.3b --gpu H100 --cluster h100-ib --token-overhead 1.4
+
+Prints a Markdown table (time per micro-batch, step, samples/s, speed-up over backprop, per step over the
+fastest synchronous schedule, the token overhead r and the net speed-up, idle fraction, peak memory, traffic)
+and the recommendation, ranked by time to the same loss (docs/token-overhead.md); ``--json`` and ``--plot``
+save them.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from pathlib import Path
 from fdg_schedule.plan import costs
 from fdg_schedule.plan.cluster import CLUSTERS, Cluster, parse_bandwidth, parse_size, parse_time
 from fdg_schedule.plan.flops import GPUS, TRANSFORMERS, Efficiency, estimate_resnet, estimate_transformer, gpu_named
+from fdg_schedule.plan.overheads import Overheads, parse_token_overhead
 from fdg_schedule.plan.predict import SCHEDULES, CostModel, Variant
 from fdg_schedule.plan.recommend import OBJECTIVES, plan, plot, table
 from fdg_schedule.zoo.resnet_shapes import NAMES as RESNETS  # torch-free; estimate_resnet imports the zoo
@@ -71,6 +77,27 @@ def parser() -> argparse.ArgumentParser:
         help="device memory bandwidth for FDG's stashed weight copies (default: the --gpu's, or 1TB/s)",
     )
     job.add_argument("--objective", default="throughput", choices=OBJECTIVES)
+    loss = p.add_argument_group("time to loss (FDG's token overhead r; docs/token-overhead.md)")
+    loss.add_argument(
+        "--token-overhead",
+        default=None,
+        help="r for FDG: a number (e.g. 1.4) or the JSON of python -m fdg_schedule.plan.token_overhead --json "
+        "(default: the shipped measurements for the setting below, else unknown)",
+    )
+    loss.add_argument(
+        "--family",
+        default=None,
+        help="model family of the shipped measurements (default: --model's: gpt, llama, resnet)",
+    )
+    loss.add_argument(
+        "--optimizer", default="adamw", help="of the shipped measurements (default: %(default)s, the cost model's Adam)"
+    )
+    loss.add_argument(
+        "--corrections",
+        default="auto",
+        help="FDG's corrections, for the shipped measurements: auto, none, or the keys joined by + "
+        "(default: %(default)s, docs/staleness.md's recommendation)",
+    )
     out = p.add_argument_group("output")
     out.add_argument("--json", help="write every prediction and the recommendation to this JSON")
     out.add_argument("--plot", help="draw throughput and memory against K to this PNG")
@@ -190,6 +217,15 @@ def model_profile(args: argparse.Namespace) -> costs.ModelProfile:
                      "(or measure it and pass --profile)")  # fmt: skip
 
 
+def overheads(args: argparse.Namespace) -> Overheads:
+    """Where FDG's r comes from: ``--token-overhead``, else the shipped table for the named setting."""
+    value, recorded = (None, None) if args.token_overhead is None else parse_token_overhead(args.token_overhead)
+    family = args.family
+    if family is None and args.model:
+        family = "resnet" if args.model in RESNETS or args.model.startswith("wrn") else args.model.split("-")[0]
+    return Overheads(value, recorded, family, args.optimizer, args.corrections)
+
+
 def copy_bandwidth(args: argparse.Namespace, profile: costs.ModelProfile) -> float:
     """``--copy-bandwidth``, else the estimated GPU's memory bandwidth at its efficiency, else the default."""
     if args.copy_bandwidth is not None:
@@ -214,6 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         net = cluster(args)
         limit = None if args.memory_limit is None else parse_size(args.memory_limit, "--memory-limit")
         profile = model_profile(args)
+        sources = overheads(args)
     except (UsageError, ValueError, FileNotFoundError) as error:
         p.error(str(error))
     if args.save_profile:
@@ -225,7 +262,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         model = CostModel(bytes_per_param=args.bytes_per_param, copy_bandwidth=copy_bandwidth(args, profile))
     except ValueError as error:
         p.error(str(error))
-    result = plan(profile, net, stages, chosen, args.dp, micro_batches, limit, model, args.gpus, args.objective)
+    result = plan(
+        profile, net, stages, chosen, args.dp, micro_batches, limit, model, args.gpus, args.objective, sources
+    )
     print(table(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result.to_dict(), indent=1))
