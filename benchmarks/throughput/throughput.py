@@ -61,6 +61,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import signal
 import sys
 import time
@@ -204,9 +205,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         specs = [s for s in specs if s["name"] in args.variants.split(",")]
     else:  # the staleness corrections' variants run when named
         specs = [s for s in specs if not s.get("optional")]
-    command = f"DS_ACCELERATOR={os.environ['DS_ACCELERATOR']} OMP_NUM_THREADS=1 python -m " + " ".join(
+    command = f"DS_ACCELERATOR={os.environ['DS_ACCELERATOR']} OMP_NUM_THREADS=1 python -m " + shlex.join(
         ["benchmarks.throughput.throughput", *(sys.argv[1:] if argv is None else argv)]
-    )
+    )  # quoted: an empty --rss '' stays in the command
     print(f"command: {command}", flush=True)
     if args.freed_memory == "retain":  # before the profile: its layer times then exclude the page faults too
         host_memory.retain_freed_memory()
