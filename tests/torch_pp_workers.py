@@ -1,0 +1,158 @@
+"""Rank functions for tests/test_torch_pipelining.py: ScheduleFDG on real gloo ranks with a small MLP.
+
+Every rank builds the whole model from one seed and keeps its stage's slice, so the ranks and
+:func:`fdg_schedule.fdg_reference` (which gets all slices) start from the same weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+SIZE, DIM, HIDDEN, CLASSES = 5, 4, 8, 3  # micro-batch size, input width, hidden width, classes
+
+
+def model(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(DIM, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(),
+        nn.Linear(HIDDEN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, CLASSES),
+    )  # fmt: skip
+
+
+def stages(K: int, seed: int = 0) -> list[nn.Module]:
+    """The model cut into K consecutive stages (K = 2 or 3)."""
+    m = model(seed)
+    cuts = {2: [(0, 4), (4, 7)], 3: [(0, 2), (2, 4), (4, 7)]}[K]
+    return [copy.deepcopy(m[a:b]) for a, b in cuts]
+
+
+def micro_batches(count: int, seed: int = 1) -> list[tuple[Tensor, Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(SIZE, DIM, generator=g), torch.randint(0, CLASSES, (SIZE,), generator=g)) for _ in range(count)]
+
+
+def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
+    if name == "adam":
+        return torch.optim.Adam(params, lr=0.01)
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _state(module: nn.Module) -> dict[str, Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def build(rank: int, world: int, case: dict[str, Any]) -> tuple[Any, nn.Module, Any]:
+    """This rank's stage, module and schedule: K = world / dp stages, replicas of a stage side by side."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from fdg_schedule.torch_pipelining import ScheduleFDG
+
+    dp = case.get("dp", 1)
+    K = world // dp
+    stage_index, replica = rank // dp, rank % dp
+    pp_groups = [dist.new_group([s * dp + r for s in range(K)]) for r in range(dp)]
+    dp_groups = [dist.new_group([s * dp + r for r in range(dp)]) for s in range(K)]
+    module = stages(K, case.get("seed", 0))[stage_index]
+    if case.get("saboteur"):
+        module = nn.Sequential(module, Saboteur(**case["saboteur"]))
+    stage = PipelineStage(module, stage_index, K, torch.device("cpu"), group=pp_groups[replica])
+    opt = make_optimizer(case.get("optimizer", "sgd"), module.parameters())
+    scheduler = None
+    if case.get("scheduler"):
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    schedule = ScheduleFDG(
+        stage, case["n"], F.cross_entropy, opt, lr_scheduler=scheduler, clip_grad_norm=case.get("clip", 0.0),
+        dp_group=dp_groups[stage_index] if dp > 1 else None, **case.get("fdg", {}),
+    )  # fmt: skip
+    return stage, module, schedule
+
+
+def _batch(data: list[tuple[Tensor, Tensor]], call: int, n: int, replica: int, shard: bool) -> tuple[Tensor, Tensor]:
+    part = data[call * n : (call + 1) * n]
+    xs, ys = [x for x, _ in part], [y for _, y in part]
+    if shard:  # replica r takes its half of every micro-batch
+        half = SIZE // 2 if replica == 0 else SIZE - SIZE // 2
+        start = 0 if replica == 0 else SIZE // 2
+        xs, ys = [x[start : start + half] for x in xs], [y[start : start + half] for y in ys]
+    return torch.cat(xs), torch.cat(ys)
+
+
+def train(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
+    """``case["calls"]`` step() calls of ``case["n"]`` micro-batches, then drain() unless ``drain`` is False.
+
+    Returns this stage's parameters after every tick and the losses each call gave back."""
+    stage, module, schedule = build(rank, world, case)
+    states: list[dict[str, Tensor]] = []
+    schedule.on_tick = lambda tick: states.append(_state(module))
+    dp = case.get("dp", 1)
+    data = micro_batches(case["calls"] * case["n"], case.get("data_seed", 1))
+    losses_per_call: list[list[float]] = []
+    for call in range(case["calls"]):
+        x, y = _batch(data, call, case["n"], rank % dp, case.get("shard", False))
+        losses: list[Tensor] = []
+        if stage.is_first:
+            schedule.step(x, target=y if stage.is_last else None, losses=losses)
+        elif stage.is_last:
+            schedule.step(target=y, losses=losses)
+        else:
+            schedule.step()
+        losses_per_call.append([float(v) for v in losses])
+    if case.get("drain", True):
+        losses = []
+        schedule.drain(losses=losses)
+        losses_per_call.append([float(v) for v in losses])
+    return {"stage": stage.stage_index, "states": states, "losses": losses_per_call,
+            "in_flight": schedule.in_flight_micro_batches()}  # fmt: skip
+
+
+class Saboteur(nn.Module):
+    """Identity until its ``trigger``-th forward on global rank ``rank``; then dies, raises or hangs."""
+
+    def __init__(self, trigger: int, how: str, rank: int, hang_s: float = 30.0) -> None:
+        super().__init__()
+        self.trigger, self.how, self.rank, self.hang_s, self.calls = trigger, how, rank, hang_s, 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        if dist.get_rank() != self.rank:
+            return x
+        self.calls += 1
+        if self.calls == self.trigger:
+            if self.how == "die":
+                import os
+
+                os._exit(3)
+            if self.how == "raise":
+                raise ValueError(f"boom in a layer of global rank {self.rank}")
+            if self.how == "hang":
+                time.sleep(self.hang_s)
+        return x
+
+
+def failure(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
+    """Train with a saboteur (or a bad input); report how this rank ended and how long it took."""
+    from fdg_schedule import FDGRuntimeError
+
+    start = time.monotonic()
+    try:
+        train(rank, world, case)
+    except (FDGRuntimeError, ValueError, RuntimeError) as err:
+        return {"error": f"{type(err).__name__}: {err}", "seconds": time.monotonic() - start}
+    return {"error": None, "seconds": time.monotonic() - start}
+
+
+def bad_arguments(rank: int, world: int, case: dict[str, Any]) -> str:
+    """Build a schedule with a bad argument; every rank must refuse it (and none may wait on another)."""
+    from fdg_schedule import FDGConfigError
+
+    try:
+        build(rank, world, case)
+    except (FDGConfigError, ValueError, TypeError) as err:
+        return f"{type(err).__name__}: {err}"
+    return "accepted"
