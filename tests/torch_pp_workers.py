@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-SIZE, DIM, HIDDEN, CLASSES = 5, 4, 8, 3  # micro-batch size, input width, hidden width, classes
+SIZE, DIM, HIDDEN, CLASSES = 6, 4, 8, 3  # micro-batch size, input width, hidden width, classes
 
 
 def model(seed: int = 0) -> nn.Sequential:
@@ -84,32 +84,51 @@ def _batch(data: list[tuple[Tensor, Tensor]], call: int, n: int, replica: int, s
     return torch.cat(xs), torch.cat(ys)
 
 
-def train(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
-    """``case["calls"]`` step() calls of ``case["n"]`` micro-batches, then drain() unless ``drain`` is False.
+def plan(case: dict[str, Any]) -> list[str]:
+    """The calls a case makes, in order: ``"step"`` (``n`` new micro-batches) or ``"drain"``."""
+    return case.get("plan", ["step"] * case.get("calls", 3) + ["drain"])
 
-    Returns this stage's parameters after every tick and the losses each call gave back."""
+
+def train(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
+    """The calls of :func:`plan` on this rank's stage.
+
+    Returns this stage's state after every tick and the losses each call gave back."""
     stage, module, schedule = build(rank, world, case)
     states: list[dict[str, Tensor]] = []
     schedule.on_tick = lambda tick: states.append(_state(module))
-    dp = case.get("dp", 1)
-    data = micro_batches(case["calls"] * case["n"], case.get("data_seed", 1))
-    losses_per_call: list[list[float]] = []
-    for call in range(case["calls"]):
-        x, y = _batch(data, call, case["n"], rank % dp, case.get("shard", False))
-        losses: list[Tensor] = []
-        if stage.is_first:
-            schedule.step(x, target=y if stage.is_last else None, losses=losses)
-        elif stage.is_last:
-            schedule.step(target=y, losses=losses)
-        else:
-            schedule.step()
-        losses_per_call.append([float(v) for v in losses])
-    if case.get("drain", True):
-        losses = []
-        schedule.drain(losses=losses)
-        losses_per_call.append([float(v) for v in losses])
+    losses_per_call = run_plan(rank, stage, schedule, case, plan(case))
+    if case.get("barrier", True):  # a rank ending undrained leaves sends to neighbours that may still be posting
+        dist.barrier()
     return {"stage": stage.stage_index, "states": states, "losses": losses_per_call,
             "in_flight": schedule.in_flight_micro_batches()}  # fmt: skip
+
+
+def run_plan(rank: int, stage: Any, schedule: Any, case: dict[str, Any], calls: list[str], first: int = 0) -> list:
+    """Make ``calls``; the ``first`` step call reads the data's ``first``-th slice of n micro-batches."""
+    dp = case.get("dp", 1)
+    steps = sum(c == "step" for c in plan(case))
+    data = micro_batches(steps * case["n"], case.get("data_seed", 1))
+    losses_per_call: list[list[float]] = []
+    call = first
+    for what in calls:
+        losses: list[Tensor] = []
+        if what == "drain":
+            schedule.drain(losses=losses)
+        else:
+            x, y = _batch(data, call, case["n"], rank % dp, case.get("shard", False))
+            if case.get("bad") == "short_batch" and call == 1:
+                x = x[:-1]  # the last micro-batch of the call is one row short
+            if case.get("bad") == "float_labels" and call == 1:
+                y = y.float()
+            call += 1
+            if stage.is_first:
+                schedule.step(x, target=y if stage.is_last else None, losses=losses)
+            elif stage.is_last:
+                schedule.step(target=y, losses=losses)
+            else:
+                schedule.step()
+        losses_per_call.append([float(v) for v in losses])
+    return losses_per_call
 
 
 class Saboteur(nn.Module):

@@ -41,8 +41,14 @@ def fdg_config(keys: Mapping[str, Any]) -> FDGConfig:
 def _as_arguments(message: str) -> str:
     """A ``pipeline.fdg`` error in ScheduleFDG's words: ``(ScheduleFDG(grad_shrink=...))`` for the config key."""
     message = re.sub(r"\(pipeline\.fdg\.(\w+) in ds_config\)", r"(ScheduleFDG(\1=...))", message)
-    message = message.replace("in pipeline.fdg of ds_config", "in ScheduleFDG's arguments")
-    message = message.replace("pipeline.fdg in ds_config", "ScheduleFDG's arguments").replace("pipeline.fdg.", "")
+    for config_words, argument_words in (
+        ("in pipeline.fdg of ds_config", "in ScheduleFDG's arguments"),
+        ("(pipeline.fdg in ds_config)", "(ScheduleFDG's arguments)"),
+        ("pipeline.fdg sets", "the arguments set"),
+        (" (ds_config)", ""),
+        ("pipeline.fdg.", ""),
+    ):
+        message = message.replace(config_words, argument_words)
     return f"ScheduleFDG: {message}"
 
 

@@ -51,14 +51,27 @@ class Links:
         self._grad: list[Any] = []  # ... of the gradient receives
         self._sends: list[tuple[Any, Any]] = []  # (work, tensor): a send and what it reads, until waited
 
-    def post(self, sends: Sequence[dist.P2POp], activations: Sequence[dist.P2POp], grads: Sequence[dist.P2POp]) -> None:
-        """Wait for the previous post's sends, then post this tick's sends and next tick's receives."""
+    def post(
+        self,
+        sends: Sequence[tuple[dist.P2POp, str | None]],
+        activations: Sequence[dist.P2POp],
+        grads: Sequence[dist.P2POp],
+    ) -> None:
+        """Wait for the previous post's sends, then post this tick's sends (each with the neighbour it goes to)
+        and next tick's receives."""
         self.wait_sends()
-        for op in sends:
-            work = op.op(op.tensor, group=op.group, tag=op.tag, group_dst=op.group_peer)
+        for op, to in sends:
+            try:
+                work = op.op(op.tensor, group=op.group, tag=op.tag, group_dst=op.group_peer)
+            except RuntimeError as err:
+                raise self._failed(f"sending to {to}", err) from err
             self._sends.append((work, op.tensor))
-        self._activation += [op.op(op.tensor, group=op.group, tag=op.tag, group_src=op.group_peer) for op in activations]
-        self._grad += [op.op(op.tensor, group=op.group, tag=op.tag, group_src=op.group_peer) for op in grads]
+        for ops, works, source in ((activations, self._activation, self.prev), (grads, self._grad, self.next)):
+            for op in ops:
+                try:
+                    works.append(op.op(op.tensor, group=op.group, tag=op.tag, group_src=op.group_peer))
+                except RuntimeError as err:
+                    raise self._failed(f"posting a receive from {source}", err) from err
 
     def wait_activation(self) -> None:
         self._wait(self._activation, f"the activation from {self.prev}")
@@ -83,7 +96,10 @@ class Links:
             try:
                 work.wait(timeout=self.timeout)
             except RuntimeError as err:
-                raise FDGRuntimeError(
-                    f"{self.name}: gave up waiting for {what} (timeout {self.timeout.total_seconds():g} s): that "
-                    f"rank failed, was killed or stopped sending -- see its log (ScheduleFDG(timeout=...)) [{err}]"
-                ) from err
+                raise self._failed(f"waiting for {what}", err) from err
+
+    def _failed(self, doing: str, err: Exception) -> FDGRuntimeError:
+        return FDGRuntimeError(
+            f"{self.name}: gave up {doing} (timeout {self.timeout.total_seconds():g} s): that rank failed, was "
+            f"killed or stopped sending -- see its log (ScheduleFDG(timeout=...)) [{err}]"
+        )

@@ -201,21 +201,21 @@ class ScheduleFDG(PipelineScheduleSingle):
         loss_kwargs: dict[str, Any] | None,
     ) -> None:  # fmt: skip
         stage, t, K, k = self._stage, self.segment_tick, self._num_stages, self._stage.stage_index
-        sends: list[dist.P2POp] = []
+        sends: list[tuple[dist.P2POp, str | None]] = []
         backward = None if stage.is_last else ticks.backward_micro_batch(t, K, k, limit)
         if backward is not None:
             self._wait("grad")
-            sends += self._delayed_backward(backward)
+            sends += [(op, self.links.prev) for op in self._delayed_backward(backward)]
             self._maybe_step(backward, limit)
         forward = ticks.forward_micro_batch(t, k, limit)
         if forward is not None:
             if not stage.is_first:
                 self._wait("activation")
             if stage.is_last:
-                sends += self._last_stage(forward, args, kwargs, losses, loss_kwargs)
+                sends += [(op, self.links.prev) for op in self._last_stage(forward, args, kwargs, losses, loss_kwargs)]
                 self._maybe_step(forward, limit)
             else:
-                sends += self._forward(forward, args, kwargs)
+                sends += [(op, self.links.next) for op in self._forward(forward, args, kwargs)]
         self._post(sends, t + 1, limit)
         self.segment_tick += 1
         self.tick += 1
@@ -271,7 +271,13 @@ class ScheduleFDG(PipelineScheduleSingle):
         return stage.get_bwd_send_ops(slot)
 
     def _run_forward(self, slot: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return self._stage.forward_one_chunk(slot, args, kwargs, save_forward_output=False)
+        try:
+            return self._stage.forward_one_chunk(slot, args, kwargs, save_forward_output=False)
+        except RuntimeError as err:  # torch's stage wraps the module's error: name it, with this stage and tick
+            cause = err.__cause__ if err.__cause__ is not None else err
+            raise FDGRuntimeError(
+                f"{self.name}: the forward failed at tick {self.tick}: {type(cause).__name__}: {cause}"
+            ) from err
 
     def _maybe_step(self, micro_batch: int, limit: int | None) -> None:
         last = None if limit is None else limit - 1
@@ -300,7 +306,7 @@ class ScheduleFDG(PipelineScheduleSingle):
         for p, reduced in zip(self.params, torch._utils._unflatten_dense_tensors(flat, grads)):
             p.grad = reduced
 
-    def _post(self, sends: list[dist.P2POp], next_tick: int, limit: int | None) -> None:
+    def _post(self, sends: list[tuple[dist.P2POp, str | None]], next_tick: int, limit: int | None) -> None:
         stage, K, k = self._stage, self._num_stages, self._stage.stage_index
         activations: list[dist.P2POp] = []
         grads: list[dist.P2POp] = []
