@@ -131,6 +131,26 @@ def run_plan(rank: int, stage: Any, schedule: Any, case: dict[str, Any], calls: 
     return losses_per_call
 
 
+def resume(rank: int, world: int, case: dict[str, Any], root: str, phase: str) -> dict[str, Any]:
+    """``phase`` "save": the plan's first ``save_after`` calls, a DCP checkpoint, the rest; "load": a new
+    schedule from the checkpoint, the rest. Returns the states after every tick and the losses of the rest."""
+    from fdg_schedule.torch_pipelining import load_checkpoint, save_checkpoint
+
+    stage, module, schedule = build(rank, world, case)
+    calls, split = plan(case), case["save_after"]
+    before, after = calls[:split], calls[split:]
+    if phase == "save":
+        run_plan(rank, stage, schedule, case, before)
+        save_checkpoint(schedule, root)
+    else:
+        load_checkpoint(schedule, root)
+    states: list[dict[str, Tensor]] = []
+    schedule.on_tick = lambda tick: states.append(_state(module))
+    losses = run_plan(rank, stage, schedule, case, after, first=sum(c == "step" for c in before))
+    dist.barrier()
+    return {"stage": stage.stage_index, "states": states, "losses": losses}
+
+
 class Saboteur(nn.Module):
     """Identity until its ``trigger``-th forward on global rank ``rank``; then dies, raises or hangs."""
 

@@ -10,6 +10,7 @@ docs/torch-pipelining.md.
 
 from __future__ import annotations
 
+from fdg_schedule.torch_pipelining.checkpoint import load_checkpoint, save_checkpoint
 from fdg_schedule.torch_pipelining.schedule import ScheduleFDG
 
-__all__ = ["ScheduleFDG"]
+__all__ = ["ScheduleFDG", "load_checkpoint", "save_checkpoint"]

@@ -84,9 +84,11 @@ class Links:
         self._sends.clear()
         self._wait(works, "a neighbour to take what this stage sent")
 
-    def pending(self) -> bool:
-        """Whether receives are posted (micro-batches in flight whose next message has not been read)."""
-        return bool(self._activation or self._grad)
+    def pending_activation(self) -> bool:
+        return bool(self._activation)
+
+    def pending_grad(self) -> bool:
+        return bool(self._grad)
 
     def _wait(self, works: list[Any], what: str) -> None:
         while works:

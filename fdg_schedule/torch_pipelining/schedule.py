@@ -117,7 +117,8 @@ class ScheduleFDG(PipelineScheduleSingle):
         self.segment_tick = 0  # ticks since the pipeline last filled (micro-batch numbers count from there)
         self.in_flight: dict[int, InFlight] = {}
         self.targets: collections.deque[Any] = collections.deque()  # last stage: targets of micro-batches to come
-        self.received: set[str] = set()  # messages restored from a checkpoint, already in their buffers
+        self.received: set[str] = set()  # messages already in their buffers (settled for a checkpoint)
+        self.restoring: dict[str, Any] | None = None  # a checkpoint's state, restored at the next step()
 
     # -- the public calls -------------------------------------------------------------------------------
 
@@ -165,6 +166,9 @@ class ScheduleFDG(PipelineScheduleSingle):
         self._check_step_inputs(arg_mbs, kwarg_mbs, target_mbs)
         if not self._stage_forward_initialized:
             self._initialize(arg_mbs[0], kwarg_mbs[0], target_mbs[0] if target_mbs else None, loss_kwargs)
+        if self.restoring is not None:  # Note [in-flight state in a checkpoint]
+            self._restore(self.restoring)
+            self.restoring = None
         if stage.is_last:
             assert target_mbs is not None
             self.targets.extend(target_mbs)
@@ -324,6 +328,88 @@ class ScheduleFDG(PipelineScheduleSingle):
             return
         self.links.wait_grad() if what == "grad" else self.links.wait_activation()
 
+    # -- checkpoints ----------------------------------------------------------------------------------------
+
+    def fdg_state(self) -> dict[str, Any]:
+        """What this rank needs to continue bit for bit besides its weights and optimizer (Note [in-flight state
+        in a checkpoint]). Waits for the messages posted for the next tick (the neighbours sent them already)."""
+        stage, K, k = self._stage, self._num_stages, self._stage.stage_index
+        received: dict[str, tuple[int, list[Tensor]]] = {}
+        forward = ticks.forward_micro_batch(self.segment_tick, k)
+        if self.links.pending_activation() or "activation" in self.received:
+            assert forward is not None
+            self._wait("activation")
+            received["activation"] = (forward % self.slots, _buffers(stage.args_recv_info[forward % self.slots]))
+            self.received.add("activation")
+        backward = ticks.backward_micro_batch(self.segment_tick, K, k)
+        if self.links.pending_grad() or "grad" in self.received:
+            assert backward is not None
+            self._wait("grad")
+            received["grad"] = (backward % self.slots, _buffers(stage.grad_recv_info[backward % self.slots]))
+            self.received.add("grad")
+        self.links.wait_sends()
+        in_flight = {}
+        for b, record in self.in_flight.items():
+            held = record.held
+            assert held is not None
+            inputs = None if stage.is_first else _buffers(stage.args_recv_info[record.slot])
+            in_flight[b] = {"slot": record.slot, "args": record.args, "kwargs": record.kwargs, "inputs": inputs,
+                            "weights": held.weights, "saved": held.saved,
+                            "rng_state": None if held.rng_state is None else tuple(held.rng_state)}  # fmt: skip
+        return {
+            "layout": self._layout(), "tick": self.tick, "segment_tick": self.segment_tick, "in_flight": in_flight,
+            "received": received, "targets": list(self.targets), "delta": self.corrections.capture(),
+            "grads": [None if p.grad is None else p.grad.detach().clone() for p in self.params],
+            "scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
+            "rng": torch.get_rng_state(), "auto": auto_corrections.recorded(self.config),
+        }  # fmt: skip
+
+    def load_fdg_state(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`fdg_state` of the same stage: counters, gradients and the scheduler now, the
+        micro-batches in flight at the next ``step()`` (their graphs need the stage set up by that call)."""
+        if state["layout"] != self._layout():
+            raise ValueError(
+                f"{self.name}: the checkpoint was saved by {state['layout']}, this job is {self._layout()}; resume "
+                "with the pipeline (stages, data-parallel replicas, FDG modes) that saved it"
+            )
+        auto_corrections.check_resume(state["auto"], self.config, self.name)
+        if self.in_flight or self.tick:
+            raise ValueError(f"{self.name}: load a checkpoint into a new ScheduleFDG, before its first step()")
+        self.tick, self.segment_tick = state["tick"], state["segment_tick"]
+        self.targets = collections.deque(state["targets"])
+        self.corrections.restore(state["delta"])
+        for p, grad in zip(self.params, state["grads"]):
+            p.grad = grad
+        if self.lr_scheduler is not None and state["scheduler"] is not None:
+            self.lr_scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"])
+        self.restoring = state
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        """Note [in-flight state in a checkpoint]: refill the receive buffers, rebuild the stored graphs."""
+        stage = self._stage
+        with torch.no_grad():
+            for what, (slot, tensors) in state["received"].items():
+                infos = stage.args_recv_info[slot] if what == "activation" else stage.grad_recv_info[slot]
+                _fill(infos, tensors)
+                self.received.add(what)
+        rng = torch.get_rng_state()
+        for b, record in sorted(state["in_flight"].items()):
+            slot = record["slot"]
+            if record["inputs"] is not None:
+                with torch.no_grad():
+                    _fill(stage.args_recv_info[slot], record["inputs"])
+            held = Held(weights=record["weights"], rng_state=record["rng_state"], saved=record["saved"])
+            rebuild = lambda: self._run_forward(slot, record["args"], record["kwargs"])  # noqa: E731
+            self.delayed.rebuild(held, rebuild)
+            self.in_flight[b] = InFlight(slot, record["args"], record["kwargs"], held)
+        torch.set_rng_state(rng)
+
+    def _layout(self) -> dict[str, Any]:
+        dp = 1 if self.dp_group is None else dist.get_world_size(self.dp_group)
+        modes = {"weights": self.config.weights, "activations": self.config.activations}
+        return {"stages": self._num_stages, "stage": self._stage.stage_index, "data_parallel": dp, **modes}
+
     # -- checks and set-up ---------------------------------------------------------------------------------
 
     def _check_step_inputs(self, arg_split: list[Any], kwarg_split: list[Any], target_split: list[Any] | None) -> None:
@@ -359,6 +445,16 @@ class ScheduleFDG(PipelineScheduleSingle):
                 f"pipeline was set up for {want} (from the first micro-batch); give every micro-batch the same shape "
                 "(n_microbatches must divide the batch)"
             )
+
+
+def _buffers(infos: Any) -> list[Tensor]:
+    return [info.buffer.detach().clone() for info in infos if info.buffer is not None]
+
+
+def _fill(infos: Any, tensors: list[Tensor]) -> None:
+    buffers = [info.buffer for info in infos if info.buffer is not None]
+    for buffer, value in zip(buffers, tensors, strict=True):
+        buffer.detach().copy_(value)
 
 
 def _describe(x: Any) -> str:
