@@ -10,11 +10,9 @@ import torch.nn.functional as F
 import torch_pp_workers as workers
 from dist_harness import run_ranks, run_ranks_each
 
-from fdg_schedule import FDGConfigError
-from fdg_schedule.torch_pipelining import arguments
-
-from fdg_schedule import FDGConfig, fdg_reference  # noqa: I001
+from fdg_schedule import FDGConfig, FDGConfigError, fdg_reference
 from fdg_schedule.corrections.reference import ReferenceState
+from fdg_schedule.torch_pipelining import arguments
 
 pytestmark = pytest.mark.distributed
 MODES = [(w, a) for w in ("current", "stashed") for a in ("stored", "recomputed")]
@@ -35,7 +33,7 @@ def reference(case: dict[str, Any], K: int) -> dict[str, Any]:
     data = workers.micro_batches(sum(c == "step" for c in calls) * case["n"], case.get("data_seed", 1))
     config, carried, losses = FDGConfig(**case.get("fdg", {})), ReferenceState(), []
     segment: list[Any] = []
-    for i, what in enumerate(calls + ["end"]):
+    for what in calls + ["end"]:
         if what == "step":
             segment += data[: case["n"]]
             data = data[case["n"] :]
@@ -56,7 +54,8 @@ def check_equal(results: list[dict[str, Any]], want: dict[str, Any], tol: dict[s
         assert len(r["states"]) == ticks, (k, len(r["states"]), ticks)
         for tick, (got, ref) in enumerate(zip(r["states"], want["states"])):
             for key, value in ref[k].items():
-                torch.testing.assert_close(got[key], value, **tol, msg=lambda m: f"stage {k} tick {tick} {key}: {m}")
+                where = f"stage {k} tick {tick} {key}"
+                torch.testing.assert_close(got[key], value, **tol, msg=lambda m, where=where: f"{where}: {m}")
     last = [r for r in results if r["stage"] == max(x["stage"] for x in results)]
     for r in last:
         got = [v for call in r["losses"] for v in call]
@@ -79,8 +78,13 @@ def test_equals_the_reference_bit_for_bit(tmp_path, K: int, weights: str, activa
     "case",
     [
         # the explicit corrections with SGD-momentum, an lr scheduler and clipping, K = 3
-        {"n": 4, "calls": 2, "scheduler": True, "clip": 0.5, "fdg": {
-            "grad_shrink": 0.7, "delay_lr_ticks": 5, "predict_decay": 0.5, "delay_momentum": True}},
+        {
+            "n": 4,
+            "calls": 2,
+            "scheduler": True,
+            "clip": 0.5,
+            "fdg": {"grad_shrink": 0.7, "delay_lr_ticks": 5, "predict_decay": 0.5, "delay_momentum": True},
+        },
         # "auto" with Adam: prediction aimed at stage 0 (the last stage predicts too), the momentum raise, delay lr
         {"n": 4, "calls": 2, "optimizer": "adam", "fdg": {"corrections": "auto", "weights": "stashed"}},
         {"n": 4, "calls": 2, "optimizer": "adam", "fdg": {"corrections": "auto", "accumulate": 2}},
@@ -178,7 +182,7 @@ def test_a_bad_input_ends_every_rank_with_an_error_naming_it(tmp_path, bad: str,
 
 
 BAD_ARGUMENTS = [
-    ({"fdg": {"grad_shrink": 1.5}}, "ScheduleFDG: grad_shrink must be in (0, 1], got 1.5 (ScheduleFDG(grad_shrink=...))"),
+    ({"fdg": {"grad_shrink": 1.5}}, "ScheduleFDG: grad_shrink must be in (0, 1], got 1.5 (ScheduleFDG(grad_shrink=..."),
     ({"fdg": {"weights": "old"}}, "weights must be one of ['current', 'stashed'], got 'old'"),
     ({"fdg": {"nonfinite": "skip"}}, "ScheduleFDG does not take ['nonfinite']"),
     ({"fdg": {"beta": 0.5}}, "unknown key(s) ['beta'] in ScheduleFDG's arguments"),
@@ -197,7 +201,9 @@ def test_bad_arguments_are_refused_on_every_rank_before_any_waits(tmp_path) -> N
 
 
 def test_fdg_keys_are_checked_as_arguments() -> None:
-    with pytest.raises(FDGConfigError, match=r"accumulate must be an integer >= 1, got 0 \(ScheduleFDG\(accumulate=...\)\)"):
+    with pytest.raises(
+        FDGConfigError, match=r"accumulate must be an integer >= 1, got 0 \(ScheduleFDG\(accumulate=...\)\)"
+    ):
         arguments.fdg_config({"accumulate": 0})
     with pytest.raises(FDGConfigError, match=r"corrections is 'auto' and the arguments set \['delay_momentum'\] too: "):
         arguments.fdg_config({"corrections": "auto", "delay_momentum": True})

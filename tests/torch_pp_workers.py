@@ -35,7 +35,9 @@ def stages(K: int, seed: int = 0) -> list[nn.Module]:
 
 def micro_batches(count: int, seed: int = 1) -> list[tuple[Tensor, Tensor]]:
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(SIZE, DIM, generator=g), torch.randint(0, CLASSES, (SIZE,), generator=g)) for _ in range(count)]
+    return [
+        (torch.randn(SIZE, DIM, generator=g), torch.randint(0, CLASSES, (SIZE,), generator=g)) for _ in range(count)
+    ]
 
 
 def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:

@@ -52,7 +52,7 @@ def _stage_state(schedule: ScheduleFDG, optimizer_state: bool) -> dict[str, Any]
     after a save. A stage that has not stepped yet (a deep stage early in the first segment) saves no
     optimizer entry, only its param groups' hyperparameters (a scheduler may have moved the lr already)."""
     module = schedule._stage.submod
-    state = {"model": get_model_state_dict(module)}
+    state: dict[str, Any] = {"model": get_model_state_dict(module)}
     if optimizer_state:
         state["optimizer"] = get_optimizer_state_dict(module, schedule.optimizer)
     return state

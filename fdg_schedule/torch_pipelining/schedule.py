@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -122,7 +123,7 @@ class ScheduleFDG(PipelineScheduleSingle):
 
     # -- the public calls -------------------------------------------------------------------------------
 
-    def step(  # type: ignore[override]
+    def step(
         self,
         *args: Any,
         target: Any = None,
@@ -400,8 +401,7 @@ class ScheduleFDG(PipelineScheduleSingle):
                 with torch.no_grad():
                     _fill(stage.args_recv_info[slot], record["inputs"])
             held = Held(weights=record["weights"], rng_state=record["rng_state"], saved=record["saved"])
-            rebuild = lambda: self._run_forward(slot, record["args"], record["kwargs"])  # noqa: E731
-            self.delayed.rebuild(held, rebuild)
+            self.delayed.rebuild(held, functools.partial(self._run_forward, slot, record["args"], record["kwargs"]))
             self.in_flight[b] = InFlight(slot, record["args"], record["kwargs"], held)
         torch.set_rng_state(rng)
 
