@@ -234,3 +234,22 @@ def test_a_resume_from_an_undrained_checkpoint_is_bit_identical(tmp_path, world:
             for sa, sb in zip(a["states"], b["states"]):
                 for key in sa:
                     assert torch.equal(sa[key], sb[key]), (a["stage"], key)
+
+
+@pytest.mark.parametrize("K", [2, 3])
+def test_equals_the_deepspeed_engine_on_the_same_model(tmp_path, K: int) -> None:
+    """tests/toy.py's model (a tuple activation, a raw module, plain functions) trained by the DeepSpeed engine and by
+    ScheduleFDG, stage by stage: one statement of the math, two runtimes (the engine equals fdg_reference to 1e-6)."""
+    cases = [
+        {"stages": K, "n": 9, "gas": 3, "calls": 3, "drain": True, "grad_shrink": 0.5},
+        {"stages": K, "n": 9, "gas": 3, "calls": 3, "drain": True, "grad_shrink": 0.7, "weights": "stashed",
+         "activations": "recomputed", "accumulate": 2, "optimizer": "adam", "predict_decay": 0.5, "clip": 1.0},
+    ]  # fmt: skip
+    for per_rank in run_ranks_each(workers.against_engine, K, tmp_path, [(c,) for c in cases], deadline_s=300):
+        for r in per_rank:
+            assert len(r["engine"]) == len(r["torch"]) == 4
+            for call, (engine, ours) in enumerate(zip(r["engine"], r["torch"])):
+                assert engine.keys() == ours.keys()
+                for key in engine:
+                    where = f"stage {r['stage']} call {call} {key}"
+                    torch.testing.assert_close(ours[key], engine[key], rtol=1e-6, atol=1e-6, msg=lambda m, w=where: w)

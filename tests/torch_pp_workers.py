@@ -197,3 +197,53 @@ def bad_arguments(rank: int, world: int, case: dict[str, Any]) -> str:
     except (FDGConfigError, ValueError, TypeError) as err:
         return f"{type(err).__name__}: {err}"
     return "accepted"
+
+
+class StageChain(nn.Module):
+    """tests/toy.py's ``Chain`` as a PipelineStage module: torch's stage passes a tuple activation as separate
+    arguments, DeepSpeed's PipelineModule (and the reference) as one."""
+
+    def __init__(self, funcs: list, start: int) -> None:
+        super().__init__()
+        import toy
+
+        self.chain = toy.Chain(funcs, start)
+        for name, child in list(self.chain.named_children()):  # state_dict keys as the pipeline module's ("6.weight")
+            self.add_module(name, child)
+
+    def forward(self, *xs: Tensor) -> Any:
+        return self.chain(xs[0] if len(xs) == 1 else tuple(xs))
+
+
+def against_engine(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
+    """The DeepSpeed engine (tests/engine_workers.py) on tests/toy.py's model, then ScheduleFDG on the same stages
+    and data in the same processes; each one's stage state after every call (and the drain)."""
+    import engine_workers
+    import toy
+    from torch.distributed.pipelining import PipelineStage
+
+    from fdg_schedule.torch_pipelining import ScheduleFDG
+
+    engine = engine_workers.train(rank, world, [case])[0]
+    parts, k, K, gas = engine["parts"], engine["stage_id"], case["stages"], case.get("gas", 3)
+    module = StageChain(toy.layers(spec=False)[parts[k] : parts[k + 1]], parts[k])
+    stage = PipelineStage(module, k, K, torch.device("cpu"))
+    fdg = {key: case[key] for key in engine_workers.FDG_KEYS if key in case}
+    opt = engine_workers.make_optimizer(case)(module.parameters())
+    schedule = ScheduleFDG(stage, gas, toy.loss_fn, opt, clip_grad_norm=case.get("clip", 0.0), **fdg)
+    data = toy.micro_batches(case["n"], 4)
+    states = []
+    for call in range(case["calls"]):
+        part = data[call * gas : (call + 1) * gas]
+        x, y = torch.cat([x for x, _ in part]), torch.cat([y for _, y in part])
+        if stage.is_first:
+            schedule.step(x)
+        elif stage.is_last:
+            schedule.step(target=y)
+        else:
+            schedule.step()
+        states.append({key: v.detach().clone() for key, v in module.chain.state_dict().items()})
+    if case.get("drain"):
+        schedule.drain()
+        states.append({key: v.detach().clone() for key, v in module.chain.state_dict().items()})
+    return {"stage": k, "engine": engine["states"], "torch": states}
