@@ -23,6 +23,8 @@ def reference(case: dict[str, Any], K: int) -> dict[str, Any]:
     """What fdg_reference computes for ``case``'s calls (one reference call per segment, the state carried):
     every stage's state after every tick, and the losses."""
     stages = workers.stages(K, case.get("seed", 0))
+    if case.get("scaled"):
+        stages = [workers.ScaledInTurn(s, workers.scales(case)) for s in stages]
     opts = [workers.make_optimizer(case.get("optimizer", "sgd"), s.parameters()) for s in stages]
     schedulers = []
     if case.get("scheduler"):
@@ -110,6 +112,15 @@ def test_micro_batches_carry_over_between_calls_and_drains(tmp_path, K: int) -> 
         assert r["in_flight"] == list(range(max(0, 4 - k - 2 * (K - 1 - k)), 4 - k)), (k, r["in_flight"])
     last = next(r for r in results if r["stage"] == K - 1)
     assert [len(x) for x in last["losses"]] == [2 - (K - 1), 2, K - 1, 2 - (K - 1), K - 1, 2 - (K - 1), 2]
+
+
+@pytest.mark.parametrize("weights", ["current", "stashed"])
+def test_keyword_inputs_of_later_stages_follow_their_micro_batches(tmp_path, weights: str) -> None:
+    """Every stage gets a keyword input per micro-batch in each step() call (as torchtitan passes attention masks);
+    a later stage applies, in each tick, the one of the micro-batch it forwards (calls carried over, then a drain)."""
+    case = {"n": 2, "calls": 3, "scaled": True, "fdg": {"grad_shrink": 0.5, "weights": weights, "accumulate": 2}}
+    results = run_ranks(workers.train, 3, tmp_path, case, deadline_s=240)
+    check_equal(results, reference(case, 3))
 
 
 def test_a_data_parallel_replica_equals_the_reference_bit_for_bit(tmp_path) -> None:

@@ -62,6 +62,8 @@ def build(rank: int, world: int, case: dict[str, Any]) -> tuple[Any, nn.Module, 
     pp_groups = [dist.new_group([s * dp + r for s in range(K)]) for r in range(dp)]
     dp_groups = [dist.new_group([s * dp + r for r in range(dp)]) for s in range(K)]
     module = stages(K, case.get("seed", 0))[stage_index]
+    if case.get("scaled"):
+        module = Scaled(module)
     if case.get("saboteur"):
         module = nn.Sequential(module, Saboteur(**case["saboteur"]))
     stage = PipelineStage(module, stage_index, K, torch.device("cpu"), group=pp_groups[replica])
@@ -84,6 +86,37 @@ def _batch(data: list[tuple[Tensor, Tensor]], call: int, n: int, replica: int, s
         start = 0 if replica == 0 else SIZE // 2
         xs, ys = [x[start : start + half] for x in xs], [y[start : start + half] for y in ys]
     return torch.cat(xs), torch.cat(ys)
+
+
+class Scaled(nn.Module):
+    """A stage whose output is multiplied by a keyword input ``scale``, one per micro-batch (as torchtitan passes
+    ``attention_masks`` to every stage)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: Tensor, scale: Tensor | None = None) -> Tensor:
+        out = self.inner(x)
+        return out if scale is None else out * scale
+
+
+class ScaledInTurn(nn.Module):
+    """The reference's side of :class:`Scaled`: each forward takes the next micro-batch's scale (stored modes
+    only, where every micro-batch is forwarded once per stage, in order)."""
+
+    def __init__(self, inner: nn.Module, scales: list[Tensor]) -> None:
+        super().__init__()
+        self.inner, self.scales = inner, list(scales)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.inner(x) * self.scales.pop(0)
+
+
+def scales(case: dict[str, Any]) -> list[Tensor]:
+    """Micro-batch b's ``scale``: 0.5 + 0.1 b in every row."""
+    steps = sum(c == "step" for c in plan(case))
+    return [torch.full((SIZE, 1), 0.5 + 0.1 * b) for b in range(steps * case["n"])]
 
 
 def plan(case: dict[str, Any]) -> list[str]:
@@ -122,13 +155,18 @@ def run_plan(rank: int, stage: Any, schedule: Any, case: dict[str, Any], calls: 
                 x = x[:-1]  # the last micro-batch of the call is one row short
             if case.get("bad") == "float_labels" and call == 1:
                 y = y.float()
+            kwargs = (
+                {"scale": torch.cat(scales(case)[call * case["n"] : (call + 1) * case["n"]])}
+                if case.get("scaled")
+                else {}
+            )
             call += 1
             if stage.is_first:
-                schedule.step(x, target=y if stage.is_last else None, losses=losses)
+                schedule.step(x, target=y if stage.is_last else None, losses=losses, **kwargs)
             elif stage.is_last:
-                schedule.step(target=y, losses=losses)
+                schedule.step(target=y, losses=losses, **kwargs)
             else:
-                schedule.step()
+                schedule.step(**kwargs)
         losses_per_call.append([float(v) for v in losses])
     return losses_per_call
 

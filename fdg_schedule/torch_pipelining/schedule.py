@@ -12,6 +12,12 @@ steps its own optimizer (every ``accumulate`` backward passes), then forwards th
 micro-batch each; what is in flight at its end carries over to the next call, and :meth:`ScheduleFDG.drain`
 finishes it. The math is :func:`fdg_schedule.fdg_reference`'s, bit for bit (tested).
 
+Note [keyword inputs of later stages]: torch's schedules pass a call's keyword inputs (torchtitan's
+``attention_masks``, ``positions``) to every stage's ``step()``, split into micro-batches. Under FDG a later stage
+forwards, in one call, micro-batches that entered in earlier calls, so like the last stage's targets its
+keyword inputs wait in a queue, one entry per micro-batch, and each forward takes the one of the micro-batch
+it forwards (kept with it for a recomputed forward and in checkpoints).
+
 Note [what torch's stage does and what FDG adds]: the stage does what it does under torch's schedules --
 the metadata inference, the receive buffers, ``forward_one_chunk`` / ``backward_one_chunk``, the send
 and receive ``P2POp``s. Its chunk ids name buffer slots here, not a step's micro-batches: micro-batch b
@@ -118,6 +124,8 @@ class ScheduleFDG(PipelineScheduleSingle):
         self.segment_tick = 0  # ticks since the pipeline last filled (micro-batch numbers count from there)
         self.in_flight: dict[int, InFlight] = {}
         self.targets: collections.deque[Any] = collections.deque()  # last stage: targets of micro-batches to come
+        # later stages: keyword inputs of micro-batches to come (Note [keyword inputs of later stages])
+        self.later_kwargs: collections.deque[dict[str, Any]] = collections.deque()
         self.received: set[str] = set()  # messages already in their buffers (settled for a checkpoint)
         self.restoring: dict[str, Any] | None = None  # a checkpoint's state, restored at the next step()
 
@@ -173,6 +181,8 @@ class ScheduleFDG(PipelineScheduleSingle):
         if stage.is_last:
             assert target_mbs is not None
             self.targets.extend(target_mbs)
+        if not stage.is_first:
+            self.later_kwargs.extend(kwarg_mbs)
         computed: list[Tensor] = []
         for i in range(n):
             self._tick(arg_mbs[i], kwarg_mbs[i], None, computed, loss_kwargs)
@@ -216,6 +226,7 @@ class ScheduleFDG(PipelineScheduleSingle):
         if forward is not None:
             if not stage.is_first:
                 self._wait("activation")
+                kwargs = self.later_kwargs.popleft()
             if stage.is_last:
                 sends += [(op, self.links.prev) for op in self._last_stage(forward, args, kwargs, losses, loss_kwargs)]
                 self._maybe_step(forward, limit)
@@ -359,7 +370,8 @@ class ScheduleFDG(PipelineScheduleSingle):
                             "rng_state": None if held.rng_state is None else tuple(held.rng_state)}  # fmt: skip
         return {
             "layout": self._layout(), "tick": self.tick, "segment_tick": self.segment_tick, "in_flight": in_flight,
-            "received": received, "targets": list(self.targets), "delta": self.corrections.capture(),
+            "received": received, "targets": list(self.targets), "later_kwargs": list(self.later_kwargs),
+            "delta": self.corrections.capture(),
             "grads": [None if p.grad is None else p.grad.detach().clone() for p in self.params],
             "scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
             "rng": torch.get_rng_state(), "auto": auto_corrections.recorded(self.config),
@@ -378,6 +390,7 @@ class ScheduleFDG(PipelineScheduleSingle):
             raise ValueError(f"{self.name}: load a checkpoint into a new ScheduleFDG, before its first step()")
         self.tick, self.segment_tick = state["tick"], state["segment_tick"]
         self.targets = collections.deque(state["targets"])
+        self.later_kwargs = collections.deque(state["later_kwargs"])
         self.corrections.restore(state["delta"])
         for p, grad in zip(self.params, state["grads"]):
             p.grad = grad
@@ -416,10 +429,10 @@ class ScheduleFDG(PipelineScheduleSingle):
         stage = self._stage
         if stage.is_first and not all(arg_split):
             raise ValueError(f"{self.name} is the first stage: step() needs the batch, step(x, ...)")
-        if not stage.is_first and (any(arg_split) or any(kwarg_split)):
+        if not stage.is_first and any(arg_split):
             raise ValueError(
-                f"{self.name} is not the first stage: its inputs come from the previous stage; call step() "
-                "without inputs here (keyword inputs of later stages would belong to micro-batches of earlier calls)"
+                f"{self.name} is not the first stage: its positional inputs come from the previous stage; call "
+                "step() without them here (keyword inputs are fine: Note [keyword inputs of later stages])"
             )
         if stage.is_last and target_split is None:
             raise ValueError(f"{self.name} is the last stage: step() needs target=...")
