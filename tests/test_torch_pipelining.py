@@ -199,6 +199,7 @@ BAD_ARGUMENTS = [
     ({"fdg": {"beta": 0.5}}, "unknown key(s) ['beta'] in ScheduleFDG's arguments"),
     ({"n": 0}, "n_microbatches must be an integer >= 1, got 0"),
     ({"clip": -1.0}, "clip_grad_norm must be >= 0.0, got -1.0"),
+    ({"call_eval": True}, "ScheduleFDG.eval() is not supported (it trains only); call drain() on every rank"),
 ]  # fmt: skip
 
 

@@ -231,8 +231,10 @@ def bad_arguments(rank: int, world: int, case: dict[str, Any]) -> str:
     from fdg_schedule import FDGConfigError
 
     try:
-        build(rank, world, case)
-    except (FDGConfigError, ValueError, TypeError) as err:
+        _, _, schedule = build(rank, world, case)
+        if case.get("call_eval"):
+            schedule.eval()
+    except (FDGConfigError, ValueError, TypeError, NotImplementedError) as err:
         return f"{type(err).__name__}: {err}"
     return "accepted"
 

@@ -205,6 +205,13 @@ class ScheduleFDG(PipelineScheduleSingle):
             losses.clear()
             losses.extend(computed)
 
+    def eval(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused: a forward-only pass through FDG's ticks would interleave with the micro-batches in flight."""
+        raise NotImplementedError(
+            f"{self.name}: ScheduleFDG.eval() is not supported (it trains only); call drain() on every rank, then "
+            "evaluate the stage modules with your own forward passes"
+        )
+
     def in_flight_micro_batches(self) -> list[int]:
         """The segment's micro-batch numbers this stage has forwarded and not yet back-propagated."""
         return sorted(self.in_flight)
