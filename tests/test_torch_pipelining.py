@@ -228,6 +228,8 @@ RESUME_CASES = [
     {"n": 3, "plan": ["step"] * 3 + ["drain"], "save_after": 1, "clip": 0.5,
      "fdg": {"weights": "stashed", "activations": "recomputed", "delay_lr_ticks": 6, "predict_decay": 0.5}},
     {"n": 3, "plan": ["step"] * 3 + ["drain"], "save_after": 2, "fdg": {"weights": "stashed", "accumulate": 2}},
+    # a drain as the first call after the load
+    {"n": 3, "plan": ["step", "step", "drain"], "save_after": 2, "fdg": {"activations": "recomputed", "accumulate": 2}},
 ]  # fmt: skip
 
 

@@ -196,6 +196,9 @@ class ScheduleFDG(PipelineScheduleSingle):
         losses computed while draining."""
         computed: list[Tensor] = []
         limit = self.segment_tick  # every micro-batch that entered the segment
+        if limit > 0 and self.restoring is not None:  # a drain right after a load
+            self._resume_without_inputs(self.restoring)
+            self.restoring = None
         if limit > 0:
             for _ in range(ticks.drain_ticks(self._num_stages)):
                 self._tick((), {}, limit, computed, loss_kwargs)
@@ -424,6 +427,21 @@ class ScheduleFDG(PipelineScheduleSingle):
             self.delayed.rebuild(held, functools.partial(self._run_forward, slot, record["args"], record["kwargs"]))
             self.in_flight[b] = InFlight(slot, record["args"], record["kwargs"], held)
         torch.set_rng_state(rng)
+
+    def _resume_without_inputs(self, state: dict[str, Any]) -> None:
+        """A drain as the first call after a load: torch's stage set-up reads an example micro-batch from what
+        the checkpoint holds (the first stage's inputs in flight, the queued keyword inputs and targets)."""
+        records = [state["in_flight"][b] for b in sorted(state["in_flight"])]
+        stage = self._stage
+        args = records[0]["args"] if stage.is_first and records else ()
+        kwargs = records[0]["kwargs"] if stage.is_first and records else {}
+        if not stage.is_first and state["later_kwargs"]:
+            kwargs = state["later_kwargs"][0]
+        target = state["targets"][0] if state["targets"] else None
+        if not self._stage_forward_initialized:
+            stage.has_backward = True
+            self._initialize(args, kwargs, target, None)
+        self._restore(state)
 
     def _layout(self) -> dict[str, Any]:
         dp = 1 if self.dp_group is None else dist.get_world_size(self.dp_group)
