@@ -164,7 +164,7 @@ def test_no_code_outside_the_runtime_touches_the_instruction_map() -> None:
 
 
 def test_the_version_is_the_newest_release() -> None:
-    version = re.findall(r'^version = "([^"]+)"$', (ROOT / "pyproject.toml").read_text(), re.M)[0]  # [project]'s
+    version = re.findall(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M)[0]  # [project]'s
     releases = re.findall(r"^## \[(\d+\.\d+\.\d+)\] - (\d{4}-\d{2}-\d{2})$", (ROOT / "CHANGELOG.md").read_text(), re.M)
     assert releases, "CHANGELOG.md has no release section (## [x.y.z] - yyyy-mm-dd)"
     assert version == releases[0][0] == fdg_schedule.__version__, (version, releases[0], fdg_schedule.__version__)
