@@ -1,4 +1,4 @@
-"""README.md and docs/**/*.md: every relative Markdown link names a file that exists, and every #anchor a heading.
+"""README.md, CHANGELOG.md, docs/**/*.md: each relative Markdown link names a file that exists, each #anchor a heading.
 
 Anchors follow GitHub's heading slugs: the heading's text in lower case, punctuation other than '-' and '_' removed,
 each space a '-', and a repeated slug numbered '-1', '-2', ... in the order the headings come.
@@ -13,7 +13,7 @@ from urllib.parse import unquote
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
+PAGES = sorted([ROOT / "README.md", ROOT / "CHANGELOG.md", *(ROOT / "docs").rglob("*.md")])
 
 FENCE = re.compile(r"^\s*(```|~~~)")
 CODE_SPAN = re.compile(r"(`+).*?\1")

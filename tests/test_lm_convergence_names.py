@@ -1,4 +1,4 @@
-"""benchmarks/convergence/lm_convergence.py's run names: the tied / untied variants and what each trains."""
+"""benchmarks/common/lm_runs.py's run names (lm_convergence.py's grammar): tied / untied variants, what each trains."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from types import ModuleType
 
 import pytest
 
-from benchmarks.convergence import lm_convergence
+from benchmarks.common import lm_runs
 from fdg_schedule.runtime import config as fdg_config
 
 
 def benchmark() -> ModuleType:
-    return lm_convergence
+    return lm_runs
 
 
 @pytest.mark.parametrize(

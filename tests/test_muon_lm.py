@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.common import provenance
 from benchmarks.convergence import muon_lm
 from fdg_schedule.zoo import hf_lm
 
@@ -49,7 +50,7 @@ def _write(file, record) -> None:
 
 def test_bp_adamw_is_run_here_only_where_the_auto_tests_ran_on_another_processor(tmp_path, monkeypatch) -> None:
     out, auto = tmp_path / "muon", tmp_path / "auto"
-    monkeypatch.setattr(muon_lm.auto_test, "machine", lambda: "here")
+    monkeypatch.setattr(provenance, "machine", lambda: "here")
     for seed in muon_lm.SEEDS:
         _write(muon_lm.path(out, "gpt2", "muon_k4", seed), {"test": 4.0, "machine": "here" if seed < 104 else "x"})
         theirs = {"test": 4.4, "machine": "x" if seed < 102 else "here"}
@@ -67,7 +68,7 @@ def test_bp_adamw_is_run_here_only_where_the_auto_tests_ran_on_another_processor
 
 def test_this_queues_arms_are_rerun_here_where_bp_adamw_ran_here_and_they_elsewhere(tmp_path, monkeypatch) -> None:
     out, auto = tmp_path / "muon", tmp_path / "auto"
-    monkeypatch.setattr(muon_lm.auto_test, "machine", lambda: "here")
+    monkeypatch.setattr(provenance, "machine", lambda: "here")
     for seed in muon_lm.SEEDS:  # 100-102: all elsewhere; 103, 104: BP-AdamW here, the Muon arms elsewhere
         for arm in muon_lm.ARMS:
             _write(muon_lm.path(out, "llama", arm, seed), {"test": 4.0, "machine": "x"})

@@ -1,1 +1,1 @@
-"""Library modules shared by the benchmarks: the models, the measured variants, the throughput report."""
+"""Library modules shared by the benchmarks (and their tests): models, variants, report, LM runs, statistics."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -330,30 +329,24 @@ class DeepSpeedVariant:
         self.engine.train_batch(self.data)
 
     def _time_stock_instructions(self) -> None:
-        """Time DeepSpeed's handlers by kind, through an instance copy of its instruction map."""
+        """Time DeepSpeed's handlers by kind, through the package's public hook (``dispatch.observe``)."""
         from deepspeed.runtime.pipe import schedule as s
+
+        from fdg_schedule.runtime.dispatch import observe
 
         kinds = {
             s.ForwardPass: "forward_s", s.BackwardPass: "backward_s", s.OptimizerStep: "step_s",
             s.ReduceGrads: "reduce_s", s.ReduceTiedGrads: "reduce_s", s.LoadMicroBatch: "load_s",
             s.SendActivation: "wait_s", s.RecvActivation: "wait_s", s.SendGrad: "wait_s", s.RecvGrad: "wait_s",
         }  # fmt: skip
-        self._stats = {k: 0.0 for k in set(kinds.values())}
-        table = dict(type(self.engine)._INSTRUCTION_MAP)
-        for cls, kind in kinds.items():
-            table[cls] = _timed(table[cls], self._stats, kind)
-        self.engine._INSTRUCTION_MAP = table  # the dispatch loop reads self._INSTRUCTION_MAP
+        stats = self._stats = {k: 0.0 for k in set(kinds.values())}
 
+        def count(view: Any, cmd: Any, start: float, end: float) -> None:
+            kind = kinds.get(type(cmd))
+            if kind is not None:
+                stats[kind] += end - start
 
-def _timed(fn: Callable[..., Any], stats: dict[str, float], kind: str) -> Callable[..., Any]:
-    def timed(self: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return fn(self, **kwargs)
-        finally:
-            stats[kind] += time.perf_counter() - start
-
-    return timed
+        observe(self.engine, count)
 
 
 Variant = PlainBP | PlainHalves | DeepSpeedVariant

@@ -37,7 +37,6 @@ import fcntl
 import json
 import math
 import os
-import platform
 import re
 import shutil
 import subprocess
@@ -48,6 +47,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from benchmarks.common.provenance import commit, machine
+from benchmarks.common.stats import t_quantile
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "docs" / "results" / "auto" / "runs"
@@ -81,32 +83,6 @@ LLAMA = {
     "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 0, "rms_norm_eps": 1e-6,
 }  # fmt: skip
 GPT2_MODEL = ROOT / "docs" / "results" / "convergence" / "lm_convergence_model.json"
-
-
-def machine() -> dict[str, str]:
-    """What must match for two runs to be a pair: the processor, its vector units, the software."""
-    import deepspeed
-    import torch
-
-    cpu = ""
-    flags: set[str] = set()
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name") and not cpu:
-                cpu = line.split(":", 1)[1].strip()
-            if line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
-    vector = ",".join(sorted(f for f in flags if f.startswith(("avx512", "avx2", "fma", "amx"))))
-    return {"cpu": cpu, "vector": vector, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
-            "python": platform.python_version()}  # fmt: skip
-
-
-def commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-        return out.stdout.strip()
-    except OSError:
-        return ""
 
 
 # -- one run ------------------------------------------------------------------------------------------------
@@ -396,24 +372,6 @@ def queue(out: Path, workers: int, smoke: bool, only: Sequence[str]) -> None:
 
 
 # -- the analysis -------------------------------------------------------------------------------------------
-
-
-def t_quantile(p: float, df: int) -> float:
-    """The Student-t quantile t_{p, df} (p > 0.5), by bisection on its CDF (Simpson's rule on the density)."""
-
-    def cdf(x: float) -> float:
-        n = 2000
-        h = x / n
-        c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
-        f = lambda t: c * (1 + t * t / df) ** (-(df + 1) / 2)  # noqa: E731
-        s = f(0) + f(x) + sum((4 if i % 2 else 2) * f(i * h) for i in range(1, n))
-        return 0.5 + s * h / 3
-
-    lo, hi = 0.0, 100.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
-    return (lo + hi) / 2
 
 
 def paired(out: Path, task: Task, arm: str, against: str = "bp") -> dict[str, Any]:

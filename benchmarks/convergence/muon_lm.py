@@ -44,6 +44,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import provenance
+from benchmarks.common.stats import t_quantile
 from benchmarks.convergence import auto_test
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -173,7 +175,7 @@ def plan(out: Path, auto_runs: Path = AUTO_RUNS) -> list[tuple[str, str, int, fl
     for task in TASKS:
         todo += [(task, f"bp_lr{lr}", TUNING_SEED, lr) for lr in TUNING_LRS]
         todo += [(task, arm, seed, None) for seed in SEEDS for arm in ARMS]
-    here = auto_test.machine()
+    here = provenance.machine()
     for task in TASKS:
         for seed in SEEDS:  # BP-AdamW where the auto test's ran on another processor than this seed's Muon arms
             theirs, ours = read(auto_test.run_path(auto_runs, task, "bp", seed)), read(path(out, task, "muon_k4", seed))
@@ -201,7 +203,7 @@ def queue(out: Path, auto_runs: Path = AUTO_RUNS) -> None:
             start = time.time()
             result = run_lm(task, arm.removesuffix(HERE), seed, lr)
             record = {"task": task, "arm": arm, "seed": seed, "muon_lr": lr, "wall_s": time.time() - start,
-                      "machine": auto_test.machine(), "commit": auto_test.commit(), **result}  # fmt: skip
+                      "machine": provenance.machine(), "commit": provenance.commit(), **result}  # fmt: skip
         file = path(out, task, arm, seed)
         file.parent.mkdir(parents=True, exist_ok=True)
         file.write_text(json.dumps(record, indent=1) + "\n")
@@ -219,7 +221,7 @@ def paired(a: dict[int, dict | None], b: dict[int, dict | None]) -> dict[str, An
     if len(diffs) >= 2:
         n, mean = len(diffs), sum(diffs) / len(diffs)
         sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1))
-        stats.update(mean=mean, sd=sd, upper_95=mean + auto_test.t_quantile(0.95, n - 1) * sd / math.sqrt(n))
+        stats.update(mean=mean, sd=sd, upper_95=mean + t_quantile(0.95, n - 1) * sd / math.sqrt(n))
     return stats
 
 
@@ -260,7 +262,7 @@ def runs_of(
 def report(out: Path, auto_runs: Path) -> dict[str, Any]:
     lines = ["| task | comparison (test loss, relative) | n of 5 | mean | sd | one-sided 95 % upper bound |",
              "|---|---|---|---|---|---|"]  # fmt: skip
-    result: dict[str, Any] = {"commit": auto_test.commit(), "tasks": {}}
+    result: dict[str, Any] = {"commit": provenance.commit(), "tasks": {}}
     for task in TASKS:
         entry: dict[str, Any] = {"muon_lr": tuned_lr(out, task), "comparisons": {}}
         for row, arm, against in COMPARISONS:

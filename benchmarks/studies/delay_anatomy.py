@@ -47,7 +47,7 @@ def simulate(mode: str, stages: int, seed: int, micro_batches: int, eval_every: 
     import torch
     from torch.func import functional_call
 
-    from benchmarks.convergence.lm_convergence import gpt2_setup, gpt2_val_loss
+    from benchmarks.common.lm_runs import gpt2_setup, gpt2_val_loss
     from fdg_schedule.zoo import hf_lm
 
     lag = LAGS[mode]

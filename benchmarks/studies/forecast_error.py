@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.convergence.lm_convergence import gpt2_setup, gpt2_val_loss, parse_run, train_reference
+from benchmarks.common.lm_runs import gpt2_setup, gpt2_val_loss, parse_run, train_reference
 
 GAMMAS = (0.0, 0.5, 0.8, 0.9, 0.95)
 WINDOWS = ((0, 100), (100, 400), (400, 10**9))

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from deepspeed.runtime.utils import partition_uniform
 
-from benchmarks.convergence.lm_convergence import MODEL, gpt2_setup
+from benchmarks.common.lm_runs import MODEL, gpt2_setup
 from fdg_schedule.partitioning import partition, profile
 from fdg_schedule.zoo import hf_lm
 

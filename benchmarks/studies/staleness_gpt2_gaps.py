@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from benchmarks.convergence.lm_convergence import parse_run
+from benchmarks.common.lm_runs import parse_run
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "results" / "staleness"  # the evidence of the experiment log
 # Where each curve is read, first file first: a run recorded twice (a BP curve copied into a later

@@ -29,7 +29,7 @@ import statistics
 import time
 from pathlib import Path
 
-from benchmarks.convergence.lm_convergence import ROOT, Run, finished, parse_run, run_deepspeed
+from benchmarks.common.lm_runs import ROOT, Run, finished, parse_run, run_deepspeed
 
 OUT = Path(os.environ.get("STALENESS_METRIC_OUT", ROOT / "runs" / "staleness_metric"))
 EVERY = 4  # pipeline.fdg.staleness_every: one measured micro-batch per train_batch() call (GAS 4)

@@ -137,7 +137,7 @@ def run_recipe(out: Path, model: str, start: int, ticks: int, deadline_s: float)
         "--test-subset", "256", "--max-steps", str(steps), "--deepspeed_config", str(out / "config.json"),
     ]  # fmt: skip
     # the launcher under a deadline, its process group killed past it
-    from benchmarks.throughput.multinode import run_launchers
+    from benchmarks.common.launchers import run_launchers
 
     try:
         run_launchers([command], deadline_s, out / "train.log")  # the log: train.node0.log

@@ -32,8 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,6 +47,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
+from benchmarks.common.launchers import run_launchers  # noqa: E402
 from fdg_schedule.tools.launch import free_port, remove_shared_memory  # noqa: E402
 
 IN, HIDDEN, CLASSES, BLOCKS = 16, 32, 4, 7  # the MLP: 7 (linear, tanh) blocks and a linear head: 8 layers
@@ -167,36 +166,6 @@ def worker(args: argparse.Namespace) -> None:
 
 # ---------------------------------------------------------------------------------------------------
 # The driver: launch, compare
-
-
-def run_launchers(commands: list[list[str]], deadline_s: float, log: Path) -> None:
-    """Run the launcher invocations at once (one per node); all must exit 0 before the deadline."""
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    logs = [open(log.with_suffix(f".node{i}.log"), "w") for i in range(len(commands))]  # noqa: SIM115
-    procs = [
-        subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
-        for cmd, f in zip(commands, logs)
-    ]
-    end = time.monotonic() + deadline_s
-    try:
-        while any(p.poll() is None for p in procs):
-            failed = [i for i, p in enumerate(procs) if p.returncode not in (None, 0)]
-            if failed or time.monotonic() > end:
-                break
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-        for f in logs:
-            f.close()
-    bad = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode != 0]
-    if bad:
-        tails = "\n".join(
-            f"--- node {i} (exit {code}) ---\n{log.with_suffix(f'.node{i}.log').read_text()[-3000:]}" for i, code in bad
-        )
-        raise RuntimeError(f"launcher(s) failed or passed the {deadline_s:.0f} s deadline:\n{tails}")
 
 
 def launch_commands(launcher: str, nodes: int, per_node: int, port: int, hostfile: Path | None) -> list[list[str]]:
