@@ -61,6 +61,25 @@ def _post_recv_grad(engine: FDGPipelineEngine, buffer_id: int, micro_batch: int)
     engine._exchange.post_recv_grad(engine.fdg_state.sent_meta[buffer_id])
 
 
+def _set_up_host(engine: FDGPipelineEngine, config: FDGConfig) -> None:
+    """``pipeline.fdg.host_memory`` on a CPU device; rank 0 logs it and the transport ``"auto"`` chose."""
+    if config.host_memory == "retain" and engine.device.type == "cpu":
+        host_memory.retain_freed_memory()
+    if engine.global_rank == 0:
+        logger.info(
+            f"fdg_schedule: transport {config.transport!r} runs {engine._exchange.transport!r}, host memory "
+            f"{host_memory.describe()} (pipeline.fdg.transport / host_memory; Note [the fastest transport by "
+            "default] in fdg_schedule.exchange.comm)"
+        )
+
+
+def _complete_exchange(engine: FDGPipelineEngine) -> None:
+    """Wait for every message posted (Note [no wait between calls]): the time counts as waiting."""
+    start = time.perf_counter()
+    engine._exchange.complete()
+    engine.fdg_stats["wait_s"] += time.perf_counter() - start
+
+
 class FDGPipelineEngine(FDGCheckpoints):
     """A ``PipelineEngine`` whose ``train_batch()`` runs FDG ticks instead of a 1F1B batch.
 
@@ -80,8 +99,6 @@ class FDGPipelineEngine(FDGCheckpoints):
             kwargs["model_parameters"] = tied.take_out(ties, kwargs.get("optimizer"), model_parameters, kwargs["model"])
         kwargs["optimizer"] = optim.explain_client_optimizer(kwargs.get("optimizer"), kwargs.get("model"))
         super().__init__(*args, **kwargs)
-        if fdg_config.host_memory == "retain" and self.device.type == "cpu":  # pipeline.fdg.host_memory
-            host_memory.retain_freed_memory()
         self.fdg_config = fdg_config = auto_corrections.for_engine(fdg_config, self)  # Note [the auto rule]
         optim.decouple_from_other_stages(self.optimizer, self.basic_optimizer)
         rank = lambda stage: self.grid.stage_to_global(stage) if 0 <= stage < self.num_stages else None  # noqa: E731
@@ -92,12 +109,7 @@ class FDGPipelineEngine(FDGCheckpoints):
             timeout_s=fdg_config.timeout, plan=self._plan, describe=self._describe, transport=fdg_config.transport,
             loss_scale=scale_config is not None,
         )  # fmt: skip
-        if self.global_rank == 0:  # what "auto" and the allocator setting chose, once per job
-            logger.info(
-                f"fdg_schedule: transport {fdg_config.transport!r} runs {self._exchange.transport!r}, host memory "
-                f"{host_memory.describe()} (pipeline.fdg.transport / host_memory; Note [the fastest transport by "
-                "default] in fdg_schedule.exchange.comm)"
-            )
+        _set_up_host(self, fdg_config)
         self._replicas = Replicas(self.grid, self.stage_id, fdg_config.timeout, self._where(), self.device)
         self._delayed = DelayedBackward(self.module, fdg_config, delayed=(delayed := not self.is_last_stage()))
         self._tied = tied.TiedSync(
@@ -220,9 +232,7 @@ class FDGPipelineEngine(FDGCheckpoints):
         self.fdg_state.meter.report_new(self.fdg_stats)
         data_ended = self.fdg_state.segment_over()
         if data_ended or plan.drain:  # Note [no wait between calls] in fdg_schedule.exchange.comm: a segment's end
-            wait_start = time.perf_counter()
-            self._exchange.complete()
-            self.fdg_stats["wait_s"] += time.perf_counter() - wait_start
+            _complete_exchange(self)
         self.agg_train_loss = self._replicas.mean_loss(
             self.fdg_state.call_losses, self.grid.get_data_parallel_group(), self.device
         )
