@@ -113,6 +113,8 @@ SCRIPT_IMPORTS = {
     "benchmarks.throughput.throughput": {"benchmarks.throughput.throughput_measure"},  # one benchmark, driver + ranks
     "benchmarks.throughput.scaling": {"benchmarks.throughput.plan_calibration"},  # the page embeds calibration's table
     "benchmarks.convergence.muon_lm": {"benchmarks.convergence.auto_test"},  # runs the auto test's own protocol
+    # derives the shipped token-overhead table from that study's own run lists (its evidence, not a helper)
+    "benchmarks.studies.token_overheads": {"benchmarks.studies.staleness_gpt2_gaps"},
     # throughput.py's model_profile / engine_version and throughput_measure.py's process set-up are shared, but
     # those files were being changed when issue 65 moved the other helpers: they move to common/ next
     "benchmarks.throughput.plan_calibration": {"benchmarks.throughput.throughput"},

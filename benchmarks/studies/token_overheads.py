@@ -25,7 +25,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from benchmarks.convergence.lm_convergence import parse_run
+from benchmarks.common.lm_runs import parse_run
 from benchmarks.studies.staleness_gpt2_gaps import FIVE, LONG_SOURCES, SEVEN, SOURCES, TEN, curves, seeded
 from fdg_schedule.plan.token_overhead import Curve, Setting, load_curve, measure
 
