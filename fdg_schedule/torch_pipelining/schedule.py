@@ -51,6 +51,7 @@ from fdg_schedule.corrections.delayed import DelayedBackward, Held
 from fdg_schedule.corrections.staleness import Corrections
 from fdg_schedule.runtime.config import FDGConfig
 from fdg_schedule.runtime.errors import FDGRuntimeError
+from fdg_schedule.runtime.tensors import describe
 from fdg_schedule.sched import ticks
 from fdg_schedule.torch_pipelining import arguments
 from fdg_schedule.torch_pipelining.links import Links, describe_rank
@@ -290,7 +291,7 @@ class ScheduleFDG(PipelineScheduleSingle):
             except Exception as err:
                 raise FDGRuntimeError(
                     f"{self.name}: loss_fn failed on micro-batch {micro_batch} (tick {self.tick}) with output "
-                    f"{_describe(output)} and target {_describe(target)}: {err}"
+                    f"{describe(output)} and target {describe(target)}: {err}"
                 ) from err
             stage.backward_one_chunk(slot, loss=loss / self.config.accumulate, last_backward=False)
         losses.append(loss.detach())
@@ -493,11 +494,3 @@ def _fill(infos: Any, tensors: list[Tensor]) -> None:
     buffers = [info.buffer for info in infos if info.buffer is not None]
     for buffer, value in zip(buffers, tensors, strict=True):
         buffer.detach().copy_(value)
-
-
-def _describe(x: Any) -> str:
-    if torch.is_tensor(x):
-        return f"{x.dtype} {tuple(x.shape)}"
-    if isinstance(x, (tuple, list)):
-        return "(" + ", ".join(_describe(v) for v in x) + ")"
-    return type(x).__name__
