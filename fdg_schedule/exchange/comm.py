@@ -78,9 +78,10 @@ Note [the fastest transport by default]: ``pipeline.fdg.transport: "auto"`` (the
 the shared-memory link can run (Linux, and the BLOCKING path: a stage on the CPU whose group is gloo), and
 ``"process_group"`` everywhere else (:func:`resolve_transport`). Under ``"shm"`` each side still checks that its
 neighbour shares the host, and neighbours on other hosts keep the group, so "auto" never changes where a
-message can go, only how. Measured at K = 2 on this project's CPU machine (docs/performance.md), the link runs
-FDG at 0.95-1.0 of the two-stage ceiling and the process group at 0.90-0.93: gloo moves every message through
-a socket and a transport thread of its own that competes with the stages' compute for the cores.
+message can go, only how. Measured at K = 2 on this project's CPU machine (docs/performance.md, issue 62's seven
+nets at GAS 4), FDG over the link read 0.92-0.98 of the two-stage ceiling and over the process group 0.87-0.96:
+gloo moves every message through a socket and a transport thread of its own that competes with the stages'
+compute for the cores.
 
 Note [no wait between calls]: a ``train_batch()`` call ends with its last tick's receives still posted and its
 sends in flight; the next call's first wait takes them (:meth:`NeighbourExchange.complete` runs only where
