@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import math
 import statistics
+
+from fdg_schedule.plan.token_overhead import t_quantile  # noqa: F401  (the benchmarks' Student t: the package's)
 
 
 def lockstep_cost(a: list[float], b: list[float]) -> float:
@@ -16,21 +17,3 @@ def spread(values: list[float], scale: float = 1.0, digits: int = 1) -> str:
     """``median [min–max]`` of ``values`` times ``scale``, each with ``digits`` decimals: a table cell."""
     values = [v * scale for v in values]
     return f"{statistics.median(values):.{digits}f} [{min(values):.{digits}f}–{max(values):.{digits}f}]"
-
-
-def t_quantile(p: float, df: int) -> float:
-    """The Student-t quantile t_{p, df} (p > 0.5), by bisection on its CDF (Simpson's rule on the density)."""
-
-    def cdf(x: float) -> float:
-        n = 2000
-        h = x / n
-        c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
-        f = lambda t: c * (1 + t * t / df) ** (-(df + 1) / 2)  # noqa: E731
-        s = f(0) + f(x) + sum((4 if i % 2 else 2) * f(i * h) for i in range(1, n))
-        return 0.5 + s * h / 3
-
-    lo, hi = 0.0, 100.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
-    return (lo + hi) / 2

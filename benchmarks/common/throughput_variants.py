@@ -105,7 +105,12 @@ def variants(gas_fdg: int | list[int]) -> list[dict[str, Any]]:
     )  # fmt: skip
     # FDG's per-tick messages through shared memory instead of gloo (pipeline.fdg.transport "shm"; run when named)
     out += [
-        dict(spec, name=_with_suffix(spec["name"], SHM), transport="shm", optional=True)
+        dict(
+            spec,
+            name=f"fdg_current_{spec['activations']}{SHM}{gas_suffix(spec['gas'], gas_fdg)}",
+            transport="shm",
+            optional=True,
+        )
         for spec in list(out)
         if spec["kind"] == "fdg" and spec["weights"] == "current"
     ]
@@ -124,12 +129,6 @@ def variants(gas_fdg: int | list[int]) -> list[dict[str, Any]]:
         if spec["name"] in BOUND_OF
     ]
     return out
-
-
-def _with_suffix(name: str, suffix: str) -> str:
-    """``suffix`` before a trailing GAS suffix (``fdg_current_stored_g4`` + ``_shm``: ``fdg_current_stored_shm_g4``)."""
-    stem, g, gas = name.rpartition("_g")
-    return f"{stem}{suffix}_g{gas}" if g and gas.isdigit() else name + suffix
 
 
 class PlainBP:
