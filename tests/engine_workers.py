@@ -710,7 +710,8 @@ def waits_between_calls(rank: int, world: int, cases: list[dict[str, Any]]) -> l
         from fdg_schedule.runtime import host_memory
 
         out.append({"stage_id": engine.stage_id, "transport": exchange.transport, "inside": inside[0],
-                    "outside": outside, "host_memory": host_memory.describe()})  # fmt: skip
+                    "outside": outside, "host_memory": host_memory.describe(), "lent": exchange.lent,
+                    "still_lent": sorted(exchange._lent)})  # fmt: skip
     return out
 
 

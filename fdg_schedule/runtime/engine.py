@@ -285,7 +285,7 @@ class FDGPipelineEngine(FDGCheckpoints):
         self.fdg_state.micro_batches_read += 1
 
     def _exec_wait_activation(self, buffer_id: int, micro_batch: int) -> None:
-        received, end = self._exchange.wait_activation()
+        received, end = self._exchange.wait_activation(lend=True)
         if end != NO_END:  # a dummy where micro-batch `end` would be: the data ended (Note [end of data])
             self._data_ended(end)
             return
@@ -294,12 +294,12 @@ class FDGPipelineEngine(FDGCheckpoints):
         self.pipe_buffers["inputs"][buffer_id] = received[0] if len(received) == 1 else received
 
     def _exec_wait_grad(self, buffer_id: int, micro_batch: int) -> None:
-        self.fdg_state.received[buffer_id] = self._exchange.wait_grad()
+        self.fdg_state.received[buffer_id] = self._exchange.wait_grad(lend=True)
 
     def _exec_fdg_forward(self, buffer_id: int, micro_batch: int) -> None:
         inputs, state = self.pipe_buffers["inputs"][buffer_id], self.fdg_state
         with state.predicted_forward(keep=lambda: self.fdg_config.weights == "stashed" and buffer_id in state.losses):
-            outputs, held = self._delayed.forward(lambda: self._stage_forward(inputs))
+            outputs, held = self._delayed.forward(lambda: self._stage_forward(inputs, received=True))
             self.pipe_buffers["outputs"][buffer_id] = outputs
             if held is not None:
                 state.meter.after_forward(state.tick, buffer_id, held.weights)
@@ -377,8 +377,7 @@ class FDGPipelineEngine(FDGCheckpoints):
 
     def _step(self, wrapped: bool) -> bool:
         """One optimizer step of this stage, with the delay-aware lr (fdg_schedule.corrections.staleness); False when
-        it was
-        skipped for a non-finite gradient.
+        it was skipped for a non-finite gradient.
 
         Note [no host sync in a tick]: under ``nonfinite="error"`` the stage norm's check is queued
         and the step taken (the run stops at the next read); only ``"skip"`` reads it before stepping.
@@ -474,7 +473,10 @@ class FDGPipelineEngine(FDGCheckpoints):
         replica = f", data-parallel replica {self.grid.data_parallel_id}" if self.dp_world_size > 1 else ""
         return f"stage {stage} (global rank {rank}{replica})"
 
-    def _stage_forward(self, inputs: Any) -> Any:
+    def _stage_forward(self, inputs: Any, received: bool = False) -> Any:
         # A clone, as in DeepSpeed: layers may write into their input; the buffer stays the leaf.
         cloned = tuple(t.clone() for t in inputs) if isinstance(inputs, tuple) else inputs.clone()
-        return DeepSpeedEngine.forward(self, cloned)
+        outputs = DeepSpeedEngine.forward(self, cloned)
+        if received:  # Note [a lent message]: the clone was the one read of a received activation
+            self._exchange.own_activation(as_tuple(inputs), as_tuple(cloned))
+        return outputs
