@@ -202,6 +202,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rss_stages = [int(k) for k in (args.rss if args.rss is not None else ("" if quick else "2")).split(",") if k]
     specs = variants(fdg_gas)
     if args.variants:
+        unknown = sorted(set(args.variants.split(",")) - {s["name"] for s in specs})
+        if unknown:  # a misspelt name would silently drop its variant from the run
+            parser.error(f"--variants names {unknown}, which this run does not have (with --fdg-gas {args.fdg_gas}): "
+                         f"choose from {[s['name'] for s in specs]}")  # fmt: skip
         specs = [s for s in specs if s["name"] in args.variants.split(",")]
     else:  # the staleness corrections' variants run when named
         specs = [s for s in specs if not s.get("optional")]
