@@ -18,7 +18,7 @@ import pytest
 import toy
 from dist_harness import run_ranks
 
-from fdg_schedule.corrections import tracking
+from fdg_schedule.observability import tracking
 from fdg_schedule.observability.view import MicroBatchNumbers
 from fdg_schedule.sched.schedule import AdvanceTick
 
@@ -295,7 +295,7 @@ def test_the_instruction_hook_observes_a_stock_engine_without_patching_its_class
     """dispatch.observe: DeepSpeed's PipelineEngine gets the hook on its instance; the class map is untouched."""
     from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass
 
-    from fdg_schedule.runtime import dispatch
+    from fdg_schedule.base import dispatch
 
     class Stock:
         _INSTRUCTION_MAP = {
@@ -319,7 +319,7 @@ def test_the_instruction_hook_observes_a_stock_engine_without_patching_its_class
 
 
 def test_the_instruction_hook_joins_an_fdg_engines_observers() -> None:
-    from fdg_schedule.runtime import dispatch
+    from fdg_schedule.base import dispatch
 
     class FDGLike:
         fdg_stats: dict[str, float] = {}

@@ -14,7 +14,7 @@ from torch import nn
 
 from benchmarks.common.cores import bind_threads
 from benchmarks.common.throughput_variants import DeepSpeedVariant, Variant, build_variant
-from fdg_schedule.runtime import host_memory
+from fdg_schedule.base import host_memory
 
 
 def throughput_worker(rank: int, world: int, plan: dict[str, Any]) -> dict[str, Any]:

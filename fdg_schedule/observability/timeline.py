@@ -29,8 +29,8 @@ from typing import Any
 
 from deepspeed.runtime.pipe import schedule as ds
 
+from fdg_schedule.base import dispatch
 from fdg_schedule.observability.view import MicroBatchNumbers, StageView
-from fdg_schedule.runtime import dispatch
 from fdg_schedule.sched import ticks
 from fdg_schedule.sched.schedule import OPS, AdvanceTick, Kind
 

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 from torch import Tensor
 
-from fdg_schedule.runtime.config import FDGConfig
+from fdg_schedule.base.config import FDGConfig
 from fdg_schedule.runtime.stage_state import StageState
 from fdg_schedule.sched.schedule import AdvanceTick
 

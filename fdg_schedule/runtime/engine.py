@@ -26,6 +26,10 @@ from deepspeed.runtime.pipe.schedule import PipeInstruction, ReduceGrads
 from deepspeed.utils import logger
 from torch import Tensor
 
+from fdg_schedule.base import dispatch, guards, host_memory, optim
+from fdg_schedule.base.config import FDGConfig
+from fdg_schedule.base.errors import DataExhausted, FDGRuntimeError
+from fdg_schedule.base.tensors import as_tuple, describe, floating, input_grads, to_device
 from fdg_schedule.checkpointing.replicas import Replicas
 from fdg_schedule.corrections import auto_corrections
 from fdg_schedule.corrections.delayed import DelayedBackward
@@ -35,13 +39,10 @@ from fdg_schedule.exchange.comm import NO_END, NeighbourExchange, meta_of
 from fdg_schedule.observability import observe
 from fdg_schedule.observability.report import print_flops_profile, report_call
 from fdg_schedule.precision import fp16
-from fdg_schedule.runtime import dispatch, guards, host_memory, loading, optim
-from fdg_schedule.runtime.config import FDGConfig
+from fdg_schedule.runtime import loading
 from fdg_schedule.runtime.engine_checkpoints import FDGCheckpoints
-from fdg_schedule.runtime.errors import DataExhausted, FDGRuntimeError
 from fdg_schedule.runtime.stage_backward import stage_backward
 from fdg_schedule.runtime.stage_state import StageState
-from fdg_schedule.runtime.tensors import as_tuple, describe, floating, input_grads, to_device
 from fdg_schedule.sched import grid, schedule, ticks
 from fdg_schedule.sched.kinds import Kind
 from fdg_schedule.sched.schedule import OPS, FDGTrainSchedule, ScheduleRun

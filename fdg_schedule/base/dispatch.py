@@ -13,7 +13,7 @@ from typing import Any
 
 from deepspeed.runtime.pipe.schedule import PipeInstruction, PipeSchedule
 
-from fdg_schedule.runtime.errors import FDGRuntimeError
+from fdg_schedule.base.errors import FDGRuntimeError
 
 
 def execute(engine: Any, schedule: PipeSchedule, after: Callable[[PipeInstruction, float, float], None]) -> None:

@@ -231,7 +231,7 @@ class StageTracker:
             micro_batch, on_device["fdg/loss_last"] = self._last_loss
             row["fdg/loss_micro_batch"] = micro_batch
             self._last_loss = None
-        # One host read for the call's device values (Note [no host sync in a tick] in fdg_schedule.runtime.guards).
+        # One host read for the call's device values (Note [no host sync in a tick] in fdg_schedule.base.guards).
         values = torch.stack([t.detach().float().reshape(()) for t in on_device.values()]).tolist()
         row.update((key, value) for key, value in zip(on_device, values) if not math.isnan(value) or key != "fdg/loss")
         return row
