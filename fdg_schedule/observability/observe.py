@@ -2,7 +2,8 @@
 
 The engine calls ``on_instruction`` after every instruction it executes (with ``perf_counter``
 start and end times) and ``on_call_end`` after every ``train_batch()`` / ``drain()``, handing each
-observer a :class:`~fdg_schedule.observability.view.StageView`. What the config can ask for:
+observer a :class:`~fdg_schedule.observability.view.StageView` built for that call (Note [observers see a
+view]). What the config can ask for:
 
 * ``"wandb": {"enabled": true, ...}`` (DeepSpeed's block) → :class:`fdg_schedule.observability.tracking.StageTracker`,
   one W&B run per rank in one group;
@@ -28,8 +29,8 @@ def observers_from_config(view: StageView, ds_config: Mapping[str, Any]) -> list
     observers: list[Observer] = []
     if tracking.wandb_block(ds_config) is not None:
         observers.append(tracking.StageTracker(view, ds_config))
-    if view.fdg_config.trace is not None:
-        observers.append(timeline.FDGTimeline(view, **view.fdg_config.trace))
+    if view.config.trace is not None:
+        observers.append(timeline.FDGTimeline(view, **view.config.trace))
     return observers
 
 
