@@ -707,7 +707,7 @@ def waits_between_calls(rank: int, world: int, cases: list[dict[str, Any]]) -> l
             engine.train_batch(it)
         marks.append(exchange.waits)
         outside = sum(b - a for a, b in zip(marks[0::2], marks[1::2]))
-        from fdg_schedule.runtime import host_memory
+        from fdg_schedule.base import host_memory
 
         out.append({"stage_id": engine.stage_id, "transport": exchange.transport, "inside": inside[0],
                     "outside": outside, "host_memory": host_memory.describe(), "lent": exchange.lent,

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from fdg_schedule.runtime.config import KEYS, FDGConfig, FDGConfigError, Key, parse
+from fdg_schedule.base.config import KEYS, FDGConfig, FDGConfigError, Key, parse
 
 
 def _ds(fdg: dict | None = None, **extra) -> dict:

@@ -60,7 +60,17 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 HOOK = PACKAGE.parent / "_fdg_schedule_autoinstall.py"
-RUNTIME = ("sched", "runtime", "exchange", "checkpointing", "corrections", "partitioning", "precision", "observability")
+RUNTIME = (
+    "base",
+    "sched",
+    "runtime",
+    "exchange",
+    "checkpointing",
+    "corrections",
+    "partitioning",
+    "precision",
+    "observability",
+)
 
 
 def full_graph() -> dict[str, set[str]]:
@@ -176,7 +186,7 @@ def test_install_is_on_top_and_ticks_at_the_bottom() -> None:
     for low in (
         "fdg_schedule.sched.schedule",
         "fdg_schedule.observability.view",
-        "fdg_schedule.corrections.tracking",
+        "fdg_schedule.observability.tracking",
         "fdg_schedule.observability.timeline",
     ):
         assert "fdg_schedule.runtime.engine" not in graph[low], f"{low} imports the engine"

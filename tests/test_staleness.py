@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch import nn
 
+from fdg_schedule.base.config import FDGConfig, FDGConfigError
 from fdg_schedule.corrections.staleness import Corrections, StalenessMeter
-from fdg_schedule.runtime.config import FDGConfig, FDGConfigError
 
 
 def _params(dtype: torch.dtype = torch.float32) -> list[nn.Parameter]:

@@ -59,7 +59,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fdg_schedule.runtime.config import CORRECTION_KEYS, FDGConfig, FDGConfigError
+from fdg_schedule.base.config import CORRECTION_KEYS, FDGConfig, FDGConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -100,8 +100,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from fdg_schedule.base.config import FDGConfig
 from fdg_schedule.corrections import auto_corrections
-from fdg_schedule.runtime.config import FDGConfig
 from fdg_schedule.sched import ticks
 
 Activation = Tensor | tuple[Tensor, ...]

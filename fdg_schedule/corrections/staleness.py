@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fdg_schedule.runtime.config import FDGConfig, FDGConfigError
+from fdg_schedule.base.config import FDGConfig, FDGConfigError
 from fdg_schedule.sched import ticks
 
 

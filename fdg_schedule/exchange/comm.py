@@ -37,8 +37,8 @@ The backend is the one the process group uses for the stage's device type: a def
 
 STREAM is what a GPU job runs: ``work.wait()`` without a timeout orders the compute stream after
 the transfer and returns at once, so the host keeps queuing kernels; the failure timeout is kept by
-:class:`~fdg_schedule.runtime.watchdog.Watchdog` (Note [a timeout without a blocking wait]) and send
-buffers stay referenced until their transfer completes (:class:`~fdg_schedule.runtime.watchdog.InFlightSends`).
+:class:`~fdg_schedule.base.watchdog.Watchdog` (Note [a timeout without a blocking wait]) and send
+buffers stay referenced until their transfer completes (:class:`~fdg_schedule.base.watchdog.InFlightSends`).
 STAGED exists so that several ranks can share one GPU (NCCL refuses two ranks on one device), as
 the device check does; it synchronises every tick and is not for training. gloo jobs on host
 memory keep exactly the behaviour they always had. The STREAM path has not yet run on a GPU (no
@@ -116,12 +116,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from fdg_schedule.base.errors import FDGRuntimeError
+from fdg_schedule.base.guards import read_host
+from fdg_schedule.base.tensors import HOST
+from fdg_schedule.base.watchdog import InFlightSends, StreamWork, Watchdog, stream_mark
 from fdg_schedule.exchange.shm_link import Link, message_bytes
 from fdg_schedule.precision.loss_scale import from_word, to_word
-from fdg_schedule.runtime.errors import FDGRuntimeError
-from fdg_schedule.runtime.guards import read_host
-from fdg_schedule.runtime.tensors import HOST
-from fdg_schedule.runtime.watchdog import InFlightSends, StreamWork, Watchdog, stream_mark
 
 _HEADER_INTS = 256
 _DTYPES = [
@@ -292,7 +292,7 @@ class NeighbourExchange:
             ``"auto"``: :func:`resolve_transport` (Note [the fastest transport by default]); :attr:`transport` is the
             one that runs.
         mark: under STREAM, called right after each post: whether the stream has reached it since
-            (:func:`~fdg_schedule.runtime.watchdog.stream_mark`, Note [a timeout without a blocking wait]).
+            (:func:`~fdg_schedule.base.watchdog.stream_mark`, Note [a timeout without a blocking wait]).
         loss_scale: fp16 (Note [loss scale per stage] in fdg_schedule.precision.loss_scale): an activation's control
         word
             also carries the loss-scale ceiling (``post(ceiling=...)``, :attr:`ceiling_in`), and the loss

@@ -29,8 +29,8 @@ from typing import Any
 
 from deepspeed.runtime.pipe import schedule as ds
 
-from fdg_schedule.observability.view import MicroBatchNumbers, StageView
-from fdg_schedule.runtime import dispatch
+from fdg_schedule.base import dispatch
+from fdg_schedule.observability.view import MicroBatchNumbers, StageIds, StageView
 from fdg_schedule.sched import ticks
 from fdg_schedule.sched.schedule import OPS, AdvanceTick, Kind
 
@@ -63,17 +63,17 @@ _ONE_F_ONE_B = {
 class TraceRecorder:
     """Chrome trace events of one rank; times are wall-clock microseconds, comparable across ranks."""
 
-    def __init__(self, engine: Any, schedule: str, directory: str | Path, start_tick: int, ticks_: int) -> None:
-        self.path = Path(directory) / f"trace-rank{engine.global_rank}.json"
-        self.rank = engine.global_rank
+    def __init__(self, ids: StageIds, schedule: str, directory: str | Path, start_tick: int, ticks_: int) -> None:
+        self.path = Path(directory) / f"trace-rank{ids.global_rank}.json"
+        self.rank = ids.global_rank
         self.meta = {
             "schedule": schedule,
-            "rank": engine.global_rank,
-            "stage_id": engine.stage_id,
-            "stages": engine.num_stages,
-            "dp_id": engine.grid.data_parallel_id,
-            "dp_world_size": engine.dp_world_size,
-            "delay": ticks.delay(engine.num_stages, engine.stage_id) if schedule == "fdg" else None,
+            "rank": ids.global_rank,
+            "stage_id": ids.stage_id,
+            "stages": ids.num_stages,
+            "dp_id": ids.dp_id,
+            "dp_world_size": ids.dp_world_size,
+            "delay": ticks.delay(ids.num_stages, ids.stage_id) if schedule == "fdg" else None,
             "start_tick": start_tick,
             "ticks": ticks_,
         }
@@ -125,15 +125,15 @@ class TraceRecorder:
 class FDGTimeline:
     """An observer that records the instructions of the trace window of ticks on this rank."""
 
-    def __init__(self, engine: StageView, start_tick: int = 0, ticks: int = 64, dir: str = "fdg_trace") -> None:  # noqa: A002
-        self.recorder = TraceRecorder(engine, "fdg", dir, start_tick, ticks)
+    def __init__(self, view: StageView, start_tick: int = 0, ticks: int = 64, dir: str = "fdg_trace") -> None:  # noqa: A002
+        self.recorder = TraceRecorder(view.ids, "fdg", dir, start_tick, ticks)
         self.numbers = MicroBatchNumbers()
         self._staleness_tick = math.nan
 
-    def on_instruction(self, engine: StageView, cmd: Any, start: float, end: float) -> None:
+    def on_instruction(self, view: StageView, cmd: Any, start: float, end: float) -> None:
         self.numbers.watch(cmd)
         rec = self.recorder
-        tick = int(engine.fdg_stats["ticks"])  # ticks finished before this instruction's tick
+        tick = int(view.stats["ticks"])  # ticks finished before this instruction's tick
         if isinstance(cmd, AdvanceTick):
             tick -= 1  # it has already counted itself
             if rec.start_tick <= tick < rec.end_tick:
@@ -149,13 +149,13 @@ class FDGTimeline:
             number = self.numbers(micro_batch)
             rec.add(op.kind.value, f"{op.letter}{number}", start, end, tick=tick, micro_batch=number)
 
-    def on_call_end(self, engine: StageView, seconds: float) -> None:
+    def on_call_end(self, view: StageView, seconds: float) -> None:
         self.numbers.end_call()
-        measured = engine.fdg_stats.get("staleness_tick", math.nan)  # a new staleness measurement this call
+        measured = view.stats.get("staleness_tick", math.nan)  # a new staleness measurement this call
         if measured != self._staleness_tick and self.recorder.start_tick <= measured < self.recorder.end_tick:
-            self.recorder.counter("staleness", time.perf_counter(), engine.fdg_stats["staleness"])
+            self.recorder.counter("staleness", time.perf_counter(), view.stats["staleness"])
         self._staleness_tick = measured
-        if engine.fdg_stats["ticks"] >= self.recorder.end_tick:
+        if view.stats["ticks"] >= self.recorder.end_tick:
             self.recorder.write()
 
     def close(self) -> None:
@@ -171,7 +171,7 @@ def trace_one_f_one_b(
     1F1B has no ticks: the window is micro-batches ``[start_tick, start_tick + ticks)`` rounded out
     to whole ``train_batch()`` calls. Call ``.write()`` on the result (or let it write at exit).
     """
-    recorder = TraceRecorder(engine, "1f1b", dir, start_tick, ticks)
+    recorder = TraceRecorder(StageIds.of(engine), "1f1b", dir, start_tick, ticks)
     original = engine._exec_schedule
     calls = [0]
     in_window = [False]  # is the current train_batch() call recorded

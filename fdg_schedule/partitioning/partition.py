@@ -72,7 +72,7 @@ class Objective:
     @classmethod
     def from_ds_config(cls, ds_config: Mapping[str, Any], memory_limit: int | None = None) -> Objective:
         """The objective a DeepSpeed config trains with: its schedule, FDG modes and accumulation."""
-        from fdg_schedule.runtime import config as fdg_config
+        from fdg_schedule.base import config as fdg_config
 
         fdg = fdg_config.parse(dict(ds_config))
         micro_batches = int(ds_config.get("gradient_accumulation_steps", 1) or 1)

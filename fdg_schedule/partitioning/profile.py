@@ -48,9 +48,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from fdg_schedule.base import host_memory
+from fdg_schedule.base.tensors import cloned, detached, flat, leaves, map_tensors, nbytes
 from fdg_schedule.partitioning.profile_format import FORMAT, LayerCost, ModelProfile
-from fdg_schedule.runtime import host_memory
-from fdg_schedule.runtime.tensors import cloned, detached, flat, leaves, map_tensors, nbytes
 
 __all__ = ["FORMAT", "LayerCost", "ModelProfile", "cached_profile", "describe", "layer_name", "profile_layers"]
 # How layers are timed; part of the cache key, so a profile cached by an older way of timing is measured
@@ -331,7 +331,7 @@ def profile_key(
 
     Layers are described without building them (``LayerSpec`` repr with its arguments, module repr
     and parameter shapes, function names); the device by its hardware name and thread count, and on
-    a CPU whether freed memory is retained (:mod:`fdg_schedule.runtime.host_memory`: page faults change layer
+    a CPU whether freed memory is retained (:mod:`fdg_schedule.base.host_memory`: page faults change layer
     times by up to a third, so a profile taken under the other setting is measured again).
     """
     device = torch.device(device) if device is not None else _default_device()

@@ -26,6 +26,10 @@ from deepspeed.runtime.pipe.schedule import PipeInstruction, ReduceGrads
 from deepspeed.utils import logger
 from torch import Tensor
 
+from fdg_schedule.base import dispatch, guards, host_memory, optim
+from fdg_schedule.base.config import FDGConfig
+from fdg_schedule.base.errors import DataExhausted, FDGRuntimeError
+from fdg_schedule.base.tensors import as_tuple, describe, floating, input_grads, to_device
 from fdg_schedule.checkpointing.replicas import Replicas
 from fdg_schedule.corrections import auto_corrections
 from fdg_schedule.corrections.delayed import DelayedBackward
@@ -35,13 +39,10 @@ from fdg_schedule.exchange.comm import NO_END, NeighbourExchange, meta_of
 from fdg_schedule.observability import observe
 from fdg_schedule.observability.report import print_flops_profile, report_call
 from fdg_schedule.precision import fp16
-from fdg_schedule.runtime import dispatch, guards, host_memory, loading, optim
-from fdg_schedule.runtime.config import FDGConfig
+from fdg_schedule.runtime import loading, stage_view
 from fdg_schedule.runtime.engine_checkpoints import FDGCheckpoints
-from fdg_schedule.runtime.errors import DataExhausted, FDGRuntimeError
 from fdg_schedule.runtime.stage_backward import stage_backward
 from fdg_schedule.runtime.stage_state import StageState
-from fdg_schedule.runtime.tensors import as_tuple, describe, floating, input_grads, to_device
 from fdg_schedule.sched import grid, schedule, ticks
 from fdg_schedule.sched.kinds import Kind
 from fdg_schedule.sched.schedule import OPS, FDGTrainSchedule, ScheduleRun
@@ -136,7 +137,7 @@ class FDGPipelineEngine(FDGCheckpoints):
         )  # fmt: skip
         self._watch = guards.NonFiniteWatch()  # Note [no host sync in a tick]
         self._running: ScheduleRun | None = None  # the call in progress: told when the data ends
-        self.observers = observe.observers_from_config(self, self._config._param_dict)
+        self.observers = observe.observers_from_config(stage_view.view(self), self._config._param_dict)
         self._reduce_is_identity = optim.reduce_is_identity(self)
 
     # -- public ---------------------------------------------------------------------------------
@@ -238,8 +239,7 @@ class FDGPipelineEngine(FDGCheckpoints):
         )
         elapsed = time.perf_counter() - start
         report_call(self, steps_before, elapsed)
-        for observer in self.observers:
-            observer.on_call_end(self, elapsed)
+        stage_view.call_ended(self, elapsed)
         if data_ended:
             raise DataExhausted(self.agg_train_loss)
         return self.agg_train_loss
@@ -252,8 +252,7 @@ class FDGPipelineEngine(FDGCheckpoints):
         op = OPS.get(type(cmd))
         if op is not None and op.kind is not None:
             self.fdg_stats[f"{op.kind.value}_s"] += end - start
-        for observer in self.observers:
-            observer.on_instruction(self, cmd, start, end)
+        stage_view.instruction_ran(self, cmd, start, end)
 
     def _data_ended(self, limit: int) -> None:
         """Note [end of data]: this stage just learned that its segment has ``limit`` micro-batches."""

@@ -9,9 +9,9 @@ import torch
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from torch import Tensor
 
+from fdg_schedule.base.errors import FDGRuntimeError
+from fdg_schedule.base.tensors import describe
 from fdg_schedule.observability.report import stop_backward_timers
-from fdg_schedule.runtime.errors import FDGRuntimeError
-from fdg_schedule.runtime.tensors import describe
 
 
 def stage_backward(engine: Any, outputs: list[Tensor], grads: tuple[Tensor, ...], where: Callable[[], str]) -> None:

@@ -55,7 +55,7 @@ from deepspeed.runtime.pipe.schedule import (
     ReduceGrads,
 )
 
-from fdg_schedule.runtime.errors import FDGRuntimeError
+from fdg_schedule.base.errors import FDGRuntimeError
 from fdg_schedule.sched import actions, ticks
 from fdg_schedule.sched.actions import Op as ActionOp
 from fdg_schedule.sched.kinds import Kind

@@ -208,7 +208,7 @@ class FDGConfig:
     is the same."""
 
     host_memory: str = "retain"
-    """On a CPU device, what the process does with freed host memory (:mod:`fdg_schedule.runtime.host_memory`):
+    """On a CPU device, what the process does with freed host memory (:mod:`fdg_schedule.base.host_memory`):
     ``"retain"`` (the default) keeps it, as a caching allocator keeps device memory, so a tick's tensors reuse
     pages already mapped instead of faulting fresh zeroed ones in (page faults cost FDG's CPU stages 10-15 %
     of a tick on the plain conv net of docs/performance.md); ``"system"``: glibc's default, which hands large
@@ -216,7 +216,7 @@ class FDGConfig:
 
     check_every: int = 0
     """Ticks between host reads of the non-finite flags (Note [no host sync in a tick] in
-    :mod:`fdg_schedule.runtime.guards`): 0 reads them once, at the end of each ``train_batch()`` / ``drain()``
+    :mod:`fdg_schedule.base.guards`): 0 reads them once, at the end of each ``train_batch()`` / ``drain()``
     call; N >= 1 also every N ticks inside a call (an earlier stop, one host synchronisation each)."""
 
     trace: Mapping[str, Any] | None = None
