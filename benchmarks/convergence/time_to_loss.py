@@ -85,6 +85,7 @@ RESNET_DEPTH, RESNET_MICRO, RESNET_TRAIN, RESNET_EVAL = 20, 32, 16384, 2048
 ADAMW = {"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 SGD = {"momentum": 0.9, "weight_decay": 5e-4}
 CLIP = {"lm": 1.0, "resnet": 0.0}
+PAUSE_WHILE: Path | None = None  # while this file exists, a run waits between ticks (the machine's quiet periods)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,10 +291,15 @@ def one_run(run: Run) -> dict[str, Any]:
         choice = made.line() if made is not None else None
     curve: list[tuple[int, float]] = []
     n = len(batches)
-    eval_s = 0.0
+    eval_s = paused_s = 0.0
 
     def after_tick(tick: int) -> None:
-        nonlocal eval_s
+        nonlocal eval_s, paused_s
+        if PAUSE_WHILE is not None and PAUSE_WHILE.exists():  # the result does not depend on when ticks run
+            t0 = time.time()
+            while PAUSE_WHILE.exists():
+                time.sleep(15)
+            paused_s += time.time() - t0
         if (tick + 1) % EVAL_EVERY == 0 and tick + 1 < n:
             t0 = time.time()
             curve.append(((tick + 1) * per_micro, evaluate(modules, evaluation, loss_fn)))
@@ -314,8 +320,9 @@ def one_run(run: Run) -> dict[str, Any]:
         "val": curve,
         "final": curve[-1][1],
         "train_loss_last_64": sum(losses[-64:]) / max(1, len(losses[-64:])),
-        "wall_s": time.time() - start,
+        "wall_s": time.time() - start - paused_s,  # paused time excluded
         "eval_s": eval_s,
+        "paused_s": paused_s,
         "machine": machine(),
         "commit": commit(),
     }
@@ -412,7 +419,8 @@ def run_one(out: Path, run: Run) -> dict[str, Any]:
 
 
 def queue(out: Path, limit: int | None = None) -> None:
-    """Run every run not done, one at a time in a child process, in queue order; stops when all are done."""
+    """Run every run not done, one at a time in a child process, in queue order; stops when all are done. With
+    ``PAUSE_WHILE`` set, waits while that file exists, before a run and between its ticks."""
     out.mkdir(parents=True, exist_ok=True)
     lock = open(out / ".queue.lock", "w")  # noqa: SIM115 - held until the process ends
     try:
@@ -422,6 +430,10 @@ def queue(out: Path, limit: int | None = None) -> None:
     done = 0
     while (run := next_run(out)) is not None and (limit is None or done < limit):
         command = [sys.executable, "-m", "benchmarks.convergence.time_to_loss", "one", "--out", str(out), run.name]
+        if PAUSE_WHILE is not None:
+            command += ["--pause-while", str(PAUSE_WHILE)]
+            while PAUSE_WHILE.exists():
+                time.sleep(15)
         started = time.time()
         subprocess.run(command, cwd=ROOT, check=False)
         result = read(run.path(out))
@@ -644,6 +656,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("name", nargs="?", help="one: the run's name (<task>_<optimizer>/<arm>_lr.._w.._s..)")
     parser.add_argument("--out", type=Path, default=None, help="the run files (kept outside the repository)")
     parser.add_argument("--limit", type=int, default=None, help="run: stop after this many runs")
+    parser.add_argument("--pause-while", type=Path, default=None, help="run, one: wait while this file exists")
     parser.add_argument("--throughput", type=Path, default=None, help="analyze: K = 2 measured samples/s")
     parser.add_argument("--predicted", type=Path, default=None, help="analyze: K = 4 / 8 planner ratios")
     parser.add_argument("--json", type=Path, default=None, help="analyze: write the report here")
@@ -652,6 +665,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.out is None and args.what in ("run", "one", "status", "analyze"):
         parser.error(f"{args.what} needs --out DIR (the run files)")
+    global PAUSE_WHILE
+    PAUSE_WHILE = args.pause_while
     if args.what == "run":
         queue(args.out, args.limit)
     elif args.what == "one":
