@@ -140,6 +140,9 @@ def test_queue_order_and_restart_skip_done_runs(tmp_path: Path, monkeypatch: pyt
     assert all(r.seed == ttl.TUNING_SEED for r in first)
     names = [i.name for i in order if isinstance(i, ttl.Run)]
     assert len(names) == len(set(names))  # the baselines' grid runs once, shared by K = 2, 4, 8
+    points, seeds = len(ttl.GRIDS["adamw"]) * len(ttl.WARMUPS), len(ttl.SEEDS)
+    k2 = sum(1 for _, _, k in ttl.CONFIGS if k == 2)
+    assert len(order) == k2 * 3 * (points + seeds) + (len(ttl.CONFIGS) - k2) * (points + seeds)  # 156: each once
     assert ttl.next_run(tmp_path) == first[0]
 
     calls: list[str] = []
@@ -176,3 +179,13 @@ def test_throughput_ratio_from_the_benchmarks_json(tmp_path: Path) -> None:
     assert (
         ttl.throughput_ratio(path, "resnet", "sgd", 2) is None and ttl.throughput_ratio(path, "lm", "adamw", 4) is None
     )
+
+
+def test_the_queue_child_command_parses_to_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = ttl.Run("lm", "muon", "fdg_k8", 0.02, 0.1, 303)
+    for pause in (None, tmp_path / "QUIET"):
+        monkeypatch.setattr(ttl, "PAUSE_WHILE", pause)
+        command = ttl.child_command(tmp_path, run)
+        assert command[1:3] == ["-m", "benchmarks.convergence.time_to_loss"]
+        args = ttl.parser().parse_args(command[3:])
+        assert (args.what, ttl.Run.parse(args.name), args.out, args.pause_while) == ("one", run, tmp_path, pause)

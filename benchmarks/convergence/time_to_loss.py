@@ -371,9 +371,10 @@ def choose(out: Path, task: str, optimizer: str, arm: str) -> Run | None:
     return points[min(range(len(points)), key=key)]
 
 
-def queue_order(out: Path) -> list[Run | tuple[str, str, str]]:
-    """Every run in queue order; a ``(task, optimizer, arm)`` stands for that arm's chosen point, not known yet."""
-    order: list[Run | tuple[str, str, str]] = []
+def queue_order(out: Path) -> list[Run | tuple[str, str, str, int]]:
+    """Every run in queue order, each once; ``(task, optimizer, arm, seed)`` stands for the arm's chosen point at
+    that seed, not known yet."""
+    order: list[Run | tuple[str, str, str, int]] = []
     for task, optimizer, k in CONFIGS:
         for arm in arms(k):
             order += grid(task, optimizer, arm)
@@ -381,13 +382,13 @@ def queue_order(out: Path) -> list[Run | tuple[str, str, str]]:
             for arm in arms(k):
                 chosen = choose(out, task, optimizer, arm)
                 order.append(
-                    (task, optimizer, arm) if chosen is None else dataclasses.replace(chosen, seed=seed)
+                    (task, optimizer, arm, seed) if chosen is None else dataclasses.replace(chosen, seed=seed)
                 )  # fmt: skip
     seen: set[str] = set()
-    unique: list[Run | tuple[str, str, str]] = []
+    unique: list[Run | tuple[str, str, str, int]] = []
     for item in order:  # the baselines are shared by K: each run once, at its first place
-        key = item.name if isinstance(item, Run) else "/".join(item)
-        if isinstance(item, Run) and key in seen:
+        key = item.name if isinstance(item, Run) else "/".join(map(str, item))
+        if key in seen:
             continue
         seen.add(key)
         unique.append(item)
@@ -418,6 +419,12 @@ def run_one(out: Path, run: Run) -> dict[str, Any]:
     return result
 
 
+def child_command(out: Path, run: Run) -> list[str]:
+    """The command that runs ``run`` in its own process (``one``; the name right after it, before any option)."""
+    pause = [] if PAUSE_WHILE is None else ["--pause-while", str(PAUSE_WHILE)]
+    return [sys.executable, "-m", "benchmarks.convergence.time_to_loss", "one", run.name, "--out", str(out), *pause]
+
+
 def queue(out: Path, limit: int | None = None) -> None:
     """Run every run not done, one at a time in a child process, in queue order; stops when all are done. With
     ``PAUSE_WHILE`` set, waits while that file exists, before a run and between its ticks."""
@@ -429,11 +436,9 @@ def queue(out: Path, limit: int | None = None) -> None:
         raise SystemExit(f"time_to_loss.py: another queue runs on {out}") from None
     done = 0
     while (run := next_run(out)) is not None and (limit is None or done < limit):
-        command = [sys.executable, "-m", "benchmarks.convergence.time_to_loss", "one", "--out", str(out), run.name]
-        if PAUSE_WHILE is not None:
-            command += ["--pause-while", str(PAUSE_WHILE)]
-            while PAUSE_WHILE.exists():
-                time.sleep(15)
+        command = child_command(out, run)
+        while PAUSE_WHILE is not None and PAUSE_WHILE.exists():
+            time.sleep(15)
         started = time.time()
         subprocess.run(command, cwd=ROOT, check=False)
         result = read(run.path(out))
@@ -650,7 +655,7 @@ def _source(net: dict[str, Any]) -> str:
     return f"predicted ({net.get('cluster')}, {net.get('model')}), {net['against']} {net[net['against']]:.3f}"
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("what", choices=["run", "one", "status", "analyze", "predict", "power"])
     parser.add_argument("name", nargs="?", help="one: the run's name (<task>_<optimizer>/<arm>_lr.._w.._s..)")
@@ -660,18 +665,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--throughput", type=Path, default=None, help="analyze: K = 2 measured samples/s")
     parser.add_argument("--predicted", type=Path, default=None, help="analyze: K = 4 / 8 planner ratios")
     parser.add_argument("--json", type=Path, default=None, help="analyze: write the report here")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser_ = parser()
+    args = parser_.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.out is None and args.what in ("run", "one", "status", "analyze"):
-        parser.error(f"{args.what} needs --out DIR (the run files)")
+        parser_.error(f"{args.what} needs --out DIR (the run files)")
     global PAUSE_WHILE
     PAUSE_WHILE = args.pause_while
     if args.what == "run":
         queue(args.out, args.limit)
     elif args.what == "one":
         if not args.name:
-            parser.error("one needs the run's name")
+            parser_.error("one needs the run's name")
         result = run_one(args.out, Run.parse(args.name))
         print(json.dumps({k: v for k, v in result.items() if k != "val"}, indent=1))
     elif args.what == "predict":
