@@ -189,3 +189,12 @@ def test_the_queue_child_command_parses_to_the_run(tmp_path: Path, monkeypatch: 
         assert command[1:3] == ["-m", "benchmarks.convergence.time_to_loss"]
         args = ttl.parser().parse_args(command[3:])
         assert (args.what, ttl.Run.parse(args.name), args.out, args.pause_while) == ("one", run, tmp_path, pause)
+
+
+def test_run_files_are_curves_the_token_overhead_command_reads(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    base, late = ttl.Run("lm", "adamw", "bp_a4", 1e-3, 0.1, 301), ttl.Run("lm", "adamw", "fdg_k2", 1e-3, 0.1, 301)
+    put(tmp_path, base, line(2.0, N))
+    put(tmp_path, late, fdg_curve(2.0, 1.25))
+    assert to.load_curve(str(base.path(tmp_path))) == [tuple(p) for p in line(2.0, N)]
+    assert to.main([str(base.path(tmp_path)), str(late.path(tmp_path))]) == 0
+    assert "r = 1.250 over 1 seeds" in capsys.readouterr().out
