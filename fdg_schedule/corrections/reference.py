@@ -85,6 +85,9 @@ Note [fp16 in the reference]
     the last one s_k = max(S/2, min_loss_scale); ``loss_scale_window`` clean steps after the last
     overflow, s_k = 2*S. A static scale never changes. The engine's side is Note [loss scale per stage]
     in fdg_schedule/precision/loss_scale.py.
+
+Long because it is the one statement of the math the engine is tested against: every mode, correction and
+end of data in one place to be read top to bottom, with no code shared with the engine.
 """
 
 from __future__ import annotations

@@ -78,6 +78,9 @@ Note [tied optimizer state in checkpoints]
     param group held only tied copies (DeepSpeed drops the group FDG leaves empty: the layouts
     differ) the copies' state lives only in FDG's file and 1F1B's optimizer state does not load into
     FDG (refused with the fix); the copies step with that group's settings at group 0's lr.
+
+Long because the tied sync is one protocol (contributions, their exchange, the sum, the tied step, the flush,
+checkpoints): split, each part would need the others' state and Note [tied layers across stages] to be read.
 """
 
 from __future__ import annotations

@@ -28,6 +28,9 @@ of a ``LayerSpec``) under a forked RNG: the caller's weights and random stream a
 The file (``ModelProfile.save`` / ``load``) is JSON in the one torch-free format the planner reads
 too: :mod:`fdg_schedule.partitioning.profile_format` (this module re-exports its :class:`LayerCost` and
 :class:`ModelProfile`).
+
+Long because timing a layer is one procedure (forward, backward, optimizer step and memory, on one deep copy
+under one forked RNG) for every kind of layer a pipeline holds.
 """
 
 from __future__ import annotations
