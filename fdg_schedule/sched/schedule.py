@@ -268,6 +268,11 @@ class ScheduleRun:
     def schedule(self) -> FDGTrainSchedule:
         return cast(FDGTrainSchedule, self._run.schedule)
 
+    @property
+    def tick(self) -> int | None:
+        """The tick being run (None: between ticks, or in K = 1's final partial step)."""
+        return self._run.tick
+
     def num_pipe_buffers(self) -> int:
         return self.schedule.num_pipe_buffers()
 
