@@ -258,7 +258,7 @@ def zbh1_streams(stages: int, micro_batches: int) -> list[Stream]:
 
 
 def render(streams: list[Stream]) -> list[str]:
-    """One line per rank in compact text, e.g. ``["F0 sa0 F1 sa1 rg0 B0 ...", ...]``.
+    """One line per rank in compact text, e.g. ``["F0 sa0 F1 sa1 G0 B0 ...", ...]``.
 
     An action of a chunk other than its rank's own (interleaved schedules) gets the chunk as a
     suffix: ``F2.3`` is the forward of micro-batch 2 on chunk 3.
