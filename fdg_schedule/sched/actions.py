@@ -96,7 +96,7 @@ UNNUMBERED = frozenset({Op.ALLREDUCE, Op.ALLREDUCE_TIED, Op.STEP, Op.EXCHANGE, O
 _TEXT = re.compile(r"(?P<stage>\d+)(?P<op>[A-Za-z]+\+?)(?P<mb>\d*)(?:@(?P<tick>-?\d+))?")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Action:
     """What ``stage`` does: ``op`` on ``micro_batch`` (None: not about one), at segment ``tick`` (None: unplaced).
 

@@ -10,12 +10,8 @@ actions the grid prints and the planner times. ``str(instruction)`` is its actio
 step, ``sg3`` send its input gradient, ``pa6`` post the receive of micro-batch 6's activation, ``X`` the tick's
 end of the exchange), used by golden tests, error messages and traces; its kind names ``fdg_stats`` and W&B keys.
 Each message is sent right after the instruction that made it and each receive posted as soon as the previous
-one was read (Note [each message when it exists] in :mod:`fdg_schedule.exchange.comm`); K = 2, stage 0 then
-stage 1::
-
-    L0 F0 sa0 X T+                 pa0 L0 X T+
-    pg0 L1 F1 sa1 X T+             A0 pa1 L1 F0 B0 sg0 R S X T+
-    G0 pg1 B0 R S L2 F2 sa2 X T+   A1 pa2 L2 F1 B1 sg1 R S X T+
+one was read (Note [each message when it exists] in :mod:`fdg_schedule.exchange.comm`; K = 2 drawn in
+:mod:`fdg_schedule.sched.lowering`).
 
 Note [end of data]: a segment (the pipeline fills at its tick 0) ends with a drain or when the data
 runs out. Stage 0's iterator runs out at micro-batch ``limit`` at tick ``limit``: the handler of
@@ -172,6 +168,8 @@ DEEPSPEED_OPS: dict[type[PipeInstruction], Op] = {
 
 # What each instruction class's time counts as (fdg_stats, W&B keys, traces): its letters' kind, read off the table.
 KINDS: dict[type[PipeInstruction], Kind | None] = {cls: op.kind for op, (cls, _) in INSTRUCTIONS.items()}
+# Each row of the table with whether its instruction takes a buffer (and a micro-batch).
+_ROWS = {op: (cls, fixed, issubclass(cls, BufferOpInstruction)) for op, (cls, fixed) in INSTRUCTIONS.items()}
 _OPS_OF: dict[type[PipeInstruction], list[tuple[Op, dict[str, bool]]]] = {}
 for _op, (_cls, _fixed) in INSTRUCTIONS.items():
     _OPS_OF.setdefault(_cls, []).append((_op, _fixed))
@@ -223,6 +221,7 @@ class FDGTrainSchedule(lowering.StageSchedule, PipeSchedule):
             self, micro_batches, stages, stage_id, start_tick, accumulate, drain, limit,
             learned_at=learned_at, labels_end=labels_end,
         )  # fmt: skip
+        self._buffers = self.num_buffers()
 
     def ended(self, limit: int, tick: int | None) -> FDGTrainSchedule:
         return cast(FDGTrainSchedule, super().ended(limit, tick))
@@ -245,15 +244,16 @@ class FDGTrainSchedule(lowering.StageSchedule, PipeSchedule):
         """The DeepSpeed instruction that runs ``action`` on this stage (:data:`INSTRUCTIONS`); a micro-batch sits in
         buffer ``micro_batch % num_pipe_buffers()``, except the last stage's labels, read into buffer 0 (Note
         [labels read when the inputs are])."""
-        if action.op not in INSTRUCTIONS:
+        row = _ROWS.get(action.op)
+        if row is None:
             raise FDGRuntimeError(f"stage {self.stage_id}: the engine has no instruction for action {action}")
-        cls, fixed = INSTRUCTIONS[action.op]
-        if not issubclass(cls, BufferOpInstruction):
+        cls, fixed, buffered = row
+        if not buffered:
             return cls(**fixed)
-        assert action.micro_batch is not None, action
-        labels = action.op is Op.LOAD and self.is_last_stage and not self.is_first_stage
-        buffer = 0 if labels else action.micro_batch % self.num_pipe_buffers()
-        return cls(buffer, micro_batch=action.micro_batch, **fixed)
+        micro_batch = action.micro_batch
+        assert micro_batch is not None, action
+        labels = action.op is Op.LOAD and self.stage_id == self.stages - 1 and self.stage_id > 0
+        return cls(0 if labels else micro_batch % self._buffers, micro_batch=micro_batch, **fixed)
 
 
 class ScheduleRun:
@@ -292,7 +292,8 @@ class ScheduleRun:
 
     def steps(self) -> Iterator[Iterator[PipeInstruction]]:
         for tick in self._run:
-            yield (self.schedule.instruction(action) for action in tick)
+            # an end learned mid-tick changes the segment, not the stage's buffers: one schedule's table serves
+            yield map(self.schedule.instruction, tick)
 
 
 def render(schedule: FDGTrainSchedule) -> list[str]:
