@@ -32,7 +32,8 @@ from deepspeed.runtime.pipe import schedule as ds
 from fdg_schedule.base import dispatch
 from fdg_schedule.observability.view import MicroBatchNumbers, StageIds, StageView
 from fdg_schedule.sched import ticks
-from fdg_schedule.sched.schedule import OPS, AdvanceTick, Kind
+from fdg_schedule.sched.actions import Op
+from fdg_schedule.sched.schedule import AdvanceTick, Kind, op_of
 
 # kind -> colour in the Gantt chart (and the trace's "cat")
 COLOURS = {
@@ -44,19 +45,11 @@ COLOURS = {
     Kind.LOAD.value: "#8172b3",
     Kind.EXCHANGE.value: "#64b5cd",
 }
-# DeepSpeed's 1F1B instructions; on a stage, forward-side ones come in micro-batch order, and so do
-# backward-side ones, so counting them numbers the micro-batches.
-_ONE_F_ONE_B = {
-    ds.LoadMicroBatch: (Kind.LOAD.value, "L", "forward"),
-    ds.RecvActivation: (Kind.WAIT.value, "A", "forward"),
-    ds.ForwardPass: (Kind.FORWARD.value, "F", "forward"),
-    ds.SendActivation: (Kind.EXCHANGE.value, "sA", "forward"),
-    ds.RecvGrad: (Kind.WAIT.value, "G", "backward"),
-    ds.BackwardPass: (Kind.BACKWARD.value, "B", "backward"),
-    ds.SendGrad: (Kind.EXCHANGE.value, "sG", "backward"),
-    ds.ReduceTiedGrads: (Kind.REDUCE.value, "RT", None),
-    ds.ReduceGrads: (Kind.REDUCE.value, "R", None),
-    ds.OptimizerStep: (Kind.STEP.value, "S", None),
+# DeepSpeed's 1F1B instructions (named by schedule.DEEPSPEED_OPS): on a stage, forward-side ones come in
+# micro-batch order, and so do backward-side ones, so counting them numbers the micro-batches.
+_SIDES = {
+    **dict.fromkeys((Op.LOAD, Op.RECV_ACTIVATION, Op.FORWARD, Op.SEND_ACTIVATION), "forward"),
+    **dict.fromkeys((Op.RECV_GRAD, Op.BACKWARD, Op.SEND_GRAD), "backward"),
 }
 
 
@@ -139,15 +132,15 @@ class FDGTimeline:
             if rec.start_tick <= tick < rec.end_tick:
                 rec.mark(f"tick {tick}", end, tick=tick, entered=cmd.entered)
             return
-        op = OPS.get(type(cmd))
+        op = op_of(cmd)
         if not rec.start_tick <= tick < rec.end_tick or op is None or op.kind is None:
             return
         micro_batch = getattr(cmd, "micro_batch", None)
         if micro_batch is None:
-            rec.add(op.kind.value, op.letter, start, end, tick=tick)
+            rec.add(op.kind.value, op.value, start, end, tick=tick)
         else:
             number = self.numbers(micro_batch)
-            rec.add(op.kind.value, f"{op.letter}{number}", start, end, tick=tick, micro_batch=number)
+            rec.add(op.kind.value, f"{op.value}{number}", start, end, tick=tick, micro_batch=number)
 
     def on_call_end(self, view: StageView, seconds: float) -> None:
         self.numbers.end_call()
@@ -187,7 +180,9 @@ def trace_one_f_one_b(
         counts = {"forward": {}, "backward": {}}  # type: dict[str, dict[type, int]]
 
         def record(cmd: Any, start: float, end: float) -> None:
-            kind, prefix, side = _ONE_F_ONE_B.get(type(cmd), ("other", type(cmd).__name__, None))
+            op = op_of(cmd)
+            kind, prefix = ("other", type(cmd).__name__) if op is None or op.kind is None else (op.kind.value, op.value)
+            side = _SIDES.get(op) if op is not None else None
             if side is None:
                 recorder.add(kind, prefix, start, end, call=calls[0] - 1)
                 return

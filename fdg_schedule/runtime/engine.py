@@ -45,7 +45,7 @@ from fdg_schedule.runtime.stage_backward import stage_backward
 from fdg_schedule.runtime.stage_state import StageState
 from fdg_schedule.sched import grid, schedule, ticks
 from fdg_schedule.sched.kinds import Kind
-from fdg_schedule.sched.schedule import OPS, FDGTrainSchedule, ScheduleRun
+from fdg_schedule.sched.schedule import KINDS, FDGTrainSchedule, ScheduleRun
 
 
 # Three handlers that are one call to the exchange each (Note [each message when it exists] in
@@ -249,9 +249,9 @@ class FDGPipelineEngine(FDGCheckpoints):
         dispatch.execute(self, pipe_schedule, self._after_instruction)
 
     def _after_instruction(self, cmd: PipeInstruction, start: float, end: float) -> None:
-        op = OPS.get(type(cmd))
-        if op is not None and op.kind is not None:
-            self.fdg_stats[f"{op.kind.value}_s"] += end - start
+        kind = KINDS.get(type(cmd))
+        if kind is not None:
+            self.fdg_stats[f"{kind.value}_s"] += end - start
         stage_view.instruction_ran(self, cmd, start, end)
 
     def _data_ended(self, limit: int) -> None:
