@@ -198,9 +198,9 @@ class FDGConfig:
     """``"auto"``: the staleness-correction keys (``delay_lr_ticks``, ``predict_decay``, ``predict_horizon``,
     ``delay_momentum``, ``delay_momentum_peak_lr``, ``delay_momentum_raise``) are chosen at
     ``deepspeed.initialize`` for each stage from its optimizer, K, ``accumulate`` and the LR scheduler (Note
-    [the auto rule] in :mod:`fdg_schedule.corrections.auto_corrections`; it sets ``predict_scale`` and
-    ``predict_momentum`` to neither); ``"none"``: none of them (the paper's FDG); None: the keys as given. With
-    ``"auto"`` or ``"none"`` the block sets none of those keys (nor ``predict_scale``, ``predict_momentum``)
+    [the auto rule] in :mod:`fdg_schedule.corrections.auto_corrections`; it leaves ``predict_scale`` and
+    ``predict_momentum`` at their defaults); ``"none"``: none of them (the paper's FDG); None: the keys as given.
+    With ``"auto"`` or ``"none"`` the block sets none of those keys (nor ``predict_scale``, ``predict_momentum``)
     itself."""
 
     _resolved: bool = dataclasses.field(default=False, repr=False)
