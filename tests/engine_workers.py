@@ -19,7 +19,7 @@ from deepspeed.pipe import PipelineModule
 # The pipeline.fdg keys a test case may set (the same keys build the reference's FDGConfig).
 FDG_KEYS = (
     "grad_shrink", "weights", "activations", "accumulate", "delay_lr_ticks", "predict_decay", "delay_momentum",
-    "delay_momentum_peak_lr", "predict_horizon", "delay_momentum_raise",
+    "delay_momentum_peak_lr", "predict_horizon", "delay_momentum_raise", "predict_scale", "predict_momentum",
     "staleness_every",
     "check_every", "nonfinite", "transport", "corrections", "host_memory",
 )  # fmt: skip
