@@ -17,7 +17,8 @@ message when it exists] in :mod:`fdg_schedule.exchange.comm`); K = 2, stage 0 th
 
 Note [end of data]: a segment (the pipeline fills at its tick 0) ends with a drain or when the data
 runs out. Stage 0's iterator runs out at micro-batch ``limit`` at tick ``limit``: the handler of
-that ``FDGLoad`` calls :meth:`ScheduleRun.end_data`, which runs on with a new schedule, the one of a
+that ``FDGLoad`` returns ``DataEnded(limit)`` (:mod:`fdg_schedule.sched.outcomes`), which the dispatch loop
+hands to :meth:`ScheduleRun.tell`; the run goes on with a new schedule, the one of a
 segment of ``limit`` micro-batches learned at that tick (:meth:`FDGTrainSchedule.ended`; a schedule
 is never changed). Before the tick ends the stage sends a dummy activation carrying ``limit``
 (``SendActivation(end=True)``, ``se``) where micro-batch ``limit`` would have gone, and stage k learns the end from
@@ -36,7 +37,7 @@ The one exception is the last stage's final partial accumulation (``accumulate``
 multiple of it, K > 1): the reference steps it right after the backward of micro-batch ``limit - 1``,
 at tick ``limit + K - 2``, one tick before the dummy can reach the last stage. That stage read its
 labels with stage 0's inputs, so it ran out of them at tick ``limit`` too: when it forwards a
-micro-batch after which it holds no labels, the engine calls :meth:`ScheduleRun.end_labels`
+micro-batch after which it holds no labels, its forward returns ``LabelsEnded(micro_batch + 1)``
 and the stage steps after that backward, at the reference's tick and learning rate. (A label
 iterator longer than the inputs gives no such sign: then the partial accumulation is not stepped.)
 """
@@ -59,6 +60,7 @@ from fdg_schedule.runtime.errors import FDGRuntimeError
 from fdg_schedule.sched import actions, ticks
 from fdg_schedule.sched.actions import Op as ActionOp
 from fdg_schedule.sched.kinds import Kind
+from fdg_schedule.sched.outcomes import DataEnded, LabelsEnded, Outcome
 
 
 class _Short:
@@ -135,8 +137,9 @@ class Exchange(_Short, PipeInstruction):
 
 
 class AdvanceTick(_Short, PipeInstruction):
-    """End the tick: ``global_steps += 1``, samples counted if one entered, and the LR scheduler steps
-    once every ``accumulate`` ticks (Note [learning rate per optimizer step])."""
+    """End the tick: ``global_steps += 1``, samples counted if one ``entered``, and the LR scheduler steps
+    once every ``accumulate`` ticks (Note [learning rate per optimizer step]). ``last``: the tick is the
+    segment's last (the tied step flushes, Note [tied layers across stages] in fdg_schedule.exchange.tied)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,7 +327,8 @@ class FDGTrainSchedule(PipeSchedule):
             # The next stage posted a receive for micro-batch `limit`: tell it the data ended instead.
             out.append(SendActivation(self._buffer(self.limit), micro_batch=self.limit, end=True))
         out.append(Exchange())
-        out.append(AdvanceTick(entered=ticks.forward_micro_batch(tick, 0, self.limit) is not None))
+        entered = ticks.forward_micro_batch(tick, 0, self.limit) is not None
+        out.append(AdvanceTick(entered=entered, last=self.last_tick() == tick))
         return out
 
     def _posts(self, tick: int) -> tuple[PostRecvGrad | None, PostRecvActivation | None]:
@@ -389,6 +393,16 @@ class ScheduleRun:
     def end_labels(self, limit: int) -> None:
         """The last stage holds no labels for micro-batch ``limit``; learned during the current tick."""
         self.schedule = self.schedule.labels_ended(limit, self.tick)
+
+    def tell(self, outcome: Outcome) -> None:
+        """What a handler returned during the current tick (:mod:`fdg_schedule.sched.outcomes`): the run goes on
+        with the schedule that follows from it."""
+        if isinstance(outcome, DataEnded):
+            self.end_data(outcome.limit)
+        elif isinstance(outcome, LabelsEnded):
+            self.end_labels(outcome.limit)
+        else:
+            raise FDGRuntimeError(f"stage {self.schedule.stage_id}: the schedule run does not take {outcome!r}")
 
     def __iter__(self) -> Iterator[Iterator[PipeInstruction]]:
         return self.steps()
