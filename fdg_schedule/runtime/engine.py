@@ -66,6 +66,19 @@ def _post_recv_grad(engine: FDGPipelineEngine, buffer_id: int, micro_batch: int)
     engine._exchange.post_recv_grad(meta)
 
 
+def _loss(engine: FDGPipelineEngine, outputs: Any, labels: Any, micro_batch: int) -> Tensor:
+    """The last stage's loss of ``micro_batch``: the module's ``loss_fn``, or the outputs where the model returns it."""
+    if engine.module.loss_fn is None:
+        return cast(Tensor, outputs)
+    try:
+        return cast(Tensor, engine.module.loss_fn(outputs, labels))
+    except (RuntimeError, TypeError, ValueError) as err:
+        raise FDGRuntimeError(
+            f"{engine._where()}: loss_fn failed on micro-batch {micro_batch} "
+            f"with outputs {describe(outputs)} and labels {describe(labels)}: {err}"
+        ) from err
+
+
 def _no_plan() -> str:
     return ""  # between calls: no schedule is running
 
@@ -315,19 +328,8 @@ class FDGPipelineEngine(FDGCheckpoints):
             labels = record.labels if first else state.next_labels(micro_batch, self._where)
             # Note [end of data]: none read for the next one
             ended = None if first or state.labels_in_flight else LabelsEnded(micro_batch + 1)
-            record.loss = self._loss(record.outputs, labels, micro_batch)
+            record.loss = _loss(self, record.outputs, labels, micro_batch)
             return ended
-
-    def _loss(self, outputs: Any, labels: Any, micro_batch: int) -> Tensor:
-        if self.module.loss_fn is None:  # the model returns its loss
-            return cast(Tensor, outputs)
-        try:
-            return cast(Tensor, self.module.loss_fn(outputs, labels))
-        except (RuntimeError, TypeError, ValueError) as err:
-            raise FDGRuntimeError(
-                f"{self._where()}: loss_fn failed on micro-batch {micro_batch} "
-                f"with outputs {describe(outputs)} and labels {describe(labels)}: {err}"
-            ) from err
 
     def _exec_fdg_backward(self, buffer_id: int, micro_batch: int) -> None:
         record = self.fdg_state.records[buffer_id]
