@@ -13,6 +13,7 @@ from fdg_schedule.checkpointing import checkpoint
 from fdg_schedule.corrections.delayed import DelayedBackward
 from fdg_schedule.exchange.comm import NeighbourExchange, meta_of
 from fdg_schedule.runtime.config import FDGConfig
+from fdg_schedule.runtime.errors import FDGRuntimeError
 from fdg_schedule.runtime.stage_state import InFlight, StageState
 
 
@@ -107,6 +108,15 @@ def test_reset_forgets_the_work_in_flight(one_rank_group: None) -> None:
     assert state.in_flight() == 1
     state.reset()
     assert state.in_flight() == 0 and state.segment_tick == 0 and state.records == {}
+
+
+def test_a_micro_batch_entering_a_buffer_still_in_use_is_refused(one_rank_group: None) -> None:
+    state, delayed = _state(_stage(), FDGConfig())
+    _forward(state, delayed, 2, torch.randn(2, 4))
+    with pytest.raises(FDGRuntimeError, match="buffer 2 still holds a micro-batch in flight"):
+        state.enter(2, torch.randn(2, 4))  # the schedule's buffer count would be wrong
+    state.records.pop(2)  # its backward (and, off stage 0, its gradient's send) ended it
+    state.enter(2, torch.randn(2, 4))
 
 
 def test_a_checkpoint_keeps_host_tensors_on_the_host_and_the_work_in_flight_goes_to_the_device(

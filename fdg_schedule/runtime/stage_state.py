@@ -124,7 +124,10 @@ class StageState:
     def enter(self, buffer_id: int, inputs: Any, labels: Any = None) -> None:
         """A micro-batch's inputs arrived in ``buffer_id`` (loaded or received): its record starts."""
         if buffer_id in self.records:  # the schedule's buffer count guarantees the previous one has left
-            raise FDGRuntimeError(f"buffer {buffer_id} still holds a micro-batch in flight; the schedule reuses it")
+            raise FDGRuntimeError(
+                f"buffer {buffer_id} still holds a micro-batch in flight: the schedule reuses it too early "
+                "(a bug; please report it with the stage's log)"
+            )
         self.records[buffer_id] = InFlight(inputs=inputs, labels=labels)
 
     @contextlib.contextmanager
