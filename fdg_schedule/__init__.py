@@ -20,8 +20,8 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from fdg_schedule import _moved
-from fdg_schedule.runtime.config import FDGConfig, FDGConfigError
-from fdg_schedule.runtime.errors import DataExhausted, FDGRuntimeError
+from fdg_schedule.base.config import FDGConfig, FDGConfigError
+from fdg_schedule.base.errors import DataExhausted, FDGRuntimeError
 from fdg_schedule.runtime.install import initialize, install, uninstall, watch_deepspeed
 
 if TYPE_CHECKING:

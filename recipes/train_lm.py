@@ -57,8 +57,8 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
 import fdg_schedule  # noqa: F401  (must come before deepspeed.initialize: hooks the FDG engine in)
+from fdg_schedule.base import host_memory
 from fdg_schedule.partitioning import pipe_partition
-from fdg_schedule.runtime import host_memory
 from fdg_schedule.tools.stage_times import StageClock, stage_report
 from fdg_schedule.tools.staleness_log import StalenessLog
 from fdg_schedule.zoo import hf_lm, text_data
@@ -80,9 +80,7 @@ eval_sequences = 0  # validation sequences per evaluation (0: the whole split), 
 log_interval = 10
 partition = "balanced"  # measured layer times; or a PipelineModule partition_method ("type:BlockPipe", "parameters")
 profile_dir = "runs/profiles"  # layer profiles for "balanced", measured once per model / micro-batch / machine
-freed_memory = (
-    "retain"  # on CPU: "retain" keeps freed memory in the process (fdg_schedule.runtime.host_memory); "system"
-)
+freed_memory = "retain"  # on CPU: "retain" keeps freed memory in the process (fdg_schedule.base.host_memory); "system"
 optimizer = ""  # adamw | muon | lion: replaces the config's optimizer block (see optimizer_block); "" keeps it
 seed = 1234
 out_dir = "runs/lm"  # git-ignored

@@ -46,8 +46,8 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 from tqdm import tqdm
 
 import fdg_schedule  # noqa: F401  (installs the FDG pipeline engine before deepspeed.initialize)
+from fdg_schedule.base import host_memory
 from fdg_schedule.partitioning import pipe_partition
-from fdg_schedule.runtime import host_memory
 from fdg_schedule.tools.stage_times import StageClock, stage_report
 from fdg_schedule.tools.staleness_log import StalenessLog
 from fdg_schedule.zoo import resnet, vision_data
@@ -64,9 +64,7 @@ partition = (
     "balanced"  # measured layer times; or "paper" (the FDG paper's split), "parameters", "uniform", "parts:0,5,12"
 )
 profile_dir = "runs/profiles"  # layer profiles for "balanced", measured once per model / micro-batch / machine
-freed_memory = (
-    "retain"  # on CPU: "retain" keeps freed memory in the process (fdg_schedule.runtime.host_memory); "system"
-)
+freed_memory = "retain"  # on CPU: "retain" keeps freed memory in the process (fdg_schedule.base.host_memory); "system"
 warmup_epochs = 0  # epochs at a constant 0.1 x lr before the schedule starts (the paper's code: 3)
 delay_lr_epochs = None  # FDG's delay_lr_ticks in epochs, explicit keys only (ResNet-20 K=4: epochs before 1st decay)
 checkpoint_every = 0  # epochs; 0 = never

@@ -19,7 +19,7 @@ from deepspeed.pipe import PipelineModule
 # The pipeline.fdg keys a test case may set (the same keys build the reference's FDGConfig).
 FDG_KEYS = (
     "grad_shrink", "weights", "activations", "accumulate", "delay_lr_ticks", "predict_decay", "delay_momentum",
-    "delay_momentum_peak_lr", "predict_horizon", "delay_momentum_raise",
+    "delay_momentum_peak_lr", "predict_horizon", "delay_momentum_raise", "predict_scale", "predict_momentum",
     "staleness_every",
     "check_every", "nonfinite", "transport", "corrections", "host_memory",
 )  # fmt: skip
@@ -707,10 +707,11 @@ def waits_between_calls(rank: int, world: int, cases: list[dict[str, Any]]) -> l
             engine.train_batch(it)
         marks.append(exchange.waits)
         outside = sum(b - a for a, b in zip(marks[0::2], marks[1::2]))
-        from fdg_schedule.runtime import host_memory
+        from fdg_schedule.base import host_memory
 
         out.append({"stage_id": engine.stage_id, "transport": exchange.transport, "inside": inside[0],
-                    "outside": outside, "host_memory": host_memory.describe()})  # fmt: skip
+                    "outside": outside, "host_memory": host_memory.describe(), "lent": exchange.lent,
+                    "still_lent": sorted(exchange._lent)})  # fmt: skip
     return out
 
 

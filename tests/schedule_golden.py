@@ -41,17 +41,17 @@ def cases() -> dict[str, Any]:
                 g = grid.plan(
                     stages, micro_batches, data_end, start_tick=start_tick, accumulate=accumulate, drain=drain
                 )
-                out[key] = [g.render(), [[p.stage_id, p.tick, p.message] for p in g.validate()]]
+                out[key] = [g.render(), [[p.stage, p.tick, p.message] for p in g.validate()]]
     for stages, micro_batches, accumulate in itertools.product((1, 2, 3, 4), (1, 4, 9), (1, 2)):
         for drain in (False, True):
             key = f"plan fdg K={stages} n={micro_batches} a={accumulate} drain={drain}"
             out[key] = [
-                [[a.op.name, a.micro_batch, a.chunk, a.blocking] for a in s]
+                [[a.op.name, a.micro_batch, a.stage, a.blocking] for a in s]
                 for s in streams.fdg_streams(stages, micro_batches, accumulate, drain)
             ]
         key = f"plan thread K={stages} n={micro_batches} a={accumulate}"
         out[key] = [
-            [[a.op.name, a.micro_batch, a.chunk, a.blocking] for a in s]
+            [[a.op.name, a.micro_batch, a.stage, a.blocking] for a in s]
             for s in streams.fdg_thread_streams(stages, micro_batches, accumulate)
         ]
     return out

@@ -18,9 +18,9 @@ from deepspeed.runtime.lr_schedules import OneCycle, WarmupCosineLR, WarmupDecay
 from dist_harness import run_ranks_calls
 
 from fdg_schedule import FDGConfig, fdg_reference
+from fdg_schedule.base.config import FDGConfigError
 from fdg_schedule.corrections import auto_corrections
 from fdg_schedule.corrections.auto_corrections import FOREVER, check_resume, choose, recorded, resolve, schedule_of
-from fdg_schedule.runtime.config import FDGConfigError
 
 ADAM_KEYS = {"delay_momentum_raise": 1.0, "predict_decay": 0.0, "predict_horizon": "first_stage"}
 
@@ -194,15 +194,15 @@ def test_the_choice_goes_into_each_stages_wandb_config() -> None:
     """tracking.run_config (what each stage's W&B run is given): "auto" and the keys it chose, no internal field."""
     from types import SimpleNamespace
 
-    from fdg_schedule.corrections import tracking
+    from fdg_schedule.observability import tracking
 
     opt = torch.optim.AdamW(_params(), lr=1e-3)
     config, _ = resolve(FDGConfig(corrections="auto", weights="stashed"), opt, WarmupCosineLR(opt, 50), 4)
-    engine = SimpleNamespace(
-        fdg_config=config, num_stages=4, stage_id=1, grid=SimpleNamespace(data_parallel_id=0), dp_world_size=1,
-        global_rank=1, train_micro_batch_size_per_gpu=lambda: 8, gradient_accumulation_steps=lambda: 4,
-    )  # fmt: skip
-    fdg = tracking.run_config(engine, {})["fdg"]
+    from fdg_schedule.observability.view import StageIds
+
+    ids = StageIds(stage_id=1, num_stages=4, global_rank=1, dp_id=0, dp_world_size=1)
+    view = SimpleNamespace(ids=ids, config=config, micro_batch_size=8, gradient_accumulation_steps=4)
+    fdg = tracking.run_config(view, {})["fdg"]
     assert fdg["corrections"] == "auto" and fdg["delay_lr_ticks"] == 100 and fdg["delay_momentum_raise"] == 1.0
     assert fdg["predict_decay"] == 0.0 and fdg["predict_horizon"] == "first_stage"
     assert not any(key.startswith("_") for key in fdg)

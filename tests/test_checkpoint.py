@@ -19,6 +19,9 @@ pytestmark = pytest.mark.distributed
 MODES = [(w, a) for w in ("current", "stashed") for a in ("stored", "recomputed")]
 # The staleness corrections mid-ramp at the save (tick 6 of 20): delta and the tick count are saved.
 CORRECTIONS = {"delay_lr_ticks": 20, "predict_decay": 0.5, "delay_momentum": True, "delay_momentum_peak_lr": 0.2}
+# the prediction's reach (Note [the prediction's reach]): half the horizon, discounted by a momentum
+PREDICTION_KEYS = {"predict_decay": 0.0, "predict_scale": 0.5, "predict_momentum": 0.9,
+                   "predict_horizon": "first_stage"}  # fmt: skip
 
 
 def _straight_and_resumed(tmp_path, world: int, cases: list[dict[str, Any]]) -> tuple[list[Any], list[Any]]:
@@ -67,6 +70,8 @@ def _k2_every_mode() -> list[dict[str, Any]]:
         # DeepSpeed's FusedAdam (an "Adam" config), resumed at a step whose beta**t it rounded otherwise before
         # Note [FusedAdam's step on the CPU]
         {**base, "grad_shrink": 0.5, "ds_optimizer": "Adam", "gas": 4, "calls_before": 1},
+        # the last applied update over half the horizon with the momentum look-ahead (Note [the prediction's reach])
+        {**base, "weights": "stashed", "optimizer": "adam", **PREDICTION_KEYS},
         # corrections "auto" (AdamW, K = 2: the look-ahead's delta and the raised beta1), its choice in the file
         {**base, "corrections": "auto", "optimizer": "adamw", "weights": "stashed"},
     ]
@@ -149,6 +154,7 @@ def _k3_resumes() -> list[dict[str, Any]]:
         {**base, "gas": 5, "calls_before": 1, "accumulate": 2},  # T=5: 1, 0, 1 passes towards a step
         {**base, "gas": 7, "calls_before": 1, "calls_after": 1, "accumulate": 3, "weights": "stashed"},  # 0, 1, 2
         {**base, "weights": "current", "activations": "stored", "transport": "process_group"},
+        {**base, "weights": "current", "activations": "recomputed", "optimizer": "adam", **PREDICTION_KEYS},
     ]
     return cases
 

@@ -49,8 +49,8 @@ def test_tuple_activations_gradients_and_loss_arrive_intact(tmp_path) -> None:
 
 
 def test_a_wait_with_no_receive_posted_prints_every_stages_plan(one_rank_group: None) -> None:
+    from fdg_schedule.base.errors import FDGRuntimeError
     from fdg_schedule.exchange.comm import NeighbourExchange
-    from fdg_schedule.runtime.errors import FDGRuntimeError
     from fdg_schedule.sched import grid
     from fdg_schedule.sched.schedule import FDGTrainSchedule
 
@@ -97,8 +97,8 @@ class FakeWork:
 
 
 def test_watchdog_fails_the_stage_when_a_transfer_outlives_the_timeout() -> None:
-    from fdg_schedule.runtime.errors import FDGRuntimeError
-    from fdg_schedule.runtime.watchdog import Watchdog
+    from fdg_schedule.base.errors import FDGRuntimeError
+    from fdg_schedule.base.watchdog import Watchdog
 
     stuck: list[FDGRuntimeError] = []
     dog = Watchdog(0.2, "stage 1 (global rank 1)", on_stuck=stuck.append, poll_s=0.01, grace_s=0.2)
@@ -118,8 +118,8 @@ def test_watchdog_fails_the_stage_when_a_transfer_outlives_the_timeout() -> None
 
 
 def test_watchdog_leaves_a_main_thread_that_raised_alone() -> None:
-    from fdg_schedule.runtime.errors import FDGRuntimeError
-    from fdg_schedule.runtime.watchdog import Watchdog
+    from fdg_schedule.base.errors import FDGRuntimeError
+    from fdg_schedule.base.watchdog import Watchdog
 
     stuck: list[FDGRuntimeError] = []
     dog = Watchdog(0.05, "stage 0 (global rank 0)", on_stuck=stuck.append, poll_s=0.01, grace_s=0.5)
@@ -135,7 +135,7 @@ def test_watchdog_leaves_a_main_thread_that_raised_alone() -> None:
 
 def test_the_timeout_of_a_stream_ordered_transfer_runs_from_when_the_stream_reaches_it() -> None:
     """Note [a timeout without a blocking wait]: the host posts ahead of its stream; the clock starts at the stream."""
-    from fdg_schedule.runtime.watchdog import StreamWork, Watchdog
+    from fdg_schedule.base.watchdog import StreamWork, Watchdog
 
     reached, stuck = [False], []
     dog = Watchdog(0.1, "stage 1 (global rank 1)", on_stuck=stuck.append, poll_s=60, grace_s=60)  # polled here
@@ -171,8 +171,8 @@ def test_under_stream_each_link_gets_its_own_group_ready_before_the_first_tick(o
     down, gradients up), are made, and first used, once."""
     import torch.distributed as dist
 
+    from fdg_schedule.base.watchdog import StreamWork
     from fdg_schedule.exchange import comm
-    from fdg_schedule.runtime.watchdog import StreamWork
 
     made, first_ops, posted = [], [], []
     monkeypatch.setattr(comm, "_link_groups", {})
@@ -212,7 +212,7 @@ def test_send_buffers_live_until_their_transfer_completes() -> None:
     import gc
     import weakref
 
-    from fdg_schedule.runtime.watchdog import InFlightSends
+    from fdg_schedule.base.watchdog import InFlightSends
 
     kept = InFlightSends()
     work = FakeWork()
@@ -230,8 +230,8 @@ def test_send_buffers_live_until_their_transfer_completes() -> None:
 
 
 def test_control_words_are_read_only_from_host_memory() -> None:
-    from fdg_schedule.runtime.errors import FDGRuntimeError
-    from fdg_schedule.runtime.guards import read_host
+    from fdg_schedule.base.errors import FDGRuntimeError
+    from fdg_schedule.base.guards import read_host
 
     assert read_host(torch.tensor([-1], dtype=torch.int64)) == [-1]
     with pytest.raises(FDGRuntimeError, match="read_host\\(\\) is for tensors in host memory, got one on meta"):
@@ -374,8 +374,8 @@ def test_an_activation_that_outgrows_its_slots_gets_a_new_link(tmp_path) -> None
 
 
 def test_the_shared_memory_transport_on_an_accelerator_path_is_an_error_naming_the_key(one_rank_group: None) -> None:
+    from fdg_schedule.base.errors import FDGRuntimeError
     from fdg_schedule.exchange.comm import NeighbourExchange, Path
-    from fdg_schedule.runtime.errors import FDGRuntimeError
 
     with pytest.raises(FDGRuntimeError, match='pipeline.fdg.transport "shm" moves tensors in host memory') as err:
         NeighbourExchange(None, 1, torch.device("cpu"), False, stage_id=0, timeout_s=5, path=Path.STAGED,

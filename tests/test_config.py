@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from fdg_schedule.runtime.config import KEYS, FDGConfig, FDGConfigError, Key, parse
+from fdg_schedule.base.config import KEYS, FDGConfig, FDGConfigError, Key, parse
 
 
 def _ds(fdg: dict | None = None, **extra) -> dict:
@@ -34,6 +34,9 @@ def test_staleness_corrections_are_off_by_default_and_read_from_the_block() -> N
     assert parse(_ds({"predict_decay": 0})) == FDGConfig(predict_decay=0)  # gamma 0: delta is the last step
     assert parse(_ds({"predict_decay": None})) == FDGConfig()
     assert default.predict_horizon == "own"
+    scaled = {"predict_decay": 0.0, "predict_scale": 0.5, "predict_momentum": 0.9}
+    assert parse(_ds(scaled)) == FDGConfig(predict_decay=0.0, predict_scale=0.5, predict_momentum=0.9)
+    assert parse(_ds({"predict_scale": 1.0})) == FDGConfig()  # the default alone needs no prediction
     first = {"predict_decay": 0.0, "predict_horizon": "first_stage"}
     assert parse(_ds(first)) == FDGConfig(predict_decay=0.0, predict_horizon="first_stage")
     assert default.delay_momentum is False
@@ -128,6 +131,29 @@ def test_no_fdg_means_stock_deepspeed(pipeline) -> None:
             _ds({"predict_horizon": "first_stage"}),
             "predict_horizon is 'first_stage' but predict_decay is null (pipeline.fdg in ds_config): the horizon",
         ),
+        (
+            _ds({"predict_decay": 0.0, "predict_scale": 0}),
+            "predict_scale must be a number > 0, got 0 (pipeline.fdg.predict_scale in ds_config); e.g. 0.5",
+        ),
+        (
+            _ds({"predict_decay": 0.0, "predict_momentum": 1.0}),
+            "predict_momentum must be in (0, 1) or null, got 1.0 (pipeline.fdg.predict_momentum in ds_config); set "
+            "it to the optimizer's momentum",
+        ),
+        (
+            _ds({"predict_scale": 0.5}),
+            "predict_scale is 0.5 but predict_decay is null (pipeline.fdg in ds_config): it shapes the weight "
+            "prediction; set predict_decay (e.g. 0.0: the last applied update), or set predict_scale to 1.0",
+        ),
+        (
+            _ds({"predict_momentum": 0.9}),
+            "predict_momentum is 0.9 but predict_decay is null (pipeline.fdg in ds_config): it shapes the weight "
+            "prediction; set predict_decay (e.g. 0.0: the last applied update), or set predict_momentum to null",
+        ),
+        (
+            _ds({"corrections": "auto", "predict_scale": 0.5}),
+            "pipeline.fdg.corrections is 'auto' and pipeline.fdg sets ['predict_scale'] too",
+        ),
         (_ds({"staleness_every": -5}), "staleness_every must be an integer >= 0, got -5 (pipeline.fdg.staleness_every"),
         (_ds({"staleness_every": 1.5}), "staleness_every must be an integer, got float 1.5 (pipeline.fdg"),
         (_ds({"nonfinite": "ignore"}), "nonfinite must be one of ['error', 'skip'], got 'ignore'"),
@@ -171,6 +197,8 @@ WRONG_VALUES: dict[str, tuple[Any, list[Any]]] = {
     "delay_lr_ticks": (True, [-1]),
     "predict_decay": ("0.9", [1.0, -0.1, math.nan]),
     "predict_horizon": (0, ["stage0"]),
+    "predict_scale": ("1", [0, -0.5, math.inf, math.nan]),
+    "predict_momentum": (True, [0, 1.0, -0.1, math.nan]),
     "delay_momentum": (1, []),
     "delay_momentum_peak_lr": ("0.1", [0, -0.1, math.inf, math.nan]),
     "delay_momentum_raise": ([2.0], [0, -1.0, math.inf, math.nan]),
@@ -183,8 +211,13 @@ WRONG_VALUES: dict[str, tuple[Any, list[Any]]] = {
     "check_every": (2.5, [-1]),
     "trace": ("yes", []),  # its own keys' ranges: test_bad_config_is_rejected_with_value_key_and_fix
 }
-NULLABLE = {"predict_decay", "delay_momentum_peak_lr", "delay_momentum_raise", "corrections", "trace"}
-ALONGSIDE = {"delay_momentum_peak_lr": {"delay_momentum": True}}  # what a key needs to be accepted (config.RULES)
+NULLABLE = {"predict_decay", "predict_momentum", "delay_momentum_peak_lr", "delay_momentum_raise", "corrections",
+            "trace"}  # fmt: skip
+ALONGSIDE = {  # what a key needs to be accepted (config.RULES)
+    "delay_momentum_peak_lr": {"delay_momentum": True},
+    "predict_scale": {"predict_decay": 0.0},
+    "predict_momentum": {"predict_decay": 0.0},
+}
 
 
 def test_the_table_has_a_row_for_every_key_in_the_dataclass_order() -> None:

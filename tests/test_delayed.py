@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
+from fdg_schedule.base.config import FDGConfig
 from fdg_schedule.corrections.delayed import DelayedBackward, Held
-from fdg_schedule.runtime.config import FDGConfig
 
 
 def _stage(dropout: float = 0.0) -> nn.Module:

@@ -8,11 +8,19 @@ import pytest
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.schedule import PipeInstruction, TrainSchedule
 
-from fdg_schedule.runtime import dispatch
-from fdg_schedule.runtime.errors import FDGRuntimeError
-from fdg_schedule.sched import grid
+from fdg_schedule.base import dispatch
+from fdg_schedule.base.errors import FDGRuntimeError
+from fdg_schedule.sched import lowering
 from fdg_schedule.sched.outcomes import DataEnded, LabelsEnded
-from fdg_schedule.sched.schedule import OPS, FDGLoad, FDGTrainSchedule, ScheduleRun, WaitActivation, short
+from fdg_schedule.sched.schedule import (
+    INSTRUCTIONS,
+    AdvanceTick,
+    FDGLoad,
+    FDGTrainSchedule,
+    ScheduleRun,
+    WaitActivation,
+    short,
+)
 
 
 class _Loop:
@@ -25,12 +33,12 @@ class _Loop:
         pass
 
 
-def _ran(plan: FDGTrainSchedule, learns: type[PipeInstruction], data_end: int) -> list[str]:
+def _ran(plan: FDGTrainSchedule, learns: type[PipeInstruction], data_end: int) -> list[PipeInstruction]:
     """The instructions a stage runs when the handler of ``learns`` for micro-batch ``data_end`` returns the end."""
-    handlers: dict[type[PipeInstruction], Any] = {cls: lambda engine, **kwargs: None for cls in OPS}
+    handlers: dict[type[PipeInstruction], Any] = {cls: lambda engine, **kw: None for cls, _ in INSTRUCTIONS.values()}
     handlers[learns] = lambda engine, micro_batch, **kwargs: DataEnded(data_end) if micro_batch == data_end else None
-    ran: list[str] = []
-    dispatch.execute(_Loop(handlers), ScheduleRun(plan), lambda cmd, start, end: ran.append(short(cmd)))
+    ran: list[PipeInstruction] = []
+    dispatch.execute(_Loop(handlers), ScheduleRun(plan), lambda cmd, start, end: ran.append(cmd))
     return ran
 
 
@@ -39,8 +47,11 @@ def test_a_returned_end_of_data_runs_the_shorter_segment_as_the_grid_plans_it(st
     for stage_id in range(stages):
         plan = FDGTrainSchedule(12, stages, stage_id, accumulate=2)
         learns = FDGLoad if stage_id == 0 else WaitActivation  # Note [end of data]
-        planned = [short(cmd) for step in grid.run(plan, data_end=5) for cmd in step]
-        assert _ran(plan, learns, 5) == planned
+        planned = [action.short() for step in lowering.run_call(plan, data_end=5)[0] for action in step]
+        ran = _ran(plan, learns, 5)
+        assert [short(cmd) for cmd in ran] == planned
+        # the tick ends: only the segment's last says so, also where the stage learns the end in it (K = 2, stage 1)
+        assert [cmd.last for cmd in ran if isinstance(cmd, AdvanceTick)][-3:] == [False, False, True]
         assert "se5" in planned or stage_id == stages - 1  # the end is passed on
 
 

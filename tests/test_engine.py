@@ -37,6 +37,11 @@ BOTH = CORRECTIONS[-1]  # all of them; the peak lr above every toy lr (SGD 0.1, 
 FIRST_STAGE = {"predict_decay": 0.5, "predict_horizon": "first_stage"}
 # the delayed stages' momentum raised (the extension key), with delay_lr and the first-stage prediction
 RAISED = {"delay_lr_ticks": 8, "predict_decay": 0.0, "predict_horizon": "first_stage", "delay_momentum_raise": 2.0}
+# the last applied update over half the horizon (predict_scale), and the momentum look-ahead (predict_momentum) with
+# the other keys: Note [the prediction's reach]
+SCALED = {"predict_decay": 0.0, "predict_scale": 0.5}
+LOOKAHEAD = {"predict_decay": 0.0, "predict_horizon": "first_stage", "predict_momentum": 0.9, "predict_scale": 2.0,
+             "delay_momentum_raise": 1.0, "delay_lr_ticks": 8}  # fmt: skip
 
 
 def reference(case: dict[str, Any], parts: list[int]) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
@@ -191,6 +196,15 @@ def _corrected(stages: int, gas: int, calls: int, **extra: Any) -> list[dict[str
         {**base, "weights": w, "activations": a, "optimizer": ("adam", "sgd")[i % 2], **RAISED}
         for i, (w, a) in enumerate(MODES)
     ]
+    cases += [
+        {**base, "weights": w, "activations": a, "optimizer": opt, **keys}
+        for keys, (w, a), opt in (
+            (SCALED, ("current", "stored"), "sgd"),
+            (SCALED, ("stashed", "recomputed"), "adam"),
+            (LOOKAHEAD, ("stashed", "stored"), "sgd"),
+            (LOOKAHEAD, ("current", "recomputed"), "adam"),
+        )
+    ]
     return cases
 
 
@@ -204,6 +218,9 @@ def _ds_optimizers(stages: int, **extra: Any) -> list[dict[str, Any]]:
         {**base, "ds_optimizer": "Muon", "weights": "stashed", "activations": "recomputed", **BOTH},
         {**base, "ds_optimizer": "Lion", "weights": "stashed", "activations": "stored", **RAISED},
         {**base, "ds_optimizer": "Lion", "weights": "current", "activations": "recomputed"},
+        # the prediction from Muon's last applied (orthogonalised) update, half the horizon; the look-ahead
+        {**base, "ds_optimizer": "Muon", "weights": "stashed", "activations": "stored", **SCALED},
+        {**base, "ds_optimizer": "Muon", "weights": "current", "activations": "recomputed", **LOOKAHEAD},
     ]
 
 

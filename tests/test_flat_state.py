@@ -1,4 +1,4 @@
-"""fdg_schedule.checkpointing.flat_state: the tied copies moved into 1F1B's flat layout and out again, in one
+"""fdg_schedule.exchange.flat_state: the tied copies moved into 1F1B's flat layout and out again, in one
 process."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import torch
 
-from fdg_schedule.checkpointing import flat_state
-from fdg_schedule.checkpointing.flat_state import FlatGroup, TiedEntry
+from fdg_schedule.exchange import flat_state
+from fdg_schedule.exchange.flat_state import FlatGroup, TiedEntry
 
 
 def test_layout_follows_zero1s_rules() -> None:

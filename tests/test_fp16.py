@@ -20,8 +20,8 @@ import toy
 from dist_harness import run_ranks, run_ranks_calls
 
 from fdg_schedule import FDGConfig, fdg_reference
-from fdg_schedule.corrections import tracking
 from fdg_schedule.corrections.reference import FP16, ReferenceState
+from fdg_schedule.observability import tracking
 from fdg_schedule.sched import ticks
 
 pytestmark = pytest.mark.distributed

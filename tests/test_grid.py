@@ -6,8 +6,9 @@ import itertools
 
 import pytest
 
-from fdg_schedule.sched import grid, ticks
-from fdg_schedule.sched.schedule import AdvanceTick, FDGTrainSchedule, SendGrad
+from fdg_schedule.sched import grid, lowering, ticks
+from fdg_schedule.sched.actions import Op
+from fdg_schedule.sched.schedule import FDGTrainSchedule
 
 # Legend: L load, A / G wait for activation / gradient, F forward, B backward, R all-reduce, S step,
 # sa / sg send activation / gradient (se: the end of the data, sent where that micro-batch would be),
@@ -56,11 +57,11 @@ def _segment(stages: int, stage_id: int, gas: int, accumulate: int, data_end: in
     """One stage's calls of ``gas`` ticks until its segment ends, as the engine runs them."""
     calls, tick, limit = [], 0, None
     while limit is None or tick <= ticks.last_tick(limit, stages):
-        schedule = FDGTrainSchedule(gas, stages, stage_id, tick, accumulate, limit=limit)
-        steps, ended_on = grid.run_call(schedule, data_end if limit is None else None)
-        tick += sum(isinstance(c, AdvanceTick) for step in steps for c in step)
+        schedule = lowering.StageSchedule(gas, stages, stage_id, tick, accumulate, limit=limit)
+        steps, ended_on = lowering.run_call(schedule, data_end if limit is None else None)
+        tick += sum(a.op in (Op.ADVANCE, Op.ADVANCE_ENTERED) for step in steps for a in step)
         limit = ended_on.limit
-        calls.append([" ".join(map(str, step)) for step in steps])
+        calls.append([" ".join(a.short() for a in step) for step in steps])
     return calls
 
 
@@ -97,9 +98,9 @@ def test_every_message_meets_its_counterpart(stages: int, gas: int, accumulate: 
 def test_validate_marks_the_cell_whose_send_is_not_received() -> None:
     plan = grid.plan(2, 4)
     row = plan.rows[1][2]
-    row.remove(next(c for c in row if isinstance(c, SendGrad)))  # stage 1 forgets micro-batch 1's gradient at tick 2
+    row.remove(next(a for a in row if a.op is Op.SEND_GRAD))  # stage 1 forgets micro-batch 1's gradient at tick 2
     problems = plan.validate()
-    assert [(p.stage_id, p.tick) for p in problems] == [(0, 2)]
+    assert [(p.stage, p.tick) for p in problems] == [(0, 2)]
     assert "stage 0 receives a gradient stage 1 does not send" in problems[0].message
     marked = plan.render(mark=(0, 2)).splitlines()
     assert marked[3].startswith("2   > G0 pg1 B0 R S L2 F2 sa2 X T+ <")

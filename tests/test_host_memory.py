@@ -1,4 +1,4 @@
-"""fdg_schedule.runtime.host_memory: freed host memory stays in the process, so a training step stops faulting pages in.
+"""fdg_schedule.base.host_memory: freed host memory stays in the process, so a training step stops faulting pages in.
 
 Each check runs in a fresh interpreter: the allocator setting is process-wide and would outlive the test.
 """
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from fdg_schedule.base import host_memory
 from fdg_schedule.partitioning import profile
-from fdg_schedule.runtime import host_memory
 
 pytestmark = pytest.mark.skipif(
     platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's"
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(
 # fresh mmap by default (above its largest dynamic mmap threshold, 32 MiB) and unmaps it on free.
 _CHURN = """
 import json, resource, sys
-from fdg_schedule.runtime import host_memory
+from fdg_schedule.base import host_memory
 applied = host_memory.retain_freed_memory() if sys.argv[1] == "call" else None
 import torch
 def step():

@@ -59,5 +59,8 @@ def test_no_stage_waits_for_a_neighbour_between_calls(tmp_path, stages: int) -> 
             assert r["inside"] > 0, f"{where}: no wait counted in the ticks -- the counter is not live"
             assert r["outside"] == 0, f"{where}: {r['outside']} waits for a neighbour between calls"
             assert r["transport"] == case.get("transport", "shm")  # "auto" runs "shm" on Linux with gloo
+            # Note [a lent message]: over shared memory every received activation and gradient is read where it
+            # lies (stage k receives from both neighbours but the ends), and each went back to its link
+            assert (r["lent"] > 0) == (r["transport"] == "shm") and r["still_lent"] == [], (where, r)
             retained = case.get("host_memory", "retain") == "retain"  # pipeline.fdg.host_memory, on the CPU
             assert r["host_memory"].startswith("retained" if retained else "system"), (where, r["host_memory"])

@@ -60,7 +60,17 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 HOOK = PACKAGE.parent / "_fdg_schedule_autoinstall.py"
-RUNTIME = ("sched", "runtime", "exchange", "checkpointing", "corrections", "partitioning", "precision", "observability")
+RUNTIME = (
+    "base",
+    "sched",
+    "runtime",
+    "exchange",
+    "checkpointing",
+    "corrections",
+    "partitioning",
+    "precision",
+    "observability",
+)
 
 
 def full_graph() -> dict[str, set[str]]:
@@ -118,6 +128,7 @@ def test_the_planner_imports_only_torch_free_modules() -> None:
         "fdg_schedule.sched",
         "fdg_schedule.sched.actions",
         "fdg_schedule.sched.kinds",
+        "fdg_schedule.sched.lowering",
         "fdg_schedule.sched.ticks",
         "fdg_schedule.partitioning",
         "fdg_schedule.partitioning.contiguous_split",
@@ -149,7 +160,7 @@ sys.meta_path.insert(0, _Blocker())
 """
 
 
-def test_the_planner_runs_without_torch(tmp_path: Path) -> None:
+def test_the_planner_and_the_grid_run_without_torch(tmp_path: Path) -> None:
     (tmp_path / "sitecustomize.py").write_text(NO_TORCH)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(PACKAGE.parent)])}
     env["FDG_SCHEDULE_AUTO_INSTALL"] = "0"
@@ -158,7 +169,9 @@ def test_the_planner_runs_without_torch(tmp_path: Path) -> None:
     assert "torch is blocked" in blocked.stderr, blocked.stderr  # the blocker works
     plan = ["-m", "fdg_schedule.plan", "--model", "gpt-1.3b", "--gpu", "H100", "--micro-batch", "1"]
     plan += ["--cluster", "h100-ib", "--stages", "4"]  # a whole plan: every schedule's streams simulated
+    grid = "from fdg_schedule.sched import grid; g = grid.plan(3, 8, 5); assert g.validate() == []; print(g.render())"
     for argv in (
+        ["-c", grid],  # the whole pipeline's plan, an end of data included, checked and printed (issue 65)
         ["-c", "import fdg_schedule.plan, fdg_schedule.plan.__main__"],
         ["-m", "fdg_schedule.plan", "--help"],
         plan,
@@ -176,7 +189,7 @@ def test_install_is_on_top_and_ticks_at_the_bottom() -> None:
     for low in (
         "fdg_schedule.sched.schedule",
         "fdg_schedule.observability.view",
-        "fdg_schedule.corrections.tracking",
+        "fdg_schedule.observability.tracking",
         "fdg_schedule.observability.timeline",
     ):
         assert "fdg_schedule.runtime.engine" not in graph[low], f"{low} imports the engine"

@@ -26,7 +26,7 @@ import pytest
 import torch
 from dist_harness import run_ranks
 
-from fdg_schedule.runtime.config import FDGConfigError
+from fdg_schedule.base.config import FDGConfigError
 from fdg_schedule.runtime.install import TESTED_DEEPSPEED, UNTESTED_DEEPSPEED_ENV, check_deepspeed_version
 from fdg_schedule.tools.launch import free_port, remove_shared_memory
 

@@ -9,7 +9,7 @@ from types import ModuleType
 import pytest
 
 from benchmarks.common import lm_runs
-from fdg_schedule.runtime import config as fdg_config
+from fdg_schedule.base import config as fdg_config
 
 
 def benchmark() -> ModuleType:

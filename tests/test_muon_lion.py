@@ -124,8 +124,8 @@ def test_torch_muon_as_a_client_optimizer_equals_the_reference(tmp_path) -> None
 def test_torch_muon_on_a_stage_with_anything_but_matrices_names_them_and_the_fix() -> None:
     """torch.optim.Muon given as a client callable, on a stage with a bias and a norm: the error names them and
     DeepSpeed's "Muon" config; other errors and other optimizers pass through unchanged."""
-    from fdg_schedule.runtime import optim
-    from fdg_schedule.runtime.config import FDGConfigError
+    from fdg_schedule.base import optim
+    from fdg_schedule.base.config import FDGConfigError
 
     stage = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2))
     build = optim.explain_client_optimizer(lambda ps: torch.optim.Muon(ps, lr=0.02), stage)

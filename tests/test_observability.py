@@ -18,7 +18,7 @@ import pytest
 import toy
 from dist_harness import run_ranks
 
-from fdg_schedule.corrections import tracking
+from fdg_schedule.observability import tracking
 from fdg_schedule.observability.view import MicroBatchNumbers
 from fdg_schedule.sched.schedule import AdvanceTick
 
@@ -85,6 +85,45 @@ def _collectives_recorded() -> Iterator[list[tuple[str, tuple[int, ...]]]]:
             setattr(dist, name, fn)
 
 
+class _ViewsSeen:
+    """An observer that keeps what it is handed (Note [observers see a view])."""
+
+    def __init__(self) -> None:
+        self.views: list[Any] = []
+        self.ends: list[Any] = []
+
+    def on_instruction(self, view: Any, cmd: Any, start: float, end: float) -> None:
+        self.views.append(view)
+
+    def on_call_end(self, view: Any, seconds: float) -> None:
+        self.ends.append(view)
+
+    def summary(self, engine: Any) -> dict[str, Any]:
+        import dataclasses
+        import types
+
+        from fdg_schedule.observability.view import StageView
+
+        try:
+            self.ends[-1].global_steps = 0
+            frozen = False
+        except dataclasses.FrozenInstanceError:
+            frozen = True
+        return {
+            "all_views": all(type(v) is StageView for v in self.views + self.ends),
+            "distinct": len({id(v) for v in self.views + self.ends}) == len(self.views) + len(self.ends),
+            "engine_or_state_seen": any(v is engine or v is engine.fdg_state for v in self.views + self.ends),
+            "frozen": frozen,
+            "end_ticks": [v.stats["ticks"] for v in self.ends],
+            "end_steps": [v.global_steps for v in self.ends],
+            "end_held": [v.held_bytes for v in self.ends],
+            "end_in_flight": [v.in_flight for v in self.ends],
+            "end_loss_is_the_calls": [v.loss is not None for v in self.ends],
+            "ids": dataclasses.asdict(self.ends[-1].ids),
+            "stats_read_only": isinstance(self.ends[-1].stats, types.MappingProxyType),
+        }
+
+
 def observed_job(rank: int, world: int, tmp: str) -> dict[str, Any]:
     """FDG with W&B + trace + CSV (not logged in: offline by default), then a traced stock 1F1B job."""
     import fdg_schedule
@@ -105,6 +144,8 @@ def observed_job(rank: int, world: int, tmp: str) -> dict[str, Any]:
     observe.before_engine(cfg)  # what the engine selection does before DeepSpeed starts its monitors
     engine, data = _engine(cfg)
     assert isinstance(engine, fdg_schedule.FDGPipelineEngine)
+    views = _ViewsSeen()
+    engine.observers.append(views)
     it = iter(data)
     engine.train_batch(it)
     with _collectives_recorded() as collectives:  # steady state, both observers on
@@ -117,6 +158,7 @@ def observed_job(rank: int, world: int, tmp: str) -> dict[str, Any]:
         "mode": os.environ.get("WANDB_MODE"),
         "hint": tracking._hint_printed,
         "collectives": collectives,
+        "views": views.summary(engine),
     }
 
     one_f_one_b, data = _engine(_config(tmp_path, "1f1b"))
@@ -149,6 +191,23 @@ def _wandb_runs(tmp: Path) -> dict[str, dict[str, Any]]:
 
 
 # -- tests ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.distributed
+def test_observers_get_a_read_only_view_built_per_call(job: tuple[Path, list[dict[str, Any]]]) -> None:
+    """Issue 65 part 5: never the engine nor its StageState; a new frozen StageView at every call, its values
+    those of that moment."""
+    _, results = job
+    for stage, result in enumerate(results):
+        views = result["views"]
+        assert views["all_views"] and views["distinct"] and views["frozen"] and views["stats_read_only"], views
+        assert not views["engine_or_state_seen"]
+        assert views["end_ticks"] == [3, 6, 9, 11] and views["end_steps"] == [3, 6, 9, 11]
+        assert views["end_in_flight"] == ([2, 2, 2, 0] if stage == 0 else [0, 0, 0, 0])
+        assert (views["end_held"][0] > 0) == (stage == 0) and views["end_held"][-1] == 0
+        assert all(views["end_loss_is_the_calls"])
+        assert views["ids"] == {"stage_id": stage, "num_stages": 2, "global_rank": stage, "dp_id": 0,
+                                "dp_world_size": 1}  # fmt: skip
 
 
 @pytest.mark.distributed
@@ -295,7 +354,7 @@ def test_the_instruction_hook_observes_a_stock_engine_without_patching_its_class
     """dispatch.observe: DeepSpeed's PipelineEngine gets the hook on its instance; the class map is untouched."""
     from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass
 
-    from fdg_schedule.runtime import dispatch
+    from fdg_schedule.base import dispatch
 
     class Stock:
         _INSTRUCTION_MAP = {
@@ -319,7 +378,7 @@ def test_the_instruction_hook_observes_a_stock_engine_without_patching_its_class
 
 
 def test_the_instruction_hook_joins_an_fdg_engines_observers() -> None:
-    from fdg_schedule.runtime import dispatch
+    from fdg_schedule.base import dispatch
 
     class FDGLike:
         fdg_stats: dict[str, float] = {}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fdg_schedule.runtime import optim
+from fdg_schedule.base import optim
 
 
 def test_fill_missing_grads_gives_zeros_where_deepspeeds_reduce_would() -> None:

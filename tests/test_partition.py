@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import re
 
 import pytest
 
@@ -304,3 +305,46 @@ def test_the_planners_split_is_the_partitioners_on_the_same_costs(seed: int) -> 
             assert spread == plan.parts, (seed, limited, stages)
             assert plain is not None
             assert evaluate_partition(profile, plain, limited).bottleneck_s == plan.bottleneck_s
+
+
+def test_the_delay_weight_gives_the_most_delayed_stages_fewer_layers() -> None:
+    # Note [the delay-weighted split]: twelve equal layers of 3 ms at K = 3 (h = 4, 2, 0): balanced 4 | 4 | 4;
+    # alpha 0.25 charges stage 0 2x and stage 1 1.5x: 3 | 4 | 5 (weighted 18, 18, 15 ms; 4 | 4 | 4 would be 24)
+    profile = profile_of(*[layer(1e-3, 2e-3) for _ in range(12)])
+    assert balanced_partition(profile, 3).parts == [0, 4, 8, 12]
+    weighted = balanced_partition(profile, 3, Objective(delay_weight=0.25))
+    assert weighted.parts == [0, 3, 7, 12]
+    assert [s.time_s for s in weighted.stages] == pytest.approx([9e-3, 12e-3, 15e-3])  # their own times, unweighted
+    assert "delay weight 0.25" in weighted.objective.describe()
+    # accumulate 2 halves h (2, 1, 0): alpha 0.5 then weighs as 0.25 did
+    assert balanced_partition(profile, 3, Objective(delay_weight=0.5, accumulate=2)).parts == [0, 3, 7, 12]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_delay_weighted_split_equals_brute_force_over_the_weighted_times(seed: int) -> None:
+    rng = random.Random(seed)
+    profile = random_profile(rng, rng.randint(4, 9))
+    objective = Objective(weights="stashed", accumulate=rng.choice([1, 2]), delay_weight=rng.choice([0.1, 0.5, 2.0]))
+    stages = rng.randint(2, 4)
+    weight = [1 + objective.delay_weight * 2 * (stages - 1 - k) / objective.accumulate for k in range(stages)]
+    n, best = len(profile.layers), None
+    for cuts in itertools.combinations(range(1, n), stages - 1):
+        plan = evaluate_partition(profile, [0, *cuts, n], objective)
+        cost = max(s.time_s * w for s, w in zip(plan.stages, weight))
+        best = cost if best is None else min(best, cost)
+    plan = balanced_partition(profile, stages, objective)
+    assert max(s.time_s * w for s, w in zip(plan.stages, weight)) == pytest.approx(best, rel=1e-9, abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"delay_weight": -0.5}, "delay_weight must be a number >= 0, got -0.5; 0 balances time alone"),
+        ({"delay_weight": float("nan")}, "delay_weight must be a number >= 0, got nan"),
+        ({"delay_weight": True}, "delay_weight must be a number >= 0, got True"),
+        ({"delay_weight": 0.5, "schedule": "1f1b"}, "delay_weight 0.5 needs schedule 'fdg' (1F1B has no delay)"),
+    ],
+)
+def test_a_bad_delay_weight_is_refused_with_the_value_and_the_fix(fields: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Objective(**fields)

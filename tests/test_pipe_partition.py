@@ -41,6 +41,8 @@ def test_method_strings_round_trip(toy_profile: Path) -> None:
     stock = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8}
     method = pipe_partition.balanced_method(toy_profile, stock)
     assert pipe_partition.parse_balanced(method)[1] == Objective(schedule="1f1b", micro_batches=8)
+    weighted = pipe_partition.parse_balanced(f"balanced:{toy_profile}?weights=stashed&delay_weight=0.5")[1]
+    assert weighted == Objective(weights="stashed", delay_weight=0.5)  # Note [the delay-weighted split]
 
 
 @pytest.mark.parametrize(
@@ -50,6 +52,8 @@ def test_method_strings_round_trip(toy_profile: Path) -> None:
         ("balanced:p.json?beta=2", r"unknown key 'beta'; known keys: \['schedule'"),
         ("balanced:p.json?accumulate=two", "accumulate must be a number, got 'two'"),
         ("balanced:p.json?schedule=gpipe", r"schedule must be one of \['fdg', '1f1b'\], got 'gpipe'"),
+        ("balanced:p.json?delay_weight=-1", r"balanced:p.json\?delay_weight=-1'\: delay_weight must be a number >= 0"),
+        ("balanced:p.json?delay_weight=half", "delay_weight must be a number, got 'half'"),
     ],
 )
 def test_bad_balanced_methods_name_the_fix(method: str, message: str) -> None:

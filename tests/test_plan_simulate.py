@@ -129,33 +129,33 @@ def test_fdg_accumulation_amortises_the_step_between_its_bounds(accumulate: int)
 def test_a_blocking_send_waits_for_the_receiver() -> None:
     # rank 1 posts its receive only after 5 s of work; the rendezvous holds rank 0 until then.
     streams = [
-        [Action(Op.FORWARD, 0, 0), Action(Op.SEND_ACTIVATION, 0, 0, blocking=True), Action(Op.FORWARD, 1, 0)],
-        [Action(Op.BACKWARD, 9, 1), Action(Op.RECV_ACTIVATION, 0, 1), Action(Op.FORWARD, 0, 1)],
+        [Action(0, Op.FORWARD, 0), Action(0, Op.SEND_ACTIVATION, 0, blocking=True), Action(0, Op.FORWARD, 1)],
+        [Action(1, Op.BACKWARD, 9), Action(1, Op.RECV_ACTIVATION, 0), Action(1, Op.FORWARD, 0)],
     ]
     costs = [ChunkCosts(1.0, 5.0, to_next=Link(0.5, 0.25, 8.0, False, "a")),
              ChunkCosts(1.0, 5.0, to_prev=Link(0.5, 0.25, 8.0, False, "b"))]  # fmt: skip
     timeline = simulate(streams, costs)
     assert timeline.ends(0, Op.FORWARD) == [1.0, 6.75]  # second forward after the transfer 5 -> 5.75 (+1)
     assert timeline.ends(1, Op.FORWARD) == [6.75]
-    nonblocking = [[Action(a.op, a.micro_batch, a.chunk) for a in s] for s in streams]
+    nonblocking = [[Action(a.stage, a.op, a.micro_batch) for a in s] for s in streams]
     assert simulate(nonblocking, costs).ends(0, Op.FORWARD) == [1.0, 2.0]
 
 
 def test_messages_on_one_link_leave_in_order() -> None:
-    streams = [[Action(Op.FORWARD, 0, 0), Action(Op.SEND_ACTIVATION, 0, 0), Action(Op.FORWARD, 1, 0),
-                Action(Op.SEND_ACTIVATION, 1, 0)],
-               [Action(Op.RECV_ACTIVATION, 0, 1), Action(Op.FORWARD, 0, 1), Action(Op.RECV_ACTIVATION, 1, 1),
-                Action(Op.FORWARD, 1, 1)]]  # fmt: skip
+    streams = [[Action(0, Op.FORWARD, 0), Action(0, Op.SEND_ACTIVATION, 0), Action(0, Op.FORWARD, 1),
+                Action(0, Op.SEND_ACTIVATION, 1)],
+               [Action(1, Op.RECV_ACTIVATION, 0), Action(1, Op.FORWARD, 0), Action(1, Op.RECV_ACTIVATION, 1),
+                Action(1, Op.FORWARD, 1)]]  # fmt: skip
     costs = chain([0.1, 0.1], [0.0, 0.0], exchange=(1.0, 0.5))
     timeline = simulate(streams, costs)
     assert [m.arrived for m in timeline.messages] == pytest.approx([1.6, 2.6])  # the second queues behind the first
 
 
 def test_a_deadlock_names_the_stuck_ranks_and_their_next_actions() -> None:
-    streams = [[Action(Op.SEND_ACTIVATION, 0, 0, blocking=True), Action(Op.RECV_GRAD, 0, 0)],
-               [Action(Op.SEND_GRAD, 0, 1, blocking=True), Action(Op.RECV_ACTIVATION, 0, 1)]]  # fmt: skip
+    streams = [[Action(0, Op.SEND_ACTIVATION, 0, blocking=True), Action(0, Op.RECV_GRAD, 0)],
+               [Action(1, Op.SEND_GRAD, 0, blocking=True), Action(1, Op.RECV_ACTIVATION, 0)]]  # fmt: skip
     costs = chain([1.0, 1.0], [1.0, 1.0])
-    with pytest.raises(Deadlock, match=r"rank  0 >> \.\.\.  \| sa0 rg0\n  rank  1 >> \.\.\.  \| sg0 ra0"):
+    with pytest.raises(Deadlock, match=r"rank  0 >> \.\.\.  \| sa0 G0\n  rank  1 >> \.\.\.  \| sg0 A0"):
         simulate(streams, costs)
 
 
@@ -208,25 +208,25 @@ def test_golden_zb_h1_k3() -> None:
 
 def test_fdg_streams_follow_the_engines_generator() -> None:
     assert st.render(st.fdg_streams(2, 3)) == [
-        "F0 sa0 F1 sa1 rg0 B0 R S F2 sa2 rg1 B1 R S rg2 B2 R S",
-        "ra0 F0 B0 sg0 R S ra1 F1 B1 sg1 R S ra2 F2 B2 sg2 R S",
+        "F0 sa0 F1 sa1 G0 B0 R S F2 sa2 G1 B1 R S G2 B2 R S",
+        "A0 F0 B0 sg0 R S A1 F1 B1 sg1 R S A2 F2 B2 sg2 R S",
     ]
     # accumulate=2: the all-reduce and step follow every second backward (and the drain's last)
-    assert st.render(st.fdg_streams(2, 3, accumulate=2))[1] == "ra0 F0 B0 sg0 ra1 F1 B1 sg1 R S ra2 F2 B2 sg2 R S"
+    assert st.render(st.fdg_streams(2, 3, accumulate=2))[1] == "A0 F0 B0 sg0 A1 F1 B1 sg1 R S A2 F2 B2 sg2 R S"
 
 
 def test_every_fdg_instruction_kind_is_an_action() -> None:
-    # The planner simulates the actions the engine lowers: every instruction of schedule.OPS is an action op
-    # (L F B R S sa sg) or added by the lowering (the waits A / G become ra / rg; the posted receives pa / pg, the
-    # exchange's end X and the tick's end T are no action).
-    letters = {op.letter for op in fdg_schedule.OPS.values()}
-    assert letters - {"A", "G", "pa", "pg", "X", "T"} == {"L", "F", "B", "R", "S", "sa", "sg"}
-    assert {"L", "F", "B", "R", "S", "ra", "rg", "sa", "sg"} <= {op.value for op in Op}
+    # One alphabet: every instruction the engine runs is the instruction of one action op (the table
+    # schedule.INSTRUCTIONS), and the planner's streams are written in the same ops.
+    classes = {cls for cls, _ in fdg_schedule.INSTRUCTIONS.values()}
+    assert classes == set(fdg_schedule.KINDS)
+    assert {a.op for s in st.fdg_streams(3, 4) for a in s} <= set(fdg_schedule.INSTRUCTIONS)
+    assert {a.op for s in st.zbh1_streams(3, 4) for a in s} <= set(Op)
 
 
 def test_interleaved_streams_name_their_chunks() -> None:
     line = st.render(st.interleaved_streams(2, 2, chunks=2))[0]
-    assert line.startswith("F0 sa0 F1 sa1 ra0.2 F0.2 sa0.2 ra1.2 F1.2")
+    assert line.startswith("F0 sa0 F1 sa1 A0.2 F0.2 sa0.2 A1.2 F1.2")
 
 
 def test_interleaving_refuses_micro_batches_not_divisible_by_k() -> None:
@@ -299,11 +299,11 @@ def _deepspeed_generator_streams(stages: int, micro_batches: int) -> list[st.Str
                     continue
                 op = kinds[type(cmd)]
                 if op in (Op.ALLREDUCE, Op.STEP):
-                    stream.append(Action(op, None, stage))
+                    stream.append(Action(stage, op))
                     continue
                 seen[op] = seen.get(op, 0) + 1
-                stream.append(Action(op, seen[op] - 1, stage, blocking=op in st.SENDS))
-        streams.append([*stream, Action(Op.PIPE_COLLECTIVE, None, stage)])
+                stream.append(Action(stage, op, seen[op] - 1, blocking=op in st.SENDS))
+        streams.append([*stream, Action(stage, Op.PIPE_COLLECTIVE)])
     return streams
 
 

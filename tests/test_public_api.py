@@ -1,6 +1,6 @@
 """The public API (docs/api.md): ``fdg_schedule.__all__``, the public modules and entry points, the old module paths.
 
-Each table of docs/api.md is checked against the code; every path that moved in 0.4.0 still imports, runs with
+Each table of docs/api.md is checked against the code; every path that moved (0.4.0, 0.6.0) still imports, runs with
 ``python -m`` and resolves as an attribute, each with a ``DeprecationWarning`` that names the new path.
 """
 
@@ -44,9 +44,10 @@ def fresh_old_paths() -> Iterator[None]:
     def forget() -> None:
         for old in _moved.MOVED:
             sys.modules.pop(old, None)
-            short = old.rpartition(".")[2]
-            if short not in fdg_schedule.__all__:
-                fdg_schedule.__dict__.pop(short, None)
+            parent, _, short = old.rpartition(".")
+            package = sys.modules.get(parent)
+            if package is not None and short not in getattr(package, "__all__", ()):
+                package.__dict__.pop(short, None)
 
     forget()
     yield
@@ -91,8 +92,9 @@ def test_every_entry_point_runs_as_a_module() -> None:
 
 
 def test_the_old_paths_table_is_the_code_table() -> None:
-    listed = {code_names(old)[0]: code_names(new)[0] for old, new in table("Old paths")}
+    listed = {code_names(old)[0]: code_names(new)[0] for old, new, _ in table("Old paths")}
     assert listed == _moved.MOVED
+    assert {code_names(old)[0]: since for old, _, since in table("Old paths")} == _moved.SINCE
 
 
 def test_every_old_path_is_free_and_every_new_path_exists() -> None:
@@ -127,6 +129,26 @@ def test_from_the_package_import_an_old_module() -> None:
 
 
 @pytest.mark.usefixtures("fresh_old_paths")
+def test_a_subpackage_gives_the_modules_that_left_it() -> None:
+    """0.6.0's ground floor: ``from fdg_schedule.runtime import config`` and ``fdg_schedule.runtime.config``."""
+    import fdg_schedule.runtime
+
+    moved = r"fdg_schedule\.runtime\.config moved to fdg_schedule\.base\.config; .* since fdg_schedule 0\.6\.0"
+    with pytest.warns(DeprecationWarning, match=moved) as caught:
+        from fdg_schedule.runtime import config
+    assert config is importlib.import_module("fdg_schedule.base.config")
+    assert {w.filename for w in caught if "moved to" in str(w.message)} == {__file__}
+    fdg_schedule.runtime.__dict__.pop("config", None)
+    with pytest.warns(DeprecationWarning, match=r"fdg_schedule\.base\.host_memory"):
+        assert fdg_schedule.runtime.host_memory is importlib.import_module("fdg_schedule.base.host_memory")
+    with pytest.warns(DeprecationWarning, match=r"fdg_schedule\.observability\.tracking"):
+        from fdg_schedule.corrections.tracking import read_offline_run
+    assert read_offline_run is importlib.import_module("fdg_schedule.observability.tracking").read_offline_run
+    with pytest.raises(AttributeError, match="'fdg_schedule.runtime' has no attribute 'no_such_module'"):
+        fdg_schedule.runtime.no_such_module  # noqa: B018
+
+
+@pytest.mark.usefixtures("fresh_old_paths")
 def test_import_statements_of_old_paths() -> None:
     moved = r"fdg_schedule\.timeline moved to fdg_schedule\.observability\.timeline"
     with pytest.warns(DeprecationWarning, match=moved):
@@ -154,13 +176,15 @@ def test_python_m_an_old_path_runs_the_new_module_with_a_warning() -> None:
 
 
 def test_no_code_outside_the_runtime_touches_the_instruction_map() -> None:
-    """Issue 65 part 5: the engine's ``_INSTRUCTION_MAP`` is read and written by fdg_schedule.runtime only; others
-    use ``fdg_schedule.runtime.dispatch.observe`` (tests of the engine itself excepted)."""
+    """Issue 65 part 5: the engine's ``_INSTRUCTION_MAP`` is read and written by fdg_schedule.runtime and the dispatch
+    loop (fdg_schedule.base.dispatch: ``execute`` runs it, ``observe`` times a stock engine's) only; others use
+    ``fdg_schedule.base.dispatch.observe`` (tests of the engine itself excepted)."""
     paths = [*(ROOT / "fdg_schedule").rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")]
     paths += [*(ROOT / "recipes").rglob("*.py"), *(ROOT / "scripts").rglob("*.py")]
-    runtime = ROOT / "fdg_schedule" / "runtime"
-    touching = [p.relative_to(ROOT) for p in paths if runtime not in p.parents and "_INSTRUCTION_MAP" in p.read_text()]
-    assert not touching, f"{touching} touch the engine's _INSTRUCTION_MAP; use fdg_schedule.runtime.dispatch.observe"
+    runtime, loop = ROOT / "fdg_schedule" / "runtime", ROOT / "fdg_schedule" / "base" / "dispatch.py"
+    touching = [p.relative_to(ROOT) for p in paths if runtime not in p.parents and p != loop]
+    touching = [p for p in touching if "_INSTRUCTION_MAP" in (ROOT / p).read_text()]
+    assert not touching, f"{touching} touch the engine's _INSTRUCTION_MAP; use fdg_schedule.base.dispatch.observe"
 
 
 def test_the_version_is_the_newest_release() -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from deepspeed.runtime.config import DeepSpeedConfig
 
-from fdg_schedule.runtime import config as fdg_config
+from fdg_schedule.base import config as fdg_config
 from fdg_schedule.tools.launch import free_port, remove_shared_memory
 from fdg_schedule.zoo import vision_data
 

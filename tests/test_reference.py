@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fdg_schedule import FDGConfig, fdg_reference
-from fdg_schedule.corrections.reference import ReferenceState
+from fdg_schedule.corrections.reference import ReferenceState, _Corrections
 
 MODES = [(w, a) for w in ("current", "stashed") for a in ("stored", "recomputed")]
 
@@ -516,3 +516,28 @@ def test_delay_momentum_is_the_momentum_of_each_stage_raised_to_one_plus_its_del
     for opt in corrected_opts:  # put back after every step
         group = opt.param_groups[0]
         assert group.get("momentum", mu) == mu and group.get("betas", (mu, 0.99)) == (mu, 0.99)
+
+
+@pytest.mark.parametrize(
+    ("keys", "K", "reach"),
+    [
+        ({}, 4, [6, 4, 2, 0]),  # h_k itself: the prediction before predict_scale existed
+        ({"predict_scale": 0.5}, 4, [3, 2, 1, 0]),
+        ({"predict_scale": 0.5, "predict_horizon": "first_stage"}, 3, [2, 1.5, 1]),
+        ({"predict_momentum": 0.5}, 3, [0.5 + 0.25 + 0.125 + 0.0625, 0.5 + 0.25, 0]),  # mu + ... + mu**h
+        ({"predict_momentum": 0.5, "predict_scale": 2.0, "accumulate": 2}, 2, [2 * 0.5]),  # h = 1: p * mu
+    ],
+)
+def test_the_references_forwards_reach_p_times_the_discounted_horizon(keys: dict, K: int, reach: list[float]) -> None:
+    # Note [staleness corrections], predict_scale and predict_momentum: w_hat = w + R*delta
+    config = FDGConfig(predict_decay=0.0, **keys)
+    stage = nn.Linear(2, 2)
+    for k, want in enumerate(reach):
+        corrections = _Corrections(stage, k, K, 0, config, ReferenceState(), set())
+        assert corrections.reach == pytest.approx(want, rel=1e-15, abs=0)
+        if corrections.delta is not None:
+            for d in corrections.delta.values():
+                d.fill_(0.25)
+            predicted = corrections.predicted()
+            assert predicted is not None
+            torch.testing.assert_close(predicted["weight"], stage.weight + want * 0.25, rtol=0, atol=1e-7)

@@ -1,4 +1,4 @@
-"""fdg_schedule.runtime.rng: the forward's RNG state is saved and replayed through DeepSpeed's accelerator API.
+"""fdg_schedule.base.rng: the forward's RNG state is saved and replayed through DeepSpeed's accelerator API.
 
 The CPU accelerator's generator is the host one; an accelerator with its own generator is stood in
 for by a fake (no other accelerator exists on the machines the suite runs on).
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from fdg_schedule.runtime import rng
+from fdg_schedule.base import rng
 
 
 class FakeAccelerator:

@@ -7,7 +7,7 @@ import itertools
 import pytest
 from deepspeed.runtime.pipe.schedule import ReduceGrads
 
-from fdg_schedule.runtime.errors import FDGRuntimeError
+from fdg_schedule.base.errors import FDGRuntimeError
 from fdg_schedule.sched import ticks
 from fdg_schedule.sched.schedule import (
     AdvanceTick,

@@ -151,3 +151,39 @@ def test_the_downstream_sends_before_the_upstream_accepts() -> None:
         got = torch.empty(4)
         link.receive([got], TIMEOUT)  # accepts now, and the record and its doorbell are there
         assert got.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def _send_many(token: int, capacity: int, messages: int, sent: mp.Queue) -> None:
+    """The downstream stage: send ``messages`` messages as fast as slots free, reporting each once it was sent."""
+    link = Link.join(token, capacity, TIMEOUT)
+    for i in range(messages):
+        link.send([torch.full((4,), float(i))], TIMEOUT)
+        sent.put(i)
+    time.sleep(0.5)  # keep the link up while the upstream reads the last ones
+    link.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_lent_message_is_read_where_it_lies_and_its_slot_waits_for_the_release() -> None:
+    """Note [a lent message]: borrow() views the slot (no copy) and the sender may not rewrite that slot before
+    release(); one message is lent at a time."""
+    sent: mp.Queue = mp.get_context("spawn").Queue()
+    with _downstream_running(_send_many, SLOTS + 1, sent) as (link, neighbour):
+        like = [torch.empty(4)]
+        first = link.borrow(like, TIMEOUT)
+        assert first[0].tolist() == [0.0] * 4
+        assert first[0].untyped_storage().data_ptr() == link._views[link.in_direction].untyped_storage().data_ptr()
+        with pytest.raises(LinkError, match="never released"):
+            link.borrow(like, TIMEOUT)
+        assert [sent.get(timeout=30) for _ in range(SLOTS)] == list(range(SLOTS))
+        time.sleep(0.3)
+        assert sent.empty(), "message SLOTS + 1 reuses the lent slot: it must wait for the release"
+        assert first[0].tolist() == [0.0] * 4
+        link.release()
+        assert sent.get(timeout=30) == SLOTS
+        for i in range(1, SLOTS + 1):
+            assert link.borrow(like, TIMEOUT)[0].tolist() == [float(i)] * 4
+            link.release()
+        with pytest.raises(LinkError, match="not borrowed"):
+            link.release()
+    assert neighbour.exitcode == 0

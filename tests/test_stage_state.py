@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch import nn
 
+from fdg_schedule.base.config import FDGConfig
+from fdg_schedule.base.errors import FDGRuntimeError
 from fdg_schedule.checkpointing import checkpoint
 from fdg_schedule.corrections.delayed import DelayedBackward
 from fdg_schedule.exchange.comm import NeighbourExchange, meta_of
-from fdg_schedule.runtime.config import FDGConfig
-from fdg_schedule.runtime.errors import FDGRuntimeError
 from fdg_schedule.runtime.stage_state import InFlight, StageState
 
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch import nn
 
+from fdg_schedule.base.config import FDGConfig, FDGConfigError
 from fdg_schedule.corrections.staleness import Corrections, StalenessMeter
-from fdg_schedule.runtime.config import FDGConfig, FDGConfigError
 
 
 def _params(dtype: torch.dtype = torch.float32) -> list[nn.Parameter]:
@@ -168,6 +168,32 @@ def test_forward_weights_are_predicted_and_w_comes_back_bit_for_bit() -> None:
     assert ahead == [4 / 2, 3 / 2, 2 / 2]  # (2(K-1) - k) / A: to the tick stage 0 applies the gradient
     assert Corrections(params, 3, 2, first).delta is not None  # the last stage predicts too
     assert Corrections(params, 1, 0, first).delta is None  # K = 1 stays plain backprop
+
+
+def test_the_prediction_reach_scales_and_discounts_the_horizon() -> None:
+    # Note [the prediction's reach]: R = p * h, or p * (mu + mu**2 + ... + mu**h), written out here as a sum
+    params = _params()
+    own = FDGConfig(predict_decay=0.0)
+    assert [Corrections(params, 4, k, own).reach for k in range(3)] == [6.0, 4.0, 2.0]  # h itself
+    half = FDGConfig(predict_decay=0.0, predict_scale=0.5)
+    assert [Corrections(params, 4, k, half).reach for k in range(3)] == [3.0, 2.0, 1.0]
+    nesterov = FDGConfig(predict_decay=0.0, predict_momentum=0.9, predict_scale=0.5, predict_horizon="first_stage")
+    for k, h in enumerate((6, 5, 4, 3)):
+        assert Corrections(params, 4, k, nesterov).reach == pytest.approx(0.5 * sum(0.9**i for i in range(1, h + 1)))
+    one = Corrections(params, 2, 0, FDGConfig(predict_decay=0.0, predict_momentum=0.9, accumulate=2))  # h = 1
+    assert one.reach == pytest.approx(0.9)  # Nesterov's look-ahead point w + mu * v
+    real = Corrections(params, 3, 1, FDGConfig(predict_decay=0.0, predict_momentum=0.5, accumulate=3))  # h = 2/3
+    assert real.reach == pytest.approx(0.5 * (1 - 0.5 ** (2 / 3)) / 0.5)  # the closed form for a real h
+    corrections = Corrections(params, 4, 0, nesterov)
+    assert corrections.delta is not None
+    for d in corrections.delta:
+        d.fill_(1e-3)
+    w = [p.detach().clone() for p in params]
+    with corrections.predicted():
+        for p, wp, d in zip(params, w, corrections.delta):
+            assert torch.equal(p, wp + corrections.reach * d)
+    for p, wp in zip(params, w):
+        assert torch.equal(p, wp)
 
 
 def test_bf16_weights_keep_an_fp32_delta() -> None:

@@ -77,3 +77,41 @@ def test_the_calls_summary_lists_fdg_by_transport_and_gas_and_stars_only_what_me
         "| plainconv | shm | 16 | 6 | 0.970* [0.96–0.98] | 1.050 [1.04–1.06] |",
     ]
     assert any("engine abc" in line and "load 1.0 → 2.0" in line for line in lines)
+
+
+def test_the_calls_summary_reads_a_run_of_one_gas_and_states_the_medians_confidence_interval(tmp_path) -> None:
+    """With one --fdg-gas the variants carry no ``_g<N>`` suffix: the summary takes the GAS from the report."""
+    import json
+
+    from benchmarks.throughput.calls_summary import summary
+
+    ratio = lambda m, lo, hi: {"median": m, "min": m - 0.02, "max": m + 0.02, "ci95": [lo, hi]}  # noqa: E731
+    variants = {
+        "fdg_current_stored_shm": {"samples_per_s_all": [1.0] * 12, "ratio_vs_halves": ratio(0.981, 0.954, 0.996),
+                                   "ratio_vs_1f1b_m4": ratio(1.27, 1.245, 1.293)},
+        "fdg_current_stored_shm_predict": {"samples_per_s_all": [1.0] * 12},  # another variant: left out
+    }  # fmt: skip
+    report = {"models": {"mlp_1024": {"variants": variants}}, "fdg_gas": 4, "engine": "abc", "date": "d",
+              "command": "c", "load_start": [1.0], "load_end": [2.0]}  # fmt: skip
+    path = tmp_path / "throughput.json"
+    path.write_text(json.dumps(report))
+    table = [line for line in summary([path]).splitlines() if line.startswith("| mlp_1024")]
+    assert table == [
+        "| mlp_1024 | shm | 4 | 12 | 0.981* [0.96–1.00] (CI 0.954–0.996) | 1.270* [1.25–1.29] (CI 1.245–1.293) |"
+    ]
+
+
+def test_the_throughput_benchmark_refuses_a_variant_name_it_does_not_have(capsys) -> None:
+    """A variant named for several --fdg-gas values (``_g4``) in a run of one would silently drop out of it."""
+    import signal
+
+    from benchmarks.throughput.throughput import main
+
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit):
+            main(["--models", "plainconv", "--fdg-gas", "4", "--variants", "halves,fdg_current_stored_shm_g4"])
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    err = capsys.readouterr().err
+    assert "['fdg_current_stored_shm_g4']" in err and "fdg_current_stored_shm'" in err

@@ -1,6 +1,6 @@
 """Tied copies stay bit-identical under every optimizer DeepSpeed builds from its config, and client ones
 (Note [tied layers across stages] in fdg_schedule/exchange/tied.py; Note [FusedAdam's step on the CPU] in
-fdg_schedule/runtime/optim.py).
+fdg_schedule/base/optim.py).
 
 The job is the Megatron-style one of issue 41: an ``nn.Embedding`` subclass tied to the head
 (``x @ weight.t()``), five Linear + Tanh pairs between, split ``"uniform"``. Every test compares the copies
@@ -16,8 +16,8 @@ import tied_optimizer_workers as workers
 import torch
 from dist_harness import run_ranks_each
 
+from fdg_schedule.base import optim
 from fdg_schedule.exchange import tied
-from fdg_schedule.runtime import optim
 
 pytestmark = pytest.mark.distributed
 

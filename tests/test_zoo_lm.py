@@ -21,7 +21,7 @@ from deepspeed.runtime.config import DeepSpeedConfig
 from dist_harness import run_ranks_each
 from transformers import AutoModelForCausalLM, GPT2Config
 
-from fdg_schedule.runtime import config as fdg_config
+from fdg_schedule.base import config as fdg_config
 from fdg_schedule.tools.launch import free_port, remove_shared_memory
 from fdg_schedule.zoo import hf_lm, text_data, tied_layers
 

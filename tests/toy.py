@@ -240,7 +240,7 @@ def ds_optimizer(name: str, stage: nn.Module) -> Any:
     or DeepSpeed's CPU Lion (offloaded: DeepSpeed has no CPU FusedLion); steps a function of their own state."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    from fdg_schedule.runtime import optim
+    from fdg_schedule.base import optim
 
     params = DS_OPTIMIZERS[name]
     if name == "Lion":

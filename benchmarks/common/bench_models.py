@@ -54,6 +54,9 @@ MODELS: dict[str, dict[str, Any]] = {
     "transformer_tiny": dict(kind="transformer", blocks=2, width=64, heads=4, seq=16, micro=8),
     "gpt2_tiny": dict(kind="gpt2", size="tiny", vocab=256, seq=16, micro=4),
     "convstack_tiny": dict(kind="conv", widths=(8, 16), per_group=2, micro=8, image=16),
+    # the time-to-loss runs' models (benchmarks/convergence/time_to_loss.py): their K = 2 throughput ratio
+    "ttl_lm": dict(kind="llama", vocab=4096, seq=128, micro=8),
+    "ttl_resnet": dict(kind="resnet", depth=20, micro=32, image=28, channels=1),
 }
 
 
@@ -99,7 +102,7 @@ def model_layers(model: str) -> list[Any]:
     if cfg["kind"] == "resnet":
         from fdg_schedule.zoo.resnet import cifar_resnet_layers
 
-        return cifar_resnet_layers(cfg["depth"], CLASSES, 3)
+        return cifar_resnet_layers(cfg["depth"], CLASSES, cfg.get("channels", 3))
     if cfg["kind"] == "conv":
         layers: list[Any] = []
         channels = 3
@@ -136,6 +139,14 @@ def model_layers(model: str) -> list[Any]:
         return [*blocks, LayerSpec(MeanPoolHead, width, CLASSES)]
     from fdg_schedule.zoo import hf_lm
 
+    if cfg["kind"] == "llama":
+        from transformers import LlamaConfig
+
+        from benchmarks.convergence.time_to_loss import LLAMA
+
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            return list(hf_lm.pipeline_layers(hf_lm.build_model(LlamaConfig(**LLAMA))))
     with torch.random.fork_rng():
         torch.manual_seed(0)
         config = hf_lm.build_config("gpt2", cfg["size"], cfg["vocab"], cfg["seq"], tie_word_embeddings=False)
@@ -151,7 +162,7 @@ def build_layers(model: str) -> list[nn.Module]:
 
 def loss_fn(model: str) -> Any:
     """The loss the last stage computes."""
-    if MODELS[model]["kind"] == "gpt2":
+    if MODELS[model]["kind"] in ("gpt2", "llama"):
         from fdg_schedule.zoo import hf_lm
 
         return hf_lm.lm_loss
@@ -162,7 +173,7 @@ def fixed_data(model: str, count: int = 4) -> list[tuple[torch.Tensor, torch.Ten
     """``count`` fixed synthetic micro-batches (inputs, labels), cycled through: no data loading is timed."""
     cfg = MODELS[model]
     g = torch.Generator().manual_seed(0)
-    if cfg["kind"] == "gpt2":
+    if cfg["kind"] in ("gpt2", "llama"):
         ids = [torch.randint(0, cfg["vocab"], (cfg["micro"], cfg["seq"]), generator=g) for _ in range(count)]
         return [(x, x) for x in ids]
     if cfg["kind"] == "transformer":
@@ -170,7 +181,7 @@ def fixed_data(model: str, count: int = 4) -> list[tuple[torch.Tensor, torch.Ten
     elif cfg["kind"] == "mlp":
         shape = (cfg["micro"], cfg["width"])
     else:
-        shape = (cfg["micro"], 3, cfg["image"], cfg["image"])
+        shape = (cfg["micro"], cfg.get("channels", 3), cfg["image"], cfg["image"])
     return [
         (torch.randn(shape, generator=g), torch.randint(0, CLASSES, (cfg["micro"],), generator=g)) for _ in range(count)
     ]

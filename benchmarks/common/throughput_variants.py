@@ -331,7 +331,7 @@ class DeepSpeedVariant:
         """Time DeepSpeed's handlers by kind, through the package's public hook (``dispatch.observe``)."""
         from deepspeed.runtime.pipe import schedule as s
 
-        from fdg_schedule.runtime.dispatch import observe
+        from fdg_schedule.base.dispatch import observe
 
         kinds = {
             s.ForwardPass: "forward_s", s.BackwardPass: "backward_s", s.OptimizerStep: "step_s",

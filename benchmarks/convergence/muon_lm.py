@@ -71,7 +71,7 @@ def muon(stage: Any, muon_lr: float) -> Any:
     from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
 
-    from fdg_schedule.runtime import optim
+    from fdg_schedule.base import optim
 
     params = {"muon_lr": muon_lr, **MUON}
     set_optimizer_flags(SimpleNamespace(optimizer_name="muon", optimizer_params=params), stage)

@@ -40,9 +40,9 @@ from deepspeed.runtime.utils import set_random_seed
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
+from fdg_schedule.base.config import FDGConfig
 from fdg_schedule.corrections import auto_corrections
 from fdg_schedule.corrections.reference import ReferenceState, fdg_reference
-from fdg_schedule.runtime.config import FDGConfig
 from fdg_schedule.sched import ticks as tick_math
 from fdg_schedule.tools.staleness_log import format_line
 from fdg_schedule.zoo import resnet, vision_data

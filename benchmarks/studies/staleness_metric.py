@@ -57,7 +57,7 @@ def run_one(run: Run, micro_batches: int, eval_every: int) -> None:
 
 def stage_series(name: str) -> dict[int, list[tuple[int, float]]]:
     """Stage -> [(tick, staleness)] from the run's per-stage W&B runs (``stage<k>-dp0``)."""
-    from fdg_schedule.corrections.tracking import read_offline_run
+    from fdg_schedule.observability.tracking import read_offline_run
 
     series: dict[int, list[tuple[int, float]]] = {}
     for folder in sorted((OUT / name / "wandb").glob("offline-run-*")):

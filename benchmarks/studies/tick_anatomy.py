@@ -8,7 +8,7 @@ built once, warmed up, then timed in interleaved windows whose order rotates eac
 ``halves`` (the FDG stored split's stages in plain torch, no exchange: the ceiling), ``halves_exchange``
 and ``halves_shm`` (the same plus one exchange of the boundary's shape per tick, gloo / shared memory),
 ``fdg`` and ``fdg_shm`` (FDG current/stored, K = 2, ``accumulate`` 4). For the FDG variants every
-instruction is timed through the public hook (:func:`fdg_schedule.runtime.dispatch.observe`), and inside
+instruction is timed through the public hook (:func:`fdg_schedule.base.dispatch.observe`), and inside
 them the stage module's own forward (``PipelineModule.forward``) and autograd's backward
 (``torch.autograd.backward``), so that each instruction splits into the layers' compute and what the
 engine and DeepSpeed add around it. Per window and rank the process's and the main thread's CPU time
@@ -158,7 +158,7 @@ class InstructionClock:
 
 def build(plan: dict[str, Any], inner: Inner) -> dict[str, tuple[Any, InstructionClock | None]]:
     """Every variant of this rank, with its instruction clock (FDG only)."""
-    from fdg_schedule.runtime import dispatch
+    from fdg_schedule.base import dispatch
 
     built: dict[str, tuple[Any, InstructionClock | None]] = {}
     for name, exchange in HALVES.items():

@@ -18,16 +18,18 @@ from pathlib import Path
 from typing import Any
 
 CEILING, ONE_F_ONE_B = 0.95, 1.2  # issue 62's targets at GAS 4 over the default transport
-NAME = re.compile(r"fdg_current_stored(?P<shm>_shm)?_g(?P<gas>\d+)$")
+NAME = re.compile(r"fdg_current_stored(?P<shm>_shm)?(_g(?P<gas>\d+))?$")  # no _g<N>: the run's one --fdg-gas
 
 
 def cell(row: dict[str, Any], key: str, target: float) -> str:
-    """``median [min-max]`` of one paired ratio, starred when the median meets ``target``."""
+    """``median [min-max]`` of one paired ratio, starred when the median meets ``target``; with the median's 95 %
+    confidence interval where the report has one."""
     if key not in row:
         return "–"
     ratio = row[key]
     star = "*" if ratio["median"] >= target else ""
-    return f"{ratio['median']:.3f}{star} [{ratio['min']:.2f}–{ratio['max']:.2f}]"  # 3 places: 0.949 is no 0.95
+    ci = f" (CI {ratio['ci95'][0]:.3f}–{ratio['ci95'][1]:.3f})" if ratio.get("ci95") else ""
+    return f"{ratio['median']:.3f}{star} [{ratio['min']:.2f}–{ratio['max']:.2f}]{ci}"  # 3 places: 0.949 is no 0.95
 
 
 def rows(report: dict[str, Any]) -> list[str]:
@@ -35,7 +37,7 @@ def rows(report: dict[str, Any]) -> list[str]:
     out = []
     for model, result in report["models"].items():
         found = sorted(
-            ((m.group("shm") is not None, int(m.group("gas")), name) for name in result["variants"]
+            ((m.group("shm") is not None, int(m.group("gas") or report["fdg_gas"]), name) for name in result["variants"]
              if (m := NAME.match(name))),
         )  # fmt: skip
         for shm, gas, name in found:

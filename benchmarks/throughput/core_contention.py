@@ -13,7 +13,7 @@ reaches at most
     ceiling ×BP = 2 × (ms per iteration alone) / (ms per iteration in a pair)
 
 Rounds alternate so a slow stretch of a shared machine falls on both modes alike. Every worker keeps
-freed memory (``fdg_schedule.runtime.host_memory``; ``--freed-memory system`` leaves glibc's default), as the
+freed memory (``fdg_schedule.base.host_memory``; ``--freed-memory system`` leaves glibc's default), as the
 throughput benchmark's ranks do; ``--bind-cores`` puts worker r on core r, as its ``--bind-cores``.
 
 A pipeline also runs in lock-step: each FDG tick needs the neighbour's previous tick, so at K = 2 a
@@ -65,7 +65,7 @@ def worker(
     import torch
 
     from benchmarks.common.bench_models import build_layers, fixed_data, loss_fn
-    from fdg_schedule.runtime import host_memory
+    from fdg_schedule.base import host_memory
 
     if host["retain"]:
         host_memory.retain_freed_memory()
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=8, help="rounds of each mode, alternating")
     parser.add_argument("--iterations", type=int, default=6, help="training iterations per round")
     parser.add_argument(
-        "--freed-memory", choices=("retain", "system"), default="retain", help="fdg_schedule.runtime.host_memory"
+        "--freed-memory", choices=("retain", "system"), default="retain", help="fdg_schedule.base.host_memory"
     )
     parser.add_argument("--bind-cores", action="store_true", help="worker r and all its threads on core r")
     parser.add_argument(
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
         "fdg_order": args.halves_order == "fdg",
     }
     if host["retain"]:  # the profile behind the halves' cut too
-        from fdg_schedule.runtime import host_memory
+        from fdg_schedule.base import host_memory
 
         host_memory.retain_freed_memory()
     print(

@@ -74,11 +74,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--gas", type=int, default=16, help="micro-batches per window (DeepSpeed's GAS)")
     parser.add_argument(
-        "--freed-memory", choices=("retain", "system"), default="retain", help="fdg_schedule.runtime.host_memory"
+        "--freed-memory", choices=("retain", "system"), default="retain", help="fdg_schedule.base.host_memory"
     )
     args = parser.parse_args(argv)
     if args.freed_memory == "retain":
-        from fdg_schedule.runtime import host_memory
+        from fdg_schedule.base import host_memory
 
         host_memory.retain_freed_memory()
 

@@ -4,7 +4,7 @@
 
 Plain backprop on one thread (the throughput benchmark's ``bp``: its layers, its fixed micro-batches,
 SGD with momentum), each measurement in a fresh process, because the setting is process-wide and one-way:
-``system`` leaves glibc's defaults, ``retained`` calls ``fdg_schedule.runtime.host_memory.retain_freed_memory()``
+``system`` leaves glibc's defaults, ``retained`` calls ``fdg_schedule.base.host_memory.retain_freed_memory()``
 first. The two alternate for ``--rounds`` rounds (order flipped every round), so a slow stretch of the
 machine falls on both. Per micro-batch, after ``--warmup`` untimed ones: wall ms, page faults (minor)
 and the kernel's CPU ms. Prints one Markdown table: medians [min–max] over rounds and the median
@@ -32,7 +32,7 @@ def _measure(model: str, mode: str, warmup: int, iterations: int, results: Any) 
 
     (The spawned process inherits the parent's ``sys.path``: the repository root, first under ``python -m``.)
     """
-    from fdg_schedule.runtime import host_memory
+    from fdg_schedule.base import host_memory
 
     if mode == "retained":
         host_memory.retain_freed_memory()

@@ -79,9 +79,9 @@ from benchmarks.common.bench_models import MODELS, fixed_data, loss_fn, model_la
 from benchmarks.common.throughput_report import markdown, summarize  # noqa: E402
 from benchmarks.common.throughput_variants import LR, MOMENTUM, STAGES, split_key, split_objective, variants  # noqa: E402
 from benchmarks.throughput.throughput_measure import memory_worker, throughput_worker  # noqa: E402
+from fdg_schedule.base import host_memory  # noqa: E402
 from fdg_schedule.partitioning.partition import balanced_partition, evaluate_partition, parameter_split  # noqa: E402
 from fdg_schedule.partitioning.profile import ModelProfile, profile_layers  # noqa: E402
-from fdg_schedule.runtime import host_memory  # noqa: E402
 from fdg_schedule.tools.launch import run  # noqa: E402
 
 
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--freed-memory",
         choices=("retain", "system"),
         default="retain",
-        help="retain: every process keeps freed memory (fdg_schedule.runtime.host_memory); system: glibc's default",
+        help="retain: every process keeps freed memory (fdg_schedule.base.host_memory); system: glibc's default",
     )
     parser.add_argument(
         "--bind-cores",
@@ -202,6 +202,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rss_stages = [int(k) for k in (args.rss if args.rss is not None else ("" if quick else "2")).split(",") if k]
     specs = variants(fdg_gas)
     if args.variants:
+        unknown = sorted(set(args.variants.split(",")) - {s["name"] for s in specs})
+        if unknown:  # a misspelt name would silently drop its variant from the run
+            parser.error(f"--variants names {unknown}, which this run does not have (with --fdg-gas {args.fdg_gas}): "
+                         f"choose from {[s['name'] for s in specs]}")  # fmt: skip
         specs = [s for s in specs if s["name"] in args.variants.split(",")]
     else:  # the staleness corrections' variants run when named
         specs = [s for s in specs if not s.get("optional")]

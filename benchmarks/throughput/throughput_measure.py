@@ -14,7 +14,7 @@ from torch import nn
 
 from benchmarks.common.cores import bind_threads
 from benchmarks.common.throughput_variants import DeepSpeedVariant, Variant, build_variant
-from fdg_schedule.runtime import host_memory
+from fdg_schedule.base import host_memory
 
 
 def throughput_worker(rank: int, world: int, plan: dict[str, Any]) -> dict[str, Any]:
@@ -151,18 +151,18 @@ class _Counted:
 
 
 class HeldBytesObserver:
-    """FDG observer: the largest ``held_bytes()`` / ``in_flight()`` seen at the end of a tick."""
+    """FDG observer: the largest ``held_bytes`` / ``in_flight`` its view shows at the end of a tick."""
 
     def __init__(self) -> None:
         self.held_max = 0
         self.in_flight_max = 0
 
-    def on_instruction(self, engine: Any, cmd: Any, start: float, end: float) -> None:
+    def on_instruction(self, view: Any, cmd: Any, start: float, end: float) -> None:
         if type(cmd).__name__ == "AdvanceTick":
-            self.held_max = max(self.held_max, engine.held_bytes())
-            self.in_flight_max = max(self.in_flight_max, engine.in_flight())
+            self.held_max = max(self.held_max, view.held_bytes)
+            self.in_flight_max = max(self.in_flight_max, view.in_flight)
 
-    def on_call_end(self, engine: Any, seconds: float) -> None:
+    def on_call_end(self, view: Any, seconds: float) -> None:
         pass
 
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from deepspeed.utils import logger
 from torch import Tensor
 
-from fdg_schedule.runtime.config import FDGConfig, FDGConfigError
+from fdg_schedule.base.config import FDGConfig, FDGConfigError
 
 FORMAT = 1
 

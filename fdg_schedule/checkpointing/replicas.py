@@ -39,9 +39,9 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from torch import Tensor
 
+from fdg_schedule.base.errors import FDGRuntimeError
+from fdg_schedule.base.guards import read_host
 from fdg_schedule.exchange.comm import Path, choose_path
-from fdg_schedule.runtime.errors import FDGRuntimeError
-from fdg_schedule.runtime.guards import read_host
 
 NO_LIMIT = -1  # the data has not ended on this replica
 FAILURES = ["", "non-finite loss", "non-finite gradient"]  # what a replica's status word says it stopped on

@@ -59,11 +59,16 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fdg_schedule.runtime.config import CORRECTION_KEYS, FDGConfig, FDGConfigError
+from fdg_schedule.base.config import CORRECTION_KEYS, FDGConfig, FDGConfigError
 
 logger = logging.getLogger(__name__)
 
 RULE = "v1"
+# The keys rule v1 decides and a checkpoint records (:func:`recorded`): the correction keys older than the rule's
+# first test. The later ones (predict_scale, predict_momentum) stay at their defaults under "auto" and are not
+# recorded, so checkpoints saved before them resume.
+RULE_KEYS = ("delay_lr_ticks", "predict_decay", "predict_horizon", "delay_momentum", "delay_momentum_peak_lr",
+             "delay_momentum_raise")  # fmt: skip
 FOREVER = 2**62  # delay_lr_ticks without a run length: the factor stays tau ** -1 (Note [the auto rule])
 
 
@@ -241,7 +246,7 @@ def recorded(config: FDGConfig) -> dict[str, Any] | None:
     """What a checkpoint keeps of ``"auto"``'s choice: the correction keys' values (None without ``"auto"``)."""
     if config.corrections != "auto":
         return None
-    return {key: getattr(config, key) for key in CORRECTION_KEYS}
+    return {key: getattr(config, key) for key in RULE_KEYS}
 
 
 def check_resume(saved: Mapping[str, Any] | None, config: FDGConfig, where: str) -> None:

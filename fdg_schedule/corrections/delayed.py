@@ -49,10 +49,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fdg_schedule.runtime import rng
-from fdg_schedule.runtime.config import FDGConfig
-from fdg_schedule.runtime.errors import FDGRuntimeError
-from fdg_schedule.runtime.tensors import detached
+from fdg_schedule.base import rng
+from fdg_schedule.base.config import FDGConfig
+from fdg_schedule.base.errors import FDGRuntimeError
+from fdg_schedule.base.tensors import detached
 
 
 @dataclasses.dataclass

@@ -49,6 +49,12 @@ Note [staleness corrections]
     recomputes: under "stashed" its gradient is taken at w_hat, under "current" its backward reads the
     live w. K = 1 predicts nothing (2(K-1) - k = 0).
 
+    predict_scale = p and predict_momentum = mu (extensions, issue 64; they need predict_decay): with h the
+    horizon above (own or first_stage), every forward on stage k runs on ``w_hat = w + R*delta`` with
+    ``R = p*h``, or with mu ``R = p * (mu + mu**2 + ... + mu**h) = p * mu * (1 - mu**h) / (1 - mu)`` (any real
+    h). p = 1 and no mu: R = h, the prediction above. With gamma = 0, delta is the last applied update; with
+    SGD of momentum mu it is the heavy-ball velocity v, and h = 1 gives Nesterov's look-ahead point w + mu*v.
+
 Note [tied layers across stages, the reference]
     ``ties`` lists, per tied parameter, ``(stage, parameter name)`` of each copy. The copies are taken
     out of ``optimizers[stage]``; each copy gets a tied optimizer of that optimizer's class and
@@ -85,6 +91,9 @@ Note [fp16 in the reference]
     the last one s_k = max(S/2, min_loss_scale); ``loss_scale_window`` clean steps after the last
     overflow, s_k = 2*S. A static scale never changes. The engine's side is Note [loss scale per stage]
     in fdg_schedule/precision/loss_scale.py.
+
+Long because it is the one statement of the math the engine is tested against: every mode, correction and
+end of data in one place to be read top to bottom, with no code shared with the engine.
 """
 
 from __future__ import annotations
@@ -100,8 +109,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from fdg_schedule.base.config import FDGConfig
 from fdg_schedule.corrections import auto_corrections
-from fdg_schedule.runtime.config import FDGConfig
 from fdg_schedule.sched import ticks
 
 Activation = Tensor | tuple[Tensor, ...]
@@ -345,6 +354,12 @@ class _Corrections:
         # "first_stage" (2(K-1) - k) / A, the tick stage 0 applies the micro-batch's gradient
         ahead = 2 * (K - 1 - k) if config.predict_horizon == "own" else 2 * (K - 1) - k
         self.h_predict = ahead / config.accumulate
+        # predict_momentum mu: the h steps counted as mu + mu**2 + ... + mu**h; predict_scale p: times p
+        steps = self.h_predict
+        if config.predict_momentum is not None:
+            mu = config.predict_momentum
+            steps = mu * (1.0 - mu**self.h_predict) / (1.0 - mu)
+        self.reach = steps * config.predict_scale
         if self.gamma is not None and self.h_predict > 0:
             if k not in state.delta:
                 state.delta[k] = {
@@ -355,13 +370,14 @@ class _Corrections:
             self.delta = state.delta[k]
 
     def predicted(self) -> dict[str, Tensor] | None:
-        """w_hat = w + h*delta for every parameter (frozen ones as they are), or None without prediction."""
+        """w_hat = w + R*delta (R = p*h, or p*mu*(1 - mu**h)/(1 - mu)) for every parameter (frozen ones as they
+        are), or None without prediction."""
         if self.delta is None:
             return None
         with torch.no_grad():
             return {
                 name: (
-                    (p + self.h_predict * self.delta[name]).to(p.dtype) if name in self.delta else p.clone()
+                    (p + self.reach * self.delta[name]).to(p.dtype) if name in self.delta else p.clone()
                 ).requires_grad_(p.requires_grad)
                 for name, p in self.stage.named_parameters()
             }

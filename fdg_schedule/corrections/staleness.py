@@ -16,7 +16,14 @@ with stored activations reads the live ``w`` in the backward because saved weigh
 (Note [saved weights read live]); ``"current"`` recomputed reruns the forward on the live ``w``.
 Buffers (batch-norm statistics) are not predicted. The step applies the gradient to ``w``. ``h`` is the
 prediction's horizon in optimizer steps: h_k, or with ``predict_horizon: "first_stage"``
-``(2(K-1) - k) / accumulate`` (:func:`fdg_schedule.sched.ticks.prediction_ticks`).
+``(2(K-1) - k) / accumulate`` (:func:`fdg_schedule.sched.ticks.prediction_ticks`); ``predict_scale`` and
+``predict_momentum`` turn ``h`` into the prediction's reach (Note [the prediction's reach]).
+
+Note [the prediction's reach]: delta is multiplied by R = p * H, p = ``predict_scale`` and H the horizon
+``h``, or with ``predict_momentum`` mu the discounted count ``mu + mu**2 + ... + mu**h``, computed for any real
+h as ``(mu - mu**(h+1)) / (1 - mu)``. The reference states the same sum as ``mu * (1 - mu**h) / (1 - mu)``
+(:mod:`fdg_schedule.corrections.reference`, Note [staleness corrections]); the two agree to rounding. With p = 1
+and no mu, R is h itself, so the prediction is the one before these keys existed, bit for bit.
 
 Note [the last stage's prediction]: with ``predict_horizon: "first_stage"`` the last stage predicts too
 ((K-1) ticks ahead). Its forward, loss and backward run back to back in one tick with plain autograd
@@ -43,8 +50,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fdg_schedule.runtime.config import FDGConfig, FDGConfigError
+from fdg_schedule.base.config import FDGConfig, FDGConfigError
 from fdg_schedule.sched import ticks
+
+
+def prediction_reach(h: float, scale: float, momentum: float | None) -> float:
+    """Note [the prediction's reach]: ``p * h``, or with a momentum mu ``p * (mu - mu**(h+1)) / (1 - mu)``."""
+    steps = h if momentum is None else (momentum - momentum ** (h + 1.0)) / (1.0 - momentum)
+    return steps if scale == 1.0 else scale * steps  # p = 1: h itself, as before the scale existed
 
 
 def momentum_of(group: dict[str, Any]) -> tuple[str | None, Any]:
@@ -89,6 +102,8 @@ class Corrections:
         self.peak_lr = config.delay_momentum_peak_lr  # None: h in full at every lr
         # how far ahead the forwards' weights aim, in optimizer steps (config.predict_horizon)
         self.h_predict = ticks.prediction_ticks(stages, stage_id, config.predict_horizon) / config.accumulate
+        # Note [the prediction's reach]: what delta is multiplied by in the forwards
+        self.reach = prediction_reach(self.h_predict, config.predict_scale, config.predict_momentum)
         self.gamma = config.predict_decay if self.h_predict > 0 else None  # "own": the last stage predicts nothing
         # Note [delta in fp32]
         self.delta: list[Tensor] | None = None
@@ -122,7 +137,7 @@ class Corrections:
         weights = _data(self.params)
         with torch.no_grad():
             saved = [w.clone() for w in weights]
-            torch._foreach_add_(weights, torch._foreach_mul(self.delta, self.h_predict))
+            torch._foreach_add_(weights, torch._foreach_mul(self.delta, self.reach))
         try:
             yield
         finally:

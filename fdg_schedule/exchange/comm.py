@@ -37,8 +37,8 @@ The backend is the one the process group uses for the stage's device type: a def
 
 STREAM is what a GPU job runs: ``work.wait()`` without a timeout orders the compute stream after
 the transfer and returns at once, so the host keeps queuing kernels; the failure timeout is kept by
-:class:`~fdg_schedule.runtime.watchdog.Watchdog` (Note [a timeout without a blocking wait]) and send
-buffers stay referenced until their transfer completes (:class:`~fdg_schedule.runtime.watchdog.InFlightSends`).
+:class:`~fdg_schedule.base.watchdog.Watchdog` (Note [a timeout without a blocking wait]) and send
+buffers stay referenced until their transfer completes (:class:`~fdg_schedule.base.watchdog.InFlightSends`).
 STAGED exists so that several ranks can share one GPU (NCCL refuses two ranks on one device), as
 the device check does; it synchronises every tick and is not for training. gloo jobs on host
 memory keep exactly the behaviour they always had. The STREAM path has not yet run on a GPU (no
@@ -116,12 +116,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from fdg_schedule.base.errors import FDGRuntimeError
+from fdg_schedule.base.guards import read_host
+from fdg_schedule.base.tensors import HOST
+from fdg_schedule.base.watchdog import InFlightSends, StreamWork, Watchdog, stream_mark
 from fdg_schedule.exchange.shm_link import Link, message_bytes
 from fdg_schedule.precision.loss_scale import from_word, to_word
-from fdg_schedule.runtime.errors import FDGRuntimeError
-from fdg_schedule.runtime.guards import read_host
-from fdg_schedule.runtime.tensors import HOST
-from fdg_schedule.runtime.watchdog import InFlightSends, StreamWork, Watchdog, stream_mark
 
 _HEADER_INTS = 256
 _DTYPES = [
@@ -292,7 +292,7 @@ class NeighbourExchange:
             ``"auto"``: :func:`resolve_transport` (Note [the fastest transport by default]); :attr:`transport` is the
             one that runs.
         mark: under STREAM, called right after each post: whether the stream has reached it since
-            (:func:`~fdg_schedule.runtime.watchdog.stream_mark`, Note [a timeout without a blocking wait]).
+            (:func:`~fdg_schedule.base.watchdog.stream_mark`, Note [a timeout without a blocking wait]).
         loss_scale: fp16 (Note [loss scale per stage] in fdg_schedule.precision.loss_scale): an activation's control
         word
             also carries the loss-scale ceiling (``post(ceiling=...)``, :attr:`ceiling_in`), and the loss
@@ -329,6 +329,8 @@ class NeighbourExchange:
         self.shared_memory = {"prev": same_host[0], "next": same_host[1]}
         self.next_pid = same_host[2]  # the only process the link to the next stage accepts
         self.links: dict[str, Link | None] = {"prev": None, "next": None}
+        self._lent: dict[str, Link] = {}  # "activation", "grad": a message read where it lies (Note [a lent message])
+        self.lent = 0  # messages read where they lay, so far
         self.wire = HOST if self.path is Path.STAGED else device  # where tensors travel from and arrive in
         self.host_group = host_group(dist.get_backend(), device)
         self.groups: dict[tuple[str, str], Any] = {  # (side, direction) -> the default group, but under STREAM:
@@ -586,31 +588,74 @@ class NeighbourExchange:
             self._send_refs += tensors  # isend does not copy: keep the tensors alive until it completes
         return recv_works
 
-    def wait_activation(self) -> tuple[tuple[Tensor, ...], int]:
-        """The activation posted for this tick and its control word (blocks until it has arrived)."""
+    def wait_activation(self, lend: bool = False) -> tuple[tuple[Tensor, ...], int]:
+        """The activation posted for this tick and its control word (blocks until it has arrived). ``lend``: through
+        a shared-memory link, the tensors view its slot until :meth:`own_activation` (Note [a lent message])."""
         if self._activation is None:
             raise FDGRuntimeError(f"{self.describe}: no activation receive was posted for this tick\n{self.plan()}")
         works, bufs = self._activation
         self._activation = None
+        if lend:
+            bufs = self._borrow("activation", works, bufs, self._prev) or bufs
         self._wait(works, f"the activation from {self._prev}")
         assert self.recv_meta is not None
         tensors = tuple(self._in(_unwire(t, d)) for t, (_, d) in zip(bufs, self.recv_meta))
         words = read_host(bufs[-1])  # Note [control words on the host]
         if self.loss_scale:
             self.ceiling_in = from_word(words[1])
+        if words[0] != NO_END:  # a dummy: nothing reads it
+            self._release("activation")
         return tensors, words[0]
 
-    def wait_grad(self) -> tuple[tuple[Tensor, ...], Tensor]:
-        """The gradients and carried loss posted for this tick (blocks until they have arrived)."""
+    def own_activation(self, leaves: Sequence[Tensor], clones: Sequence[Tensor]) -> None:
+        """After the stage forward read the received activation ``leaves`` into its ``clones``: where the
+        activation was lent (Note [a lent message]), each leaf takes its clone's data when the forward left the
+        clone as it was (else a copy of its own), and the slot goes back to the link."""
+        if self._lent.get("activation") is None:
+            return
+        for leaf, clone in zip(leaves, clones):
+            leaf.data = clone.detach() if clone._version == 0 else leaf.detach().clone()
+        self._release("activation")
+
+    def wait_grad(self, lend: bool = False) -> tuple[tuple[Tensor, ...], Tensor]:
+        """The gradients and carried loss posted for this tick (blocks until they have arrived). ``lend``: through a
+        shared-memory link, the gradients view its slot until :meth:`release_grad` (Note [a lent message])."""
         if self._grad is None:
             raise FDGRuntimeError(f"{self.describe}: no gradient receive was posted for this tick\n{self.plan()}")
         works, grads, loss = self._grad
         self._grad = None
+        lent = self._borrow("grad", works, [*grads, loss], self._next) if lend else None
+        if lent:  # the backward reads the gradients where they lie; the loss is kept
+            grads, loss = lent[:-1], lent[-1].clone()
         self._wait(works, f"the gradient from {self._next}")
         message = self._in(loss)
         if self.loss_scale:
             self.scale_in = message[1]
         return tuple(self._in(g) for g in grads), message[0]
+
+    def release_grad(self) -> None:
+        """After the backward read the gradients :meth:`wait_grad` returned: a lent message's slot goes back."""
+        self._release("grad")
+
+    def _borrow(self, what: str, works: list[Any], bufs: list[Tensor], name: str) -> list[Tensor] | None:
+        """The message of ``works`` lent where it lies (Note [a lent message]): only a shared-memory receive not
+        yet waited for whose tensors travel as they are read (the stage's device is the host)."""
+        if len(works) != 1 or not isinstance(works[0], LinkReceive) or self.wire != self.device:
+            return None
+        receive = works.pop()
+        self.waits += 1
+        try:
+            lent = receive.link.borrow(bufs, self.timeout)
+        except RuntimeError as err:
+            raise self._failed(f"waiting for the {what} from {name}", err) from err
+        self._lent[what] = receive.link
+        self.lent += 1
+        return lent
+
+    def _release(self, what: str) -> None:
+        link = self._lent.pop(what, None)
+        if link is not None:
+            link.release()
 
     def wait_sends(self) -> None:
         """Wait for the host-waited sends; let go of stream-ordered send buffers whose transfer completed."""
@@ -653,7 +698,7 @@ class NeighbourExchange:
         self.settle()
         pending = any(p is not None and p[0] for p in (self._activation, self._grad)) or self._peers is not None
         unsent = self._sends or self._older[0] or self._deferred_send is not None or self._deferred_recv
-        if unsent or self._in_flight.held() or pending:
+        if unsent or self._in_flight.held() or pending or self._lent:
             raise FDGRuntimeError(f"{self.describe}: messages still in flight; complete() the exchange first")
         return {
             "activation": None if self._activation is None else self._activation[1],
@@ -762,6 +807,7 @@ class NeighbourExchange:
         link = self.links[side]
         if link is not None:
             link.close()
+            self._lent = {what: lent for what, lent in self._lent.items() if lent is not link}
         self.links[side] = None
 
     def close_links(self) -> None:

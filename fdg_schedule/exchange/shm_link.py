@@ -6,9 +6,10 @@ neighbours on one host exchange their per-tick messages through a :class:`Link` 
 
 - Each direction (activations down, gradients up) is a ring of :data:`SLOTS` slots in one file in
   /dev/shm that both ranks map. The sender copies a message's tensors into the next slot; the
-  receiver copies them out into its receive buffers. One copy each way, no thread.
+  receiver copies them out into its receive buffers, or reads them where they lie (Note [a lent message]).
+  One copy each way, no thread.
 - A stream Unix socket between the two (Linux's abstract namespace: no file) carries 32-byte
-  records: ``READY`` after a message was written, ``FREE`` after it was copied out. A slot is
+  records: ``READY`` after a message was written, ``FREE`` after it was read (copied out or released). A slot is
   rewritten only after its ``FREE``. The records also order the copies: the sender's stores come
   before its ``send()``, the receiver's loads after its ``recv()``, and the kernel's socket locks
   make that a happens-before on any CPU.
@@ -26,6 +27,12 @@ them: 10-20 ms of runnable-but-waiting time per tick on a 2-core machine with ba
 that hint, as gloo's futex wake-ups do. The downstream creates both eventfds and sends them over the
 socket (``SCM_RIGHTS``) as soon as it connects; the upstream takes them when it accepts. So the downstream never
 waits for the accept: it may post records (and ring the upstream's doorbell) before it.
+
+Note [a lent message]: :meth:`Link.borrow` hands a message over as it lies in its slot, and its ``FREE``
+waits for :meth:`Link.release`. The receiving stage reads it once, in the copy it makes anyway (the stage
+forward's clone of its input, the backward's reading of its gradient), and releases it right after: one copy
+of each boundary tensor fewer per tick on either side (issue 62: two 4 MiB copies, about 1 ms each, on a
+plain conv net). One message per direction is lent at a time, so ``FREE`` records stay in order.
 
 Set up once per pair of neighbours, inside the activation header exchange (Note [control words on
 the host] in :mod:`fdg_schedule.exchange.comm`). The upstream stage, which sends the header, first creates
@@ -70,7 +77,7 @@ class LinkError(RuntimeError):
 
 class Kind(enum.IntEnum):
     READY = 1  # a message was written into its slot
-    FREE = 2  # a message was copied out of its slot
+    FREE = 2  # a message was read out of its slot (copied, or borrowed and released)
 
 
 class Direction(enum.IntEnum):
@@ -114,7 +121,8 @@ class Link:
         self.out_direction = Direction.DOWN if upstream else Direction.UP
         self.in_direction = Direction.UP if upstream else Direction.DOWN
         self.sent = 0  # messages written
-        self.taken = 0  # messages copied out
+        self.taken = 0  # messages copied out or borrowed
+        self.lent = False  # message `taken` is borrowed: its slot is not yet free (Note [a lent message])
         self.ready = 0  # the peer's READY records seen: its messages up to this one can be read
         self.freed = 0  # the peer's FREE records seen: this side's slots up to this one are free again
         self._rings: dict[Direction, mmap.mmap] = {}
@@ -202,9 +210,19 @@ class Link:
 
     def receive(self, into: Sequence[Tensor], timeout: timedelta) -> None:
         """Wait for the peer's next message and copy it into ``into`` (contiguous, the message's shapes)."""
+        for t, lent in zip(into, self.borrow(into, timeout)):
+            assert t.is_contiguous(), "receive buffers are fresh, contiguous tensors"
+            t.copy_(lent)
+        self.release()
+
+    def borrow(self, like: Sequence[Tensor], timeout: timedelta) -> list[Tensor]:
+        """Wait for the peer's next message and lend it as it lies in its slot (Note [a lent message]): tensors
+        of ``like``'s shapes and dtypes that view the slot, no copy. The slot is this side's until :meth:`release`."""
+        if self.lent:
+            raise LinkError(f"message {self.taken} was never released before the next was borrowed (a bug)")
         seq = self.taken + 1
         self._wait_until(lambda: self.ready >= seq, timeout, "send its message")
-        expected = message_bytes(into)
+        expected = message_bytes(like)
         if self._ready_bytes.get(seq) != expected:
             raise LinkError(
                 f"message {seq} has {self._ready_bytes.get(seq)} bytes, this stage expected {expected}: the stages "
@@ -212,14 +230,22 @@ class Link:
             )
         del self._ready_bytes[seq]
         slot = self._slot(self.in_direction, seq)
-        at = 0
-        for t in into:
-            assert t.is_contiguous(), "receive buffers are fresh, contiguous tensors"
+        views, at = [], 0
+        for t in like:
             size = t.numel() * t.element_size()
-            t.reshape(-1).view(torch.uint8).copy_(slot[at : at + size])
+            views.append(slot[at : at + size].view(t.dtype).view(t.shape).detach())
             at += _padded(size)
         self.taken = seq
-        self._post(Kind.FREE, self.in_direction, seq, 0)
+        self.lent = True
+        return views
+
+    def release(self) -> None:
+        """Give the borrowed message's slot back: the peer may write its next message there (no tensor of
+        :meth:`borrow` may be read after this)."""
+        if not self.lent:
+            raise LinkError("released a message that was not borrowed (a bug)")
+        self.lent = False
+        self._post(Kind.FREE, self.in_direction, self.taken, 0)
 
     def _slot(self, direction: Direction, seq: int) -> Tensor:
         at = (seq - 1) % SLOTS * self.capacity

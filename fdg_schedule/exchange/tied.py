@@ -73,11 +73,14 @@ Note [tied optimizer state in checkpoints]
     from the client optimizer or ``model_parameters`` -- carrying their tied optimizer's state
     (:meth:`TiedSync.in_stage_optimizer`): DeepSpeed's optimizer file is then byte for byte the
     layout 1F1B writes and reads. Under a bf16 / ZeRO-1 wrapper the file is flat and FDG translates
-    it (Note [tied copies in flat optimizer files] in :mod:`fdg_schedule.checkpointing.flat_state`); the copies'
+    it (Note [tied copies in flat optimizer files] in :mod:`fdg_schedule.exchange.flat_state`); the copies'
     own state also stays in FDG's per-stage file (their step, which a flat file cannot hold). When a
     param group held only tied copies (DeepSpeed drops the group FDG leaves empty: the layouts
     differ) the copies' state lives only in FDG's file and 1F1B's optimizer state does not load into
     FDG (refused with the fix); the copies step with that group's settings at group 0's lr.
+
+Long because the tied sync is one protocol (contributions, their exchange, the sum, the tied step, the flush,
+checkpoints): split, each part would need the others' state and Note [tied layers across stages] to be read.
 """
 
 from __future__ import annotations
@@ -94,11 +97,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from fdg_schedule.checkpointing import flat_state
+from fdg_schedule.base import optim
+from fdg_schedule.base.config import FDGConfigError
+from fdg_schedule.base.guards import read_host
+from fdg_schedule.exchange import flat_state
 from fdg_schedule.exchange.comm import PeerMessage
-from fdg_schedule.runtime import optim
-from fdg_schedule.runtime.config import FDGConfigError
-from fdg_schedule.runtime.guards import read_host
 
 _P = TypeVar("_P", bound=Tensor)
 

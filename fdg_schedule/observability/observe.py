@@ -2,9 +2,10 @@
 
 The engine calls ``on_instruction`` after every instruction it executes (with ``perf_counter``
 start and end times) and ``on_call_end`` after every ``train_batch()`` / ``drain()``, handing each
-observer a :class:`~fdg_schedule.observability.view.StageView`. What the config can ask for:
+observer a :class:`~fdg_schedule.observability.view.StageView` built for that call (Note [observers see a
+view]). What the config can ask for:
 
-* ``"wandb": {"enabled": true, ...}`` (DeepSpeed's block) → :class:`fdg_schedule.corrections.tracking.StageTracker`,
+* ``"wandb": {"enabled": true, ...}`` (DeepSpeed's block) → :class:`fdg_schedule.observability.tracking.StageTracker`,
   one W&B run per rank in one group;
 * ``"pipeline": {"fdg": {"trace": {...}}}`` → :class:`fdg_schedule.observability.timeline.FDGTimeline`, a
   Chrome/Perfetto trace of a window of ticks, one file per rank.
@@ -15,8 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from fdg_schedule.corrections import tracking
-from fdg_schedule.observability import timeline
+from fdg_schedule.observability import timeline, tracking
 from fdg_schedule.observability.view import Observer, StageView
 
 
@@ -29,8 +29,8 @@ def observers_from_config(view: StageView, ds_config: Mapping[str, Any]) -> list
     observers: list[Observer] = []
     if tracking.wandb_block(ds_config) is not None:
         observers.append(tracking.StageTracker(view, ds_config))
-    if view.fdg_config.trace is not None:
-        observers.append(timeline.FDGTimeline(view, **view.fdg_config.trace))
+    if view.config.trace is not None:
+        observers.append(timeline.FDGTimeline(view, **view.config.trace))
     return observers
 
 

@@ -29,10 +29,11 @@ from typing import Any
 
 from deepspeed.runtime.pipe import schedule as ds
 
-from fdg_schedule.observability.view import MicroBatchNumbers, StageView
-from fdg_schedule.runtime import dispatch
+from fdg_schedule.base import dispatch
+from fdg_schedule.observability.view import MicroBatchNumbers, StageIds, StageView
 from fdg_schedule.sched import ticks
-from fdg_schedule.sched.schedule import OPS, AdvanceTick, Kind
+from fdg_schedule.sched.actions import Op
+from fdg_schedule.sched.schedule import AdvanceTick, Kind, op_of
 
 # kind -> colour in the Gantt chart (and the trace's "cat")
 COLOURS = {
@@ -44,36 +45,28 @@ COLOURS = {
     Kind.LOAD.value: "#8172b3",
     Kind.EXCHANGE.value: "#64b5cd",
 }
-# DeepSpeed's 1F1B instructions; on a stage, forward-side ones come in micro-batch order, and so do
-# backward-side ones, so counting them numbers the micro-batches.
-_ONE_F_ONE_B = {
-    ds.LoadMicroBatch: (Kind.LOAD.value, "L", "forward"),
-    ds.RecvActivation: (Kind.WAIT.value, "A", "forward"),
-    ds.ForwardPass: (Kind.FORWARD.value, "F", "forward"),
-    ds.SendActivation: (Kind.EXCHANGE.value, "sA", "forward"),
-    ds.RecvGrad: (Kind.WAIT.value, "G", "backward"),
-    ds.BackwardPass: (Kind.BACKWARD.value, "B", "backward"),
-    ds.SendGrad: (Kind.EXCHANGE.value, "sG", "backward"),
-    ds.ReduceTiedGrads: (Kind.REDUCE.value, "RT", None),
-    ds.ReduceGrads: (Kind.REDUCE.value, "R", None),
-    ds.OptimizerStep: (Kind.STEP.value, "S", None),
+# DeepSpeed's 1F1B instructions (named by schedule.DEEPSPEED_OPS): on a stage, forward-side ones come in
+# micro-batch order, and so do backward-side ones, so counting them numbers the micro-batches.
+_SIDES = {
+    **dict.fromkeys((Op.LOAD, Op.RECV_ACTIVATION, Op.FORWARD, Op.SEND_ACTIVATION), "forward"),
+    **dict.fromkeys((Op.RECV_GRAD, Op.BACKWARD, Op.SEND_GRAD), "backward"),
 }
 
 
 class TraceRecorder:
     """Chrome trace events of one rank; times are wall-clock microseconds, comparable across ranks."""
 
-    def __init__(self, engine: Any, schedule: str, directory: str | Path, start_tick: int, ticks_: int) -> None:
-        self.path = Path(directory) / f"trace-rank{engine.global_rank}.json"
-        self.rank = engine.global_rank
+    def __init__(self, ids: StageIds, schedule: str, directory: str | Path, start_tick: int, ticks_: int) -> None:
+        self.path = Path(directory) / f"trace-rank{ids.global_rank}.json"
+        self.rank = ids.global_rank
         self.meta = {
             "schedule": schedule,
-            "rank": engine.global_rank,
-            "stage_id": engine.stage_id,
-            "stages": engine.num_stages,
-            "dp_id": engine.grid.data_parallel_id,
-            "dp_world_size": engine.dp_world_size,
-            "delay": ticks.delay(engine.num_stages, engine.stage_id) if schedule == "fdg" else None,
+            "rank": ids.global_rank,
+            "stage_id": ids.stage_id,
+            "stages": ids.num_stages,
+            "dp_id": ids.dp_id,
+            "dp_world_size": ids.dp_world_size,
+            "delay": ticks.delay(ids.num_stages, ids.stage_id) if schedule == "fdg" else None,
             "start_tick": start_tick,
             "ticks": ticks_,
         }
@@ -125,37 +118,37 @@ class TraceRecorder:
 class FDGTimeline:
     """An observer that records the instructions of the trace window of ticks on this rank."""
 
-    def __init__(self, engine: StageView, start_tick: int = 0, ticks: int = 64, dir: str = "fdg_trace") -> None:  # noqa: A002
-        self.recorder = TraceRecorder(engine, "fdg", dir, start_tick, ticks)
+    def __init__(self, view: StageView, start_tick: int = 0, ticks: int = 64, dir: str = "fdg_trace") -> None:  # noqa: A002
+        self.recorder = TraceRecorder(view.ids, "fdg", dir, start_tick, ticks)
         self.numbers = MicroBatchNumbers()
         self._staleness_tick = math.nan
 
-    def on_instruction(self, engine: StageView, cmd: Any, start: float, end: float) -> None:
+    def on_instruction(self, view: StageView, cmd: Any, start: float, end: float) -> None:
         self.numbers.watch(cmd)
         rec = self.recorder
-        tick = int(engine.fdg_stats["ticks"])  # ticks finished before this instruction's tick
+        tick = int(view.stats["ticks"])  # ticks finished before this instruction's tick
         if isinstance(cmd, AdvanceTick):
             tick -= 1  # it has already counted itself
             if rec.start_tick <= tick < rec.end_tick:
                 rec.mark(f"tick {tick}", end, tick=tick, entered=cmd.entered)
             return
-        op = OPS.get(type(cmd))
+        op = op_of(cmd)
         if not rec.start_tick <= tick < rec.end_tick or op is None or op.kind is None:
             return
         micro_batch = getattr(cmd, "micro_batch", None)
         if micro_batch is None:
-            rec.add(op.kind.value, op.letter, start, end, tick=tick)
+            rec.add(op.kind.value, op.value, start, end, tick=tick)
         else:
             number = self.numbers(micro_batch)
-            rec.add(op.kind.value, f"{op.letter}{number}", start, end, tick=tick, micro_batch=number)
+            rec.add(op.kind.value, f"{op.value}{number}", start, end, tick=tick, micro_batch=number)
 
-    def on_call_end(self, engine: StageView, seconds: float) -> None:
+    def on_call_end(self, view: StageView, seconds: float) -> None:
         self.numbers.end_call()
-        measured = engine.fdg_stats.get("staleness_tick", math.nan)  # a new staleness measurement this call
+        measured = view.stats.get("staleness_tick", math.nan)  # a new staleness measurement this call
         if measured != self._staleness_tick and self.recorder.start_tick <= measured < self.recorder.end_tick:
-            self.recorder.counter("staleness", time.perf_counter(), engine.fdg_stats["staleness"])
+            self.recorder.counter("staleness", time.perf_counter(), view.stats["staleness"])
         self._staleness_tick = measured
-        if engine.fdg_stats["ticks"] >= self.recorder.end_tick:
+        if view.stats["ticks"] >= self.recorder.end_tick:
             self.recorder.write()
 
     def close(self) -> None:
@@ -171,7 +164,7 @@ def trace_one_f_one_b(
     1F1B has no ticks: the window is micro-batches ``[start_tick, start_tick + ticks)`` rounded out
     to whole ``train_batch()`` calls. Call ``.write()`` on the result (or let it write at exit).
     """
-    recorder = TraceRecorder(engine, "1f1b", dir, start_tick, ticks)
+    recorder = TraceRecorder(StageIds.of(engine), "1f1b", dir, start_tick, ticks)
     original = engine._exec_schedule
     calls = [0]
     in_window = [False]  # is the current train_batch() call recorded
@@ -187,7 +180,9 @@ def trace_one_f_one_b(
         counts = {"forward": {}, "backward": {}}  # type: dict[str, dict[type, int]]
 
         def record(cmd: Any, start: float, end: float) -> None:
-            kind, prefix, side = _ONE_F_ONE_B.get(type(cmd), ("other", type(cmd).__name__, None))
+            op = op_of(cmd)
+            kind, prefix = ("other", type(cmd).__name__) if op is None or op.kind is None else (op.kind.value, op.value)
+            side = _SIDES.get(op) if op is not None else None
             if side is None:
                 recorder.add(kind, prefix, start, end, call=calls[0] - 1)
                 return

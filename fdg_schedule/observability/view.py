@@ -1,46 +1,66 @@
 """What observers (trackers, tracers) see of an FDG stage: a read-only view, the Observer protocol, micro-batch numbers.
 
-Observers never import the engine: they are handed a :class:`StageView` (the engine is one) and
-read what it lists. They must not communicate with other ranks: they run inside the training ticks.
+Note [observers see a view]: observers never get the engine nor its ``StageState``. The engine builds a
+:class:`StageView` for every call of an observer (after each instruction, at each call's end): a frozen
+record of the stage's ids, counters, loss, loss scale, lr, lr factor and held bytes at that moment,
+values only, so an observer can neither change the stage nor come to depend on its internals
+(``fdg_schedule.runtime.stage_view`` builds it). Observers must not communicate with other ranks:
+they run inside the training ticks.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from torch import Tensor
 
-from fdg_schedule.runtime.config import FDGConfig
-from fdg_schedule.runtime.stage_state import StageState
+from fdg_schedule.base.config import FDGConfig
 from fdg_schedule.sched.schedule import AdvanceTick
 
 
-class StageView(Protocol):
-    """The engine as observers see it (attributes DeepSpeed's ``PipelineEngine`` and FDG's engine have)."""
+@dataclasses.dataclass(frozen=True)
+class StageIds:
+    """Where a stage sits in the job: the same at every call."""
 
     stage_id: int
     num_stages: int
     global_rank: int
+    dp_id: int  # the stage's data-parallel replica
     dp_world_size: int
-    global_steps: int
+
+    @classmethod
+    def of(cls, engine: Any) -> StageIds:
+        """The ids of a DeepSpeed ``PipelineEngine``, FDG's or stock (a 1F1B trace reads them too)."""
+        return cls(engine.stage_id, engine.num_stages, engine.global_rank, engine.grid.data_parallel_id,
+                   engine.dp_world_size)  # fmt: skip
+
+
+def _no_grad_norm() -> Tensor | None:
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class StageView:
+    """An FDG stage as observers see it at one call (Note [observers see a view]): values, built per call."""
+
+    ids: StageIds
+    config: FDGConfig
+    micro_batch_size: int  # train_micro_batch_size_per_gpu
+    gradient_accumulation_steps: int
+    global_steps: int  # ticks, as DeepSpeed counts its steps
     global_samples: int
-    fdg_config: FDGConfig
-    fdg_stats: dict[str, float]  # counters and "<kind>_s" seconds, see sched.kinds.Kind
-    agg_train_loss: Tensor  # what the last train_batch() / drain() returned
-    fdg_state: StageState  # read only
-    module: Any
-    optimizer: Any
-    grid: Any  # DeepSpeed's PipelineParallelGrid: data_parallel_id
-
-    def get_lr(self) -> list[float]: ...
-
-    def held_bytes(self) -> int: ...
-
-    def in_flight(self) -> int: ...
-
-    def train_micro_batch_size_per_gpu(self) -> int: ...
-
-    def gradient_accumulation_steps(self) -> int: ...
+    stats: Mapping[str, float]  # a copy of the engine's counters and "<kind>_s" seconds (sched.kinds.Kind)
+    loss: Tensor | None  # what the last train_batch() / drain() returned (on the device); None before the first
+    last_loss: Tensor | None  # the loss of the call's latest backward (last stage, on the device), else None
+    loss_scale: float | None  # fp16: the scale of the stage's last step (Note [loss scale per stage]); else None
+    lr: float  # the first param group's
+    lr_factor: float | None  # with delay_lr_ticks: the factor of the tick that ran last; else None
+    held_bytes: int  # held for delayed backward passes: inputs, saved activations, weight snapshots
+    in_flight: int  # micro-batches forwarded but not yet back-propagated
+    optimizer_grad_norm: float | Tensor | None  # the norm the optimizer's last step computed (ZeRO), if it keeps one
+    grad_norm: Callable[[], Tensor | None] = _no_grad_norm  # the stage's gradients' norm now, unscaled, on request
 
 
 class Observer(Protocol):

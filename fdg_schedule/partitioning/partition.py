@@ -15,6 +15,12 @@ example FDG stage k with delay d = 2(K-1-k) holds d(I + A) between ticks with ac
 static bytes (weights + gradients + optimizer state, as measured). ``held`` is what
 ``engine.held_bytes()`` reports at a tick's end. With ``memory_limit`` every stage's peak must fit in it.
 
+Note [the delay-weighted split]: with ``Objective.delay_weight`` alpha > 0 (FDG only) the solver's cost of stage
+k is ``(1 + alpha * h_k) * time_k`` (integer picoseconds, rounded once), h_k = 2(K-1-k) / accumulate its delay
+in optimizer steps, so a stage whose gradients are older is charged more for each layer and the most delayed
+stages come out short. It trades pipeline speed for staleness: the split's bottleneck time can rise. The
+predicted times of the result (:func:`evaluate_partition`) are the stages' own, unweighted.
+
 The split itself is :func:`fdg_schedule.partitioning.contiguous_split.solve` (Note [the split solver]), the
 solver the planner uses too: times are summed in integer picoseconds, so a stage's time is the
 same integer wherever it is computed and the least bottleneck is exact; among the splits with it,
@@ -52,6 +58,10 @@ class Objective:
     """1F1B micro-batches per optimizer step and at most in flight (``gradient_accumulation_steps``)."""
     memory_limit: int | None = None
     """Bytes each stage may use at its peak (see the module docstring); None: no limit."""
+    delay_weight: float = 0.0
+    """alpha >= 0, the split as a staleness correction (FDG; issue 64): the split minimises the largest
+    ``(1 + alpha * h_k) * time_k``, h_k = 2(K-1-k) / accumulate, so the most delayed stages get fewer layers
+    (Note [the delay-weighted split]). The stages' predicted times stay their times. 0: balance time alone."""
 
     def __post_init__(self) -> None:
         choices = {"schedule": SCHEDULES, "activations": ("stored", "recomputed"), "weights": ("current", "stashed")}
@@ -62,6 +72,14 @@ class Objective:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        weight = self.delay_weight
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 <= weight < float("inf"):
+            raise ValueError(
+                f"delay_weight must be a number >= 0, got {weight!r}; 0 balances time alone, e.g. 0.5 gives the "
+                "most delayed stages fewer layers"
+            )
+        if weight and self.schedule != "fdg":
+            raise ValueError(f"delay_weight {weight!r} needs schedule 'fdg' (1F1B has no delay); remove it")
         if self.memory_limit is not None and (not isinstance(self.memory_limit, int) or self.memory_limit <= 0):
             raise ValueError(f"memory_limit must be a positive number of bytes or None, got {self.memory_limit!r}")
 
@@ -72,7 +90,7 @@ class Objective:
     @classmethod
     def from_ds_config(cls, ds_config: Mapping[str, Any], memory_limit: int | None = None) -> Objective:
         """The objective a DeepSpeed config trains with: its schedule, FDG modes and accumulation."""
-        from fdg_schedule.runtime import config as fdg_config
+        from fdg_schedule.base import config as fdg_config
 
         fdg = fdg_config.parse(dict(ds_config))
         micro_batches = int(ds_config.get("gradient_accumulation_steps", 1) or 1)
@@ -93,6 +111,8 @@ class Objective:
         else:
             text = f"FDG, weights {self.weights}, activations {self.activations}"
             text += f", accumulate {self.accumulate}" if self.accumulate > 1 else ""
+        if self.delay_weight:
+            text += f", delay weight {self.delay_weight:g}"
         if self.memory_limit is not None:
             text += f", memory limit {self.memory_limit / 2**20:.0f} MiB per stage"
         return text
@@ -265,9 +285,15 @@ class _Costs:
         return a * saved + i * inputs + w * weights + static, held_a * saved + held_i * inputs + held_w * weights
 
     def time_matrix(self, k: int) -> np.ndarray:
-        """Stage k's time in picoseconds for every (start, stop): the solver's cost."""
+        """Stage k's time in picoseconds for every (start, stop): the solver's cost (Note [the delay-weighted
+        split]: weighted by ``1 + alpha * h_k``)."""
         prefix = self.time_prefix(k)
-        return prefix[None, :] - prefix[:, None]
+        times = prefix[None, :] - prefix[:, None]
+        alpha = self.objective.delay_weight
+        if not alpha:
+            return times
+        h = 2 * (self.stages - 1 - k) / self.objective.accumulate
+        return np.rint(times * (1.0 + alpha * h)).astype(np.int64)
 
     def allowed_matrix(self, k: int) -> np.ndarray:
         """For every (start, stop): stage k then holds a layer of its own and its peak fits the memory limit."""

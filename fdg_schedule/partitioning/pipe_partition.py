@@ -13,7 +13,9 @@ other value goes to DeepSpeed's own code, untouched (same boundaries, same print
 Keys after ``?``, ``&``-separated (all optional; the defaults balance FDG with stored activations,
 which is also 1F1B's split): ``schedule`` (``fdg`` | ``1f1b``), ``activations``, ``weights``,
 ``accumulate``, ``micro_batches`` (1F1B's ``gradient_accumulation_steps``), ``memory_mib`` (the
-limit per stage). :func:`balanced_method` writes them from a DeepSpeed config. The profile is a
+limit per stage), ``delay_weight`` (alpha: the most delayed stages get fewer layers, Note [the delay-weighted
+split] in :mod:`fdg_schedule.partitioning.partition`). :func:`balanced_method` writes them from a DeepSpeed
+config (all but ``delay_weight``). The profile is a
 :class:`~fdg_schedule.partitioning.profile.ModelProfile` file (:func:`~fdg_schedule.partitioning.profile.cached_profile`
 makes one); its layer names must match the module's layers.
 
@@ -42,7 +44,7 @@ from fdg_schedule.partitioning.profile import ModelProfile, cached_profile, laye
 
 BALANCED = "balanced"
 PARTS = "parts:"
-_KEYS = ("schedule", "activations", "weights", "accumulate", "micro_batches", "memory_mib")
+_KEYS = ("schedule", "activations", "weights", "accumulate", "micro_batches", "memory_mib", "delay_weight")
 _lock = threading.Lock()
 
 if TYPE_CHECKING:
@@ -168,6 +170,8 @@ def parse_balanced(method: str) -> tuple[Path, Objective]:
                 fields["memory_limit"] = int(float(value) * 2**20)
             elif key in ("accumulate", "micro_batches"):
                 fields[key] = int(value)
+            elif key == "delay_weight":
+                fields[key] = float(value)
             else:
                 fields[key] = value
         except ValueError:

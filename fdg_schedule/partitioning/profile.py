@@ -28,6 +28,9 @@ of a ``LayerSpec``) under a forked RNG: the caller's weights and random stream a
 The file (``ModelProfile.save`` / ``load``) is JSON in the one torch-free format the planner reads
 too: :mod:`fdg_schedule.partitioning.profile_format` (this module re-exports its :class:`LayerCost` and
 :class:`ModelProfile`).
+
+Long because timing a layer is one procedure (forward, backward, optimizer step and memory, on one deep copy
+under one forked RNG) for every kind of layer a pipeline holds.
 """
 
 from __future__ import annotations
@@ -48,9 +51,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from fdg_schedule.base import host_memory
+from fdg_schedule.base.tensors import cloned, detached, flat, leaves, map_tensors, nbytes
 from fdg_schedule.partitioning.profile_format import FORMAT, LayerCost, ModelProfile
-from fdg_schedule.runtime import host_memory
-from fdg_schedule.runtime.tensors import cloned, detached, flat, leaves, map_tensors, nbytes
 
 __all__ = ["FORMAT", "LayerCost", "ModelProfile", "cached_profile", "describe", "layer_name", "profile_layers"]
 # How layers are timed; part of the cache key, so a profile cached by an older way of timing is measured
@@ -331,7 +334,7 @@ def profile_key(
 
     Layers are described without building them (``LayerSpec`` repr with its arguments, module repr
     and parameter shapes, function names); the device by its hardware name and thread count, and on
-    a CPU whether freed memory is retained (:mod:`fdg_schedule.runtime.host_memory`: page faults change layer
+    a CPU whether freed memory is retained (:mod:`fdg_schedule.base.host_memory`: page faults change layer
     times by up to a third, so a profile taken under the other setting is measured again).
     """
     device = torch.device(device) if device is not None else _default_device()

@@ -116,7 +116,7 @@ class Timeline:
 
         An action of ``n`` slots fills ``n`` cells with its compact text; a cell holds at most one action.
         """
-        width = max(len(str(e.action)) for e in self.events if e.action.op in ops)
+        width = max(len(e.action.short()) for e in self.events if e.action.op in ops)
         slots = round(self.makespan / slot_s)
         rows = []
         for r in range(self.ranks):
@@ -124,7 +124,7 @@ class Timeline:
             for e in self.events:
                 if e.rank == r and e.action.op in ops and e.end > e.start:
                     for i in range(round(e.start / slot_s), round(e.end / slot_s)):
-                        cells[i] = str(e.action)
+                        cells[i] = e.action.short()
             while cells and cells[-1] == ".":  # idle after its last action: nothing to draw
                 cells.pop()
             rows.append(" ".join(c.ljust(width) for c in cells).rstrip())
@@ -222,7 +222,7 @@ class _Simulation:
                 link = self._link(send)
                 return max(self.clock[r], posted, self.channel_free.get(link.channel, 0.0))
             return None
-        if self.shared_host and op in COMPUTE and self.chunks[action.chunk].host_s > 0:
+        if self.shared_host and op in COMPUTE and self.chunks[action.stage].host_s > 0:
             return max(self.clock[r], self.host_free)
         return self.clock[r]
 
@@ -245,7 +245,7 @@ class _Simulation:
         self._schedule(r)
 
     def _compute(self, r: int, action: Action, start: float) -> None:
-        costs = self.chunks[action.chunk]
+        costs = self.chunks[action.stage]
         duration = costs.duration(action.op)
         if action.op in COMPUTE and costs.host_s > 0:
             if self.shared_host:
@@ -316,7 +316,7 @@ class _Simulation:
             return
         end = max(self.collective.values()) + self.pipe_collective_s
         for q, arrived in self.collective.items():
-            self.events.append(Event(q, Action(Op.PIPE_COLLECTIVE, None, q), arrived, end))
+            self.events.append(Event(q, Action(q, Op.PIPE_COLLECTIVE), arrived, end))
             self.clock[q] = end
         self.collective.clear()
         for q in range(self.ranks):
@@ -329,18 +329,18 @@ class _Simulation:
 
     def _send_key(self, action: Action) -> tuple[str, int | None, int]:
         if action.op is Op.SEND_ACTIVATION:
-            return ("activation", action.micro_batch, action.chunk + 1)
-        return ("grad", action.micro_batch, action.chunk - 1)
+            return ("activation", action.micro_batch, action.stage + 1)
+        return ("grad", action.micro_batch, action.stage - 1)
 
     def _recv_key(self, action: Action) -> tuple[str, int | None, int]:
         kind = "activation" if action.op is Op.RECV_ACTIVATION else "grad"
-        return (kind, action.micro_batch, action.chunk)
+        return (kind, action.micro_batch, action.stage)
 
     def _link(self, send: Action) -> Link:
-        costs = self.chunks[send.chunk]
+        costs = self.chunks[send.stage]
         link = costs.to_next if send.op is Op.SEND_ACTIVATION else costs.to_prev
         if link is None:
-            raise ValueError(f"chunk {send.chunk} has no link for {send}: a first chunk sends no gradient and a "
+            raise ValueError(f"chunk {send.stage} has no link for {send}: a first chunk sends no gradient and a "
                              "last chunk no activation")  # fmt: skip
         return link
 
@@ -349,8 +349,8 @@ class _Simulation:
         for r in range(self.ranks):
             # a rank blocked in a rendezvous send is stuck at that send
             stream, pc = self.streams[r], self.pc[r] - (r in self.offering)
-            done = " ".join(str(a) for a in stream[max(0, pc - 4) : pc])
-            todo = " ".join(str(a) for a in stream[pc : pc + 4])
+            done = " ".join(a.short() for a in stream[max(0, pc - 4) : pc])
+            todo = " ".join(a.short() for a in stream[pc : pc + 4])
             mark = ">>" if r in stuck else "  "
             lines.append(f"  rank {r:2d} {mark} ... {done} | {todo}")
         return "\n".join(lines)

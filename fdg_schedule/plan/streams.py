@@ -1,45 +1,30 @@
 """Per-rank instruction streams of every schedule the planner compares, as plain action lists.
 
-FDG's stream is the engine's own schedule (:mod:`fdg_schedule.sched.actions`, which the engine lowers to its
-instructions) and DeepSpeed's 1F1B is the step arithmetic of ``deepspeed.runtime.pipe.schedule.TrainSchedule``,
-restated torch-free: the planner times what the engines execute. GPipe, interleaved 1F1B and ZB-H1 are written
-here from their papers' orderings.
+FDG's stream is the engine's own schedule: the actions of the one lowering (:mod:`fdg_schedule.sched.lowering`),
+which the engine runs as its instructions; DeepSpeed's 1F1B is the step arithmetic of
+``deepspeed.runtime.pipe.schedule.TrainSchedule``, restated torch-free: the planner times what the engines
+execute. GPipe, interleaved 1F1B and ZB-H1 are written here from their papers' orderings.
 
-The ops are the one alphabet of :class:`fdg_schedule.sched.actions.Op`; a stream action's compact text is
-``<op><micro-batch>`` (``F3``, ``rg5``), its rank implied by the stream it is in.
-
-Chunks are virtual stages: with ``v`` chunks per rank (interleaved 1F1B) the model is cut into
-``K * v`` pieces and chunk ``c`` runs on rank ``c % K``; otherwise chunk = stage = rank.
-Sends are non-blocking unless ``blocking`` (then the sender waits for the receiver: a rendezvous).
+The actions and ops are the one alphabet's (:mod:`fdg_schedule.sched.actions`); a stream action's compact text is
+``<op><micro-batch>`` (``F3``, ``G5``, :meth:`~fdg_schedule.sched.actions.Action.short`), its rank implied by the
+stream it is in. An action's ``stage`` is its chunk, a virtual stage: with ``v`` chunks per rank (interleaved
+1F1B) the model is cut into ``K * v`` pieces and chunk ``c`` runs on rank ``c % K``; otherwise chunk = stage =
+rank. Sends are non-blocking unless ``blocking`` (then the sender waits for the receiver: a rendezvous).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 
-from fdg_schedule.sched import actions as fdg
-from fdg_schedule.sched.actions import COMPUTE, RECVS, SENDS, Op
+from fdg_schedule.sched import lowering
+from fdg_schedule.sched.actions import COMPUTE, RECVS, SENDS, Action, Op
 
 # The one alphabet (fdg_schedule.sched.actions); re-exported for the simulator.
 __all__ = ["COMPUTE", "RECVS", "SENDS", "Action", "Op", "Stream"]
 
-
-@dataclasses.dataclass(frozen=True)
-class Action:
-    """One thing a rank does; ``chunk`` is the virtual stage it concerns."""
-
-    op: Op
-    micro_batch: int | None = None
-    chunk: int = 0
-    blocking: bool = False  # sends only: wait for the matching receive
-
-    def __str__(self) -> str:
-        mb = "" if self.micro_batch is None else str(self.micro_batch)
-        return f"{self.op.value}{mb}"
-
-
 Stream = list[Action]
+# What the planner times of the engine's actions: loads, posted receives and a tick's ends cost nothing here.
+_TIMED = COMPUTE | SENDS | RECVS | {Op.ALLREDUCE}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -49,10 +34,10 @@ Stream = list[Action]
 def fdg_streams(stages: int, micro_batches: int, accumulate: int = 1, drain: bool = True) -> list[Stream]:
     """Every stage's actions for a segment of ``micro_batches`` FDG ticks (then a drain).
 
-    The ticks of :func:`fdg_schedule.sched.actions.fdg_tick` lowered by
-    :func:`~fdg_schedule.sched.actions.add_exchange`: receives before the backward / forward that waits for
-    them, the non-blocking send of each message right after the compute that made it (a gradient leaves
-    before the tick's all-reduce, step and forward, as in the engine). Loads cost nothing here.
+    The actions the engine runs (:func:`fdg_schedule.sched.lowering.run_call`, the drain's ends included): waits
+    before the backward / forward that needs them, the non-blocking send of each message right after the
+    compute that made it (a gradient leaves before the tick's all-reduce, step and forward). Loads, posted
+    receives and the tick's ends cost nothing here.
     """
     return [[a for tick in _fdg_ticks(stages, stage, micro_batches, accumulate, drain) for a in tick]
             for stage in range(stages)]  # fmt: skip
@@ -71,19 +56,19 @@ def fdg_thread_streams(stages: int, micro_batches: int, accumulate: int = 1) -> 
         stream: Stream = []
         for tick in _fdg_ticks(stages, stage, micro_batches, accumulate, drain=False):
             stream += [a for a in tick if a.op not in SENDS and a.op not in RECVS]
-            stream.append(Action(Op.PIPE_COLLECTIVE, None, stage))
+            stream.append(Action(stage, Op.PIPE_COLLECTIVE))
         out.append(stream)
     return out
 
 
 def _fdg_ticks(stages: int, stage: int, micro_batches: int, accumulate: int, drain: bool) -> Iterator[Stream]:
-    # a segment of micro_batches ticks, then (drain) the 2(K-1) ticks that finish the ones in flight
-    schedule: list[tuple[int, int | None]] = [(tick, None) for tick in range(micro_batches)]
+    # a call of micro_batches ticks, then (drain) the call of 2(K-1) ticks that finishes the ones in flight
+    calls = [lowering.StageSchedule(micro_batches, stages, stage, 0, accumulate)]
     if drain and stages > 1:
-        schedule += [(tick, micro_batches) for tick in range(micro_batches, micro_batches + 2 * (stages - 1))]
-    for tick, limit in schedule:
-        lowered = fdg.add_exchange(fdg.fdg_tick(stages, stage, tick, accumulate, limit), stages)
-        yield [Action(a.op, a.micro_batch, stage) for a in lowered if a.op is not Op.LOAD]
+        calls.append(lowering.StageSchedule(2 * (stages - 1), stages, stage, micro_batches, accumulate, drain=True))
+    for call in calls:
+        for tick in lowering.run_call(call)[0]:
+            yield [a for a in tick if a.op in _TIMED]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -128,14 +113,14 @@ def deepspeed_1f1b_streams(stages: int, micro_batches: int) -> list[Stream]:
                 exchange = [(Op.SEND_GRAD, prev, has_prev), (Op.RECV_ACTIVATION, mb, has_prev)]
             else:
                 exchange = [(Op.RECV_GRAD, mb, has_next), (Op.SEND_ACTIVATION, prev, has_next)]
-            stream += [Action(op, m, stage, blocking=op in SENDS) for op, m, linked in exchange if linked and valid(m)]
+            stream += [Action(stage, op, m, blocking=op in SENDS) for op, m, linked in exchange if linked and valid(m)]
             if valid(mb):
-                stream.append(Action(Op.FORWARD if forward else Op.BACKWARD, mb, stage))
+                stream.append(Action(stage, Op.FORWARD if forward else Op.BACKWARD, mb))
             prev = mb
         stream += [
-            Action(Op.ALLREDUCE, None, stage),
-            Action(Op.STEP, None, stage),
-            Action(Op.PIPE_COLLECTIVE, None, stage),
+            Action(stage, Op.ALLREDUCE),
+            Action(stage, Op.STEP),
+            Action(stage, Op.PIPE_COLLECTIVE),
         ]
         streams.append(stream)
     return streams
@@ -147,21 +132,21 @@ def deepspeed_1f1b_streams(stages: int, micro_batches: int) -> list[Stream]:
 
 def _forward(mb: int, chunk: int, chunks: int) -> Stream:
     """Receive the input (unless the first chunk), forward, send the output (unless the last)."""
-    out = [] if chunk == 0 else [Action(Op.RECV_ACTIVATION, mb, chunk)]
-    out.append(Action(Op.FORWARD, mb, chunk))
-    return out + ([] if chunk == chunks - 1 else [Action(Op.SEND_ACTIVATION, mb, chunk)])
+    out = [] if chunk == 0 else [Action(chunk, Op.RECV_ACTIVATION, mb)]
+    out.append(Action(chunk, Op.FORWARD, mb))
+    return out + ([] if chunk == chunks - 1 else [Action(chunk, Op.SEND_ACTIVATION, mb)])
 
 
 def _backward(mb: int, chunk: int, chunks: int, op: Op = Op.BACKWARD) -> Stream:
     """Receive the output gradient (unless the last chunk), back-propagate, send the input gradient."""
-    out = [] if chunk == chunks - 1 else [Action(Op.RECV_GRAD, mb, chunk)]
-    out.append(Action(op, mb, chunk))
-    return out + ([] if chunk == 0 else [Action(Op.SEND_GRAD, mb, chunk)])
+    out = [] if chunk == chunks - 1 else [Action(chunk, Op.RECV_GRAD, mb)]
+    out.append(Action(chunk, op, mb))
+    return out + ([] if chunk == 0 else [Action(chunk, Op.SEND_GRAD, mb)])
 
 
 def _finish(stage: int) -> Stream:
     """End of a batch: all-reduce, step, and the cross-stage collective (grad-norm / loss report)."""
-    return [Action(Op.ALLREDUCE, None, stage), Action(Op.STEP, None, stage), Action(Op.PIPE_COLLECTIVE, None, stage)]
+    return [Action(stage, Op.ALLREDUCE), Action(stage, Op.STEP), Action(stage, Op.PIPE_COLLECTIVE)]
 
 
 def gpipe_streams(stages: int, micro_batches: int) -> list[Stream]:
@@ -248,7 +233,7 @@ def zbh1_streams(stages: int, micro_batches: int) -> list[Stream]:
         def weight_step(k: int = k, first: bool = first) -> Stream:
             nonlocal weight
             weight += 1
-            return [] if first else [Action(Op.BACKWARD_WEIGHT, weight - 1, k)]
+            return [] if first else [Action(k, Op.BACKWARD_WEIGHT, weight - 1)]
 
         for _ in range(min(stages - k - 1, micro_batches)):
             stream += _forward(forward, k, stages)
@@ -273,12 +258,12 @@ def zbh1_streams(stages: int, micro_batches: int) -> list[Stream]:
 
 
 def render(streams: list[Stream]) -> list[str]:
-    """One line per rank in compact text, e.g. ``["F0 sa0 F1 sa1 rg0 B0 ...", ...]``.
+    """One line per rank in compact text, e.g. ``["F0 sa0 F1 sa1 G0 B0 ...", ...]``.
 
     An action of a chunk other than its rank's own (interleaved schedules) gets the chunk as a
     suffix: ``F2.3`` is the forward of micro-batch 2 on chunk 3.
     """
-    return [" ".join(str(a) if a.chunk == rank else f"{a}.{a.chunk}" for a in stream)
+    return [" ".join(a.short() if a.stage == rank else f"{a.short()}.{a.stage}" for a in stream)
             for rank, stream in enumerate(streams)]  # fmt: skip
 
 

@@ -27,6 +27,9 @@ Definitions (docs/token-overhead.md states them in full):
   The delayed schedule reaches the loss sooner exactly when its net speed-up exceeds 1.
 
 Torch-free (the planner uses it): only the standard library.
+
+Long because the measure, its bounds and its command line are one definition (issue 63) read by the planner
+and the benchmarks alike.
 """
 
 from __future__ import annotations

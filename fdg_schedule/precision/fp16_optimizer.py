@@ -5,7 +5,7 @@ DeepSpeed wraps the optimizer of an fp16 job in ``FP16_Optimizer`` (FusedAdam), 
 check, unscaling and clipping in the step. FDG keeps all of that and takes the scale away from them
 (Note [loss scale per stage] in :mod:`fdg_schedule.precision.loss_scale`): each wrapper is made static and, before
 every step, gets the scale that step's gradients were made with. Their cross-stage reductions are made
-stage-local by :func:`fdg_schedule.runtime.optim.decouple_from_other_stages`.
+stage-local by :func:`fdg_schedule.base.optim.decouple_from_other_stages`.
 
 Note [who scales the loss]: FDG multiplies the last stage's loss by the scale itself, in fp32, for every
 wrapper. DeepSpeed 0.19.8's ``engine.backward`` applies ``FP16_Optimizer``'s scale only under ZeRO (its

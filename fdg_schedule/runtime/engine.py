@@ -26,6 +26,10 @@ from deepspeed.runtime.pipe.schedule import PipeInstruction, ReduceGrads
 from deepspeed.utils import logger
 from torch import Tensor
 
+from fdg_schedule.base import dispatch, guards, host_memory, optim
+from fdg_schedule.base.config import FDGConfig
+from fdg_schedule.base.errors import DataExhausted, FDGRuntimeError
+from fdg_schedule.base.tensors import as_tuple, describe, floating, input_grads, to_device
 from fdg_schedule.checkpointing.replicas import Replicas
 from fdg_schedule.corrections import auto_corrections
 from fdg_schedule.corrections.delayed import DelayedBackward
@@ -35,17 +39,14 @@ from fdg_schedule.exchange.comm import NO_END, NeighbourExchange, meta_of
 from fdg_schedule.observability import observe
 from fdg_schedule.observability.report import print_flops_profile, report_call
 from fdg_schedule.precision import fp16
-from fdg_schedule.runtime import dispatch, guards, host_memory, loading, optim
-from fdg_schedule.runtime.config import FDGConfig
+from fdg_schedule.runtime import loading, stage_view
 from fdg_schedule.runtime.engine_checkpoints import FDGCheckpoints
-from fdg_schedule.runtime.errors import DataExhausted, FDGRuntimeError
 from fdg_schedule.runtime.stage_backward import stage_backward
 from fdg_schedule.runtime.stage_state import InFlight, StageState
-from fdg_schedule.runtime.tensors import as_tuple, describe, floating, input_grads, to_device
 from fdg_schedule.sched import grid, schedule, ticks
 from fdg_schedule.sched.kinds import Kind
 from fdg_schedule.sched.outcomes import DataEnded, LabelsEnded
-from fdg_schedule.sched.schedule import OPS, FDGTrainSchedule, ScheduleRun
+from fdg_schedule.sched.schedule import KINDS, FDGTrainSchedule, ScheduleRun
 
 
 # Three handlers that are one call to the exchange each (Note [each message when it exists] in
@@ -157,7 +158,7 @@ class FDGPipelineEngine(FDGCheckpoints):
             meter=StalenessMeter(params, every, delayed), tied=self._tied, scaling=scaling,
         )  # fmt: skip
         self._watch = guards.NonFiniteWatch()  # Note [no host sync in a tick]
-        self.observers = observe.observers_from_config(self, self._config._param_dict)
+        self.observers = observe.observers_from_config(stage_view.view(self), self._config._param_dict)
         self._reduce_is_identity = optim.reduce_is_identity(self)
 
     # -- public ---------------------------------------------------------------------------------
@@ -261,8 +262,7 @@ class FDGPipelineEngine(FDGCheckpoints):
         )
         elapsed = time.perf_counter() - start
         report_call(self, steps_before, elapsed)
-        for observer in self.observers:
-            observer.on_call_end(self, elapsed)
+        stage_view.call_ended(self, elapsed)
         if data_ended:
             raise DataExhausted(self.agg_train_loss)
         return self.agg_train_loss
@@ -272,11 +272,10 @@ class FDGPipelineEngine(FDGCheckpoints):
         dispatch.execute(self, pipe_schedule, self._after_instruction)
 
     def _after_instruction(self, cmd: PipeInstruction, start: float, end: float) -> None:
-        op = OPS.get(type(cmd))
-        if op is not None and op.kind is not None:
-            self.fdg_stats[f"{op.kind.value}_s"] += end - start
-        for observer in self.observers:
-            observer.on_instruction(self, cmd, start, end)
+        kind = KINDS.get(type(cmd))
+        if kind is not None:
+            self.fdg_stats[f"{kind.value}_s"] += end - start
+        stage_view.instruction_ran(self, cmd, start, end)
 
     def _data_ended(self, limit: int) -> DataEnded:
         """Note [end of data]: this stage just learned that its segment has ``limit`` micro-batches."""
@@ -303,7 +302,7 @@ class FDGPipelineEngine(FDGCheckpoints):
         return None
 
     def _exec_wait_activation(self, buffer_id: int, micro_batch: int) -> DataEnded | None:
-        received, end = self._exchange.wait_activation()
+        received, end = self._exchange.wait_activation(lend=True)
         if end != NO_END:  # a dummy where micro-batch `end` would be: the data ended (Note [end of data])
             return self._data_ended(end)
         for t in received:
@@ -312,13 +311,14 @@ class FDGPipelineEngine(FDGCheckpoints):
         return None
 
     def _exec_wait_grad(self, buffer_id: int, micro_batch: int) -> None:
-        self.fdg_state.records[buffer_id].received = self._exchange.wait_grad()
+        self.fdg_state.records[buffer_id].received = self._exchange.wait_grad(lend=True)
 
     def _exec_fdg_forward(self, buffer_id: int, micro_batch: int) -> LabelsEnded | None:
         state = self.fdg_state
         record = state.records[buffer_id]
         with state.predicted_forward(keep=lambda: self.fdg_config.weights == "stashed" and record.loss is not None):
-            record.outputs, record.held = self._delayed.forward(lambda: self._stage_forward(record.inputs))
+            inputs = record.inputs
+            record.outputs, record.held = self._delayed.forward(lambda: self._stage_forward(inputs, received=True))
             if record.held is not None:
                 record.probe = state.meter.after_forward(state.tick, record.held.weights)
             if not self.is_last_stage():
@@ -388,8 +388,7 @@ class FDGPipelineEngine(FDGCheckpoints):
 
     def _step(self, wrapped: bool) -> bool:
         """One optimizer step of this stage, with the delay-aware lr (fdg_schedule.corrections.staleness); False when
-        it was
-        skipped for a non-finite gradient.
+        it was skipped for a non-finite gradient.
 
         Note [no host sync in a tick]: under ``nonfinite="error"`` the stage norm's check is queued
         and the step taken (the run stops at the next read); only ``"skip"`` reads it before stepping.
@@ -485,7 +484,10 @@ class FDGPipelineEngine(FDGCheckpoints):
         replica = f", data-parallel replica {self.grid.data_parallel_id}" if self.dp_world_size > 1 else ""
         return f"stage {stage} (global rank {rank}{replica})"
 
-    def _stage_forward(self, inputs: Any) -> Any:
+    def _stage_forward(self, inputs: Any, received: bool = False) -> Any:
         # A clone, as in DeepSpeed: layers may write into their input; the buffer stays the leaf.
         cloned = tuple(t.clone() for t in inputs) if isinstance(inputs, tuple) else inputs.clone()
-        return DeepSpeedEngine.forward(self, cloned)
+        outputs = DeepSpeedEngine.forward(self, cloned)
+        if received:  # Note [a lent message]: the clone was the one read of a received activation
+            self._exchange.own_activation(as_tuple(inputs), as_tuple(cloned))
+        return outputs

@@ -17,13 +17,13 @@ from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.utils import logger
 
+from fdg_schedule.base import optim
+from fdg_schedule.base.config import FDGConfig, FDGConfigError
+from fdg_schedule.base.guards import NonFiniteWatch
 from fdg_schedule.checkpointing import checkpoint
 from fdg_schedule.corrections import auto_corrections
 from fdg_schedule.corrections.delayed import DelayedBackward
 from fdg_schedule.exchange.tied import TiedSync
-from fdg_schedule.runtime import optim
-from fdg_schedule.runtime.config import FDGConfig, FDGConfigError
-from fdg_schedule.runtime.guards import NonFiniteWatch
 from fdg_schedule.runtime.stage_state import StageState
 
 

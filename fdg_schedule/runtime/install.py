@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterator, Mapping
 from types import ModuleType
 from typing import Any
 
-from fdg_schedule.runtime import config as fdg_config
-from fdg_schedule.runtime.config import FDGConfigError
+from fdg_schedule.base import config as fdg_config
+from fdg_schedule.base.config import FDGConfigError
 
 # Note [the start-up hook]
 # Users run DeepSpeed scripts they do not want to edit (`deepspeed train.py --deepspeed_config

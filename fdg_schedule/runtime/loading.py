@@ -3,7 +3,7 @@
 DeepSpeed's ``PipelineEngine._exec_load_micro_batch`` (0.19.8) copies the first stage's inputs and
 the last stage's labels with ``.to(device)``: from host memory that copy waits for every kernel
 queued before it, once per tick on the first and on the last stage (Note [no host sync in a tick]
-in :mod:`fdg_schedule.runtime.guards`). This is the same load with ``non_blocking=True``: from pinned host
+in :mod:`fdg_schedule.base.guards`). This is the same load with ``non_blocking=True``: from pinned host
 memory (a ``DataLoader(pin_memory=True)``) the copy is asynchronous, and from pageable memory torch
 adds no synchronisation of its own (the driver stages the bytes). Everything else is DeepSpeed's:
 which stage reads what, the inputs' clone, ``requires_grad`` under reentrant activation
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from deepspeed.runtime.pipe.engine import BATCH_INPUT_TIMER
 
-from fdg_schedule.runtime.tensors import to_device
+from fdg_schedule.base.tensors import to_device
 
 
 def load_micro_batch(engine: Any) -> tuple[Any, Any]:

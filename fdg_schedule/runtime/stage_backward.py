@@ -9,15 +9,16 @@ import torch
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from torch import Tensor
 
+from fdg_schedule.base.errors import FDGRuntimeError
+from fdg_schedule.base.tensors import describe
 from fdg_schedule.observability.report import stop_backward_timers
-from fdg_schedule.runtime.errors import FDGRuntimeError
-from fdg_schedule.runtime.tensors import describe
 
 
 def stage_backward(engine: Any, outputs: list[Tensor], grads: tuple[Tensor, ...], where: Callable[[], str]) -> None:
     """The stage's delayed backward: ``outputs`` against the gradients the next stage sent, through DeepSpeed's
     bf16 gradient buffers and backward timers as its pipeline backward does; a clear error for an output the
-    gradient cannot flow through (``where()`` names the stage; called only then)."""
+    gradient cannot flow through (``where()`` names the stage; called only then). Then the gradients' message goes
+    back to its link where it was lent."""
     if len(outputs) != len(grads):
         raise FDGRuntimeError(f"{where()}: {len(outputs)} floating output tensors but {len(grads)} gradients")
     no_grad = [i for i, t in enumerate(outputs) if not t.requires_grad]
@@ -39,5 +40,6 @@ def stage_backward(engine: Any, outputs: list[Tensor], grads: tuple[Tensor, ...]
     finally:
         engine._running_engine_backward = False
         stop_backward_timers(engine)
+    engine._exchange.release_grad()  # Note [a lent message] (fdg_schedule.exchange.shm_link): the gradients were read
     if bf16 and not engine._config.bfloat16_config.immediate_grad_update:
         engine.optimizer.update_hp_grads(clear_lp_grads=False)

@@ -53,15 +53,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from fdg_schedule.base import rng
+from fdg_schedule.base.config import FDGConfig
+from fdg_schedule.base.errors import FDGRuntimeError
+from fdg_schedule.base.tensors import detached, leaves, nbytes, on_cpu, to_device
 from fdg_schedule.corrections.delayed import Held
 from fdg_schedule.corrections.staleness import Corrections, StalenessMeter
 from fdg_schedule.exchange.comm import Meta, NeighbourExchange
 from fdg_schedule.exchange.tied import TiedSync
 from fdg_schedule.precision.fp16 import StageScaling
-from fdg_schedule.runtime import rng
-from fdg_schedule.runtime.config import FDGConfig
-from fdg_schedule.runtime.errors import FDGRuntimeError
-from fdg_schedule.runtime.tensors import detached, leaves, nbytes, on_cpu, to_device
 from fdg_schedule.sched import ticks
 
 Message = tuple[tuple[Tensor, ...], Tensor]  # gradients and the loss carried with them
@@ -256,7 +256,7 @@ def _on(device: torch.device | None, x: Any) -> Any:
 
 
 def rng_state() -> dict[str, Any]:
-    """Host and accelerator generator states (:mod:`fdg_schedule.runtime.rng`), as a checkpoint keeps them."""
+    """Host and accelerator generator states (:mod:`fdg_schedule.base.rng`), as a checkpoint keeps them."""
     host, device = rng.capture()
     return {"host": host, "device": device}
 

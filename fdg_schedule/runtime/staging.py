@@ -18,8 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fdg_schedule.base.tensors import HOST
 from fdg_schedule.exchange.comm import Path, choose_path
-from fdg_schedule.runtime.tensors import HOST
 
 
 def staged(tensor: torch.Tensor) -> bool:

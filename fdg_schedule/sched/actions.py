@@ -1,24 +1,29 @@
-"""The one schedule vocabulary: an action is (stage, op, micro-batch[, tick]), with a text form that round-trips.
+"""The one schedule alphabet: an action is (stage, op, micro-batch[, tick]), with a text form that round-trips.
 
-Torch-free (standard library and :mod:`fdg_schedule.sched.ticks` only), so the planner and any tool can
-read, write and check schedules without DeepSpeed. Following torch.distributed.pipelining's
-``_Action``, ``str(action)`` is ``<stage><op><micro-batch>[@<tick>]`` and :meth:`Action.from_str`
-parses it back: ``1F3@4`` is stage 1 forwarding micro-batch 3 at segment tick 4, ``0S@6`` stage 0's
-optimizer step, ``2rg5`` stage 2 receiving micro-batch 5's gradient.
+Torch-free (standard library and :mod:`fdg_schedule.sched.ticks` / :mod:`~fdg_schedule.sched.kinds` only), so
+the planner and any tool can read, write and check schedules without DeepSpeed. Following
+torch.distributed.pipelining's ``_Action``, ``str(action)`` is ``<stage><op><micro-batch>[@<tick>]`` and
+:meth:`Action.from_str` parses it back: ``1F3@4`` is stage 1 forwarding micro-batch 3 at segment tick 4, ``0S@6``
+stage 0's optimizer step, ``2G5`` stage 2 waiting for micro-batch 5's gradient. :meth:`Action.short` drops the
+stage and tick (``F3``): a stage's own row, the engine's traces and golden tables.
 
-The one alphabet (:class:`Op`):
+The one alphabet (:class:`Op`), every letter the engine runs and every letter the planner times::
 
     L  load a micro-batch (inputs on the first stage, labels on the last)
+    A  wait for (receive) an activation        G  wait for (receive) a gradient
     F  forward                 B  backward (input and weight gradients)
     I  input-gradient backward (ZB's "B")         W  weight-gradient backward (ZB's "W")
-    R  data-parallel gradient all-reduce          S  optimizer step
-    sa / sg  send activation / gradient           ra / rg  receive activation / gradient
+    R  data-parallel gradient all-reduce          RT  DeepSpeed 1F1B's tied-gradient all-reduce
+    S  optimizer step
+    sa / sg  send activation / gradient (non-blocking)     se  send the end of the data where an activation would be
+    pa / pg  post the receive of next tick's activation / gradient
+    X  the tick's end of the exchange             T / T+  the tick's end (+: a micro-batch entered)
     P  a collective over the pipeline's stages (DeepSpeed's per-batch loss broadcast)
 
-FDG's compute is generated from the tick arithmetic for the whole grid (:func:`fdg_tick`,
-:func:`fdg_grid`); the exchange (the receives a tick waits for, the sends of what it produced) is
-added by a lowering pass, :func:`add_exchange`, as ``_add_send_recv`` does in torch's pipelining.
-Every function here is pure: a segment whose data ran out is a new grid with its ``limit``.
+Upper case takes the stage's time; lower case only starts a message. FDG's compute is generated from the tick
+arithmetic (:func:`fdg_tick`, :func:`fdg_grid`); :mod:`fdg_schedule.sched.lowering` adds the exchange and the
+ends of data, and the engine (:data:`fdg_schedule.sched.schedule.INSTRUCTIONS`), the grid and the planner all
+run what it gives.
 """
 
 from __future__ import annotations
@@ -28,43 +33,91 @@ import enum
 import re
 
 from fdg_schedule.sched import ticks
+from fdg_schedule.sched.kinds import Kind
 
 
 class Op(enum.Enum):
+    """One letter per thing a stage does; :attr:`kind` is what its time counts as (None: not timed)."""
+
     LOAD = "L"
+    RECV_ACTIVATION = "A"
+    RECV_GRAD = "G"
     FORWARD = "F"
     BACKWARD = "B"
     BACKWARD_INPUT = "I"
     BACKWARD_WEIGHT = "W"
+    ALLREDUCE = "R"
+    ALLREDUCE_TIED = "RT"
+    STEP = "S"
     SEND_ACTIVATION = "sa"
     SEND_GRAD = "sg"
-    RECV_ACTIVATION = "ra"
-    RECV_GRAD = "rg"
-    ALLREDUCE = "R"
-    STEP = "S"
+    SEND_END = "se"
+    POST_RECV_ACTIVATION = "pa"
+    POST_RECV_GRAD = "pg"
+    EXCHANGE = "X"
+    ADVANCE = "T"
+    ADVANCE_ENTERED = "T+"
     PIPE_COLLECTIVE = "P"
 
+    @property
+    def kind(self) -> Kind | None:
+        return _KINDS[self]
+
+
+_KINDS: dict[Op, Kind | None] = {
+    Op.LOAD: Kind.LOAD,
+    Op.RECV_ACTIVATION: Kind.WAIT,
+    Op.RECV_GRAD: Kind.WAIT,
+    Op.FORWARD: Kind.FORWARD,
+    Op.BACKWARD: Kind.BACKWARD,
+    Op.BACKWARD_INPUT: Kind.BACKWARD,
+    Op.BACKWARD_WEIGHT: Kind.BACKWARD,
+    Op.ALLREDUCE: Kind.REDUCE,
+    Op.ALLREDUCE_TIED: Kind.REDUCE,
+    Op.STEP: Kind.STEP,
+    Op.SEND_ACTIVATION: Kind.EXCHANGE,
+    Op.SEND_GRAD: Kind.EXCHANGE,
+    Op.SEND_END: Kind.EXCHANGE,
+    Op.POST_RECV_ACTIVATION: Kind.EXCHANGE,
+    Op.POST_RECV_GRAD: Kind.EXCHANGE,
+    Op.EXCHANGE: Kind.EXCHANGE,
+    Op.ADVANCE: None,
+    Op.ADVANCE_ENTERED: None,
+    Op.PIPE_COLLECTIVE: Kind.WAIT,
+}
 
 COMPUTE = frozenset({Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT, Op.STEP})
 SENDS = frozenset({Op.SEND_ACTIVATION, Op.SEND_GRAD})
 RECVS = frozenset({Op.RECV_ACTIVATION, Op.RECV_GRAD})
+# Ops about no one micro-batch: their text carries none.
+UNNUMBERED = frozenset({Op.ALLREDUCE, Op.ALLREDUCE_TIED, Op.STEP, Op.EXCHANGE, Op.ADVANCE, Op.ADVANCE_ENTERED,
+                        Op.PIPE_COLLECTIVE})  # fmt: skip
 
-_TEXT = re.compile(r"(?P<stage>\d+)(?P<op>[A-Za-z]+)(?P<mb>\d*)(?:@(?P<tick>-?\d+))?")
+_TEXT = re.compile(r"(?P<stage>\d+)(?P<op>[A-Za-z]+\+?)(?P<mb>\d*)(?:@(?P<tick>-?\d+))?")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Action:
-    """What ``stage`` does: ``op`` on ``micro_batch`` (None: not about one), at segment ``tick`` (None: unplaced)."""
+    """What ``stage`` does: ``op`` on ``micro_batch`` (None: not about one), at segment ``tick`` (None: unplaced).
+
+    ``stage`` is a virtual stage where a rank holds several (interleaved 1F1B: stage c runs on rank c % K).
+    ``blocking``: a send that waits for its receiver (a rendezvous, as DeepSpeed's 1F1B sends); the planner's
+    only, and not part of the text.
+    """
 
     stage: int
     op: Op
     micro_batch: int | None = None
     tick: int | None = None
+    blocking: bool = False
 
     def __str__(self) -> str:
-        mb = "" if self.micro_batch is None else str(self.micro_batch)
         at = "" if self.tick is None else f"@{self.tick}"
-        return f"{self.stage}{self.op.value}{mb}{at}"
+        return f"{self.stage}{self.short()}{at}"
+
+    def short(self) -> str:
+        """The op and micro-batch, without stage and tick: ``F3``, ``R``, ``sg1``, ``T+``."""
+        return short(self.op, self.micro_batch)
 
     @staticmethod
     def from_str(text: str) -> Action:
@@ -79,6 +132,11 @@ class Action:
         mb = int(match["mb"]) if match["mb"] else None
         tick = int(match["tick"]) if match["tick"] is not None else None
         return Action(int(match["stage"]), op, mb, tick)
+
+
+def short(op: Op, micro_batch: int | None) -> str:
+    """The compact text of ``op`` on ``micro_batch``: ``F3``, ``R``, ``se4``."""
+    return op.value if micro_batch is None else f"{op.value}{micro_batch}"
 
 
 def fdg_tick(
@@ -124,29 +182,6 @@ def fdg_tick(
     return out
 
 
-def add_exchange(actions: list[Action], stages: int) -> list[Action]:
-    """Lower one stage's tick to what it runs with its neighbours, each message where it exists (Note [each
-    message when it exists] in fdg_schedule.exchange.comm): each backward of a non-last stage waits for its
-    gradient (``rg``) first and each forward of a non-first stage for its activation (``ra``); the input
-    gradient a backward made leaves right after it (``sg``), the activation a forward made right after it
-    (``sa``), each a non-blocking send."""
-    out: list[Action] = []
-    for action in actions:
-        first, last_stage = action.stage == 0, action.stage == stages - 1
-        if action.op is Op.BACKWARD and not last_stage:
-            out.append(dataclasses.replace(action, op=Op.RECV_GRAD))
-        if action.op is Op.FORWARD and not first:
-            # the wait precedes the last stage's label load of the same tick
-            at = next((i for i, a in enumerate(out) if a.op is Op.LOAD and a.tick == action.tick), len(out))
-            out.insert(at, dataclasses.replace(action, op=Op.RECV_ACTIVATION))
-        out.append(action)
-        if action.op is Op.BACKWARD and not first:
-            out.append(dataclasses.replace(action, op=Op.SEND_GRAD))
-        if action.op is Op.FORWARD and not last_stage:
-            out.append(dataclasses.replace(action, op=Op.SEND_ACTIVATION))
-    return out
-
-
 def fdg_grid(
     stages: int, start_tick: int, num_ticks: int, accumulate: int = 1, limit: int | None = None
 ) -> list[list[list[Action]]]:
@@ -172,19 +207,22 @@ class Problem:
 
 # A send by stage k at tick t is received (waited for) at tick t + 1 by the neighbour: op, direction, receive, what.
 _LINKS = {Op.SEND_ACTIVATION: (1, Op.RECV_ACTIVATION, "an activation"), Op.SEND_GRAD: (-1, Op.RECV_GRAD, "a gradient")}
+_MESSAGE = {Op.SEND_END: Op.SEND_ACTIVATION}  # the end of the data travels as the activation it replaces
 
 
 def check_messages(grid: list[list[list[Action]]]) -> list[Problem]:
     """Every send of a micro-batch at tick t meets the neighbour's receive of it at tick t + 1, and every receive
-    its send: FDG's exchange. ``grid[stage][i]`` holds placed actions (``tick`` set); messages that cross the
-    grid's first or last tick (sent in an earlier call, received in a later one) are not checked.
+    its send: FDG's exchange. ``grid[stage][i]`` holds actions; those placed (``tick`` set) are checked, except
+    messages that cross the grid's first or last tick (sent in an earlier call, received in a later one).
     A missing counterpart is reported at the sending tick, in the cell of the stage that misses it."""
-    placed = [a for row in grid for cell in row for a in cell]
+    placed = [a for row in grid for cell in row for a in cell if a.tick is not None]
     if not placed:
         return []
     first, last = min(a.tick or 0 for a in placed), max(a.tick or 0 for a in placed)
     receives = {(a.stage, a.op, a.micro_batch, a.tick) for a in placed if a.op in RECVS}
-    sends = {(a.stage, a.op, a.micro_batch, a.tick) for a in placed if a.op in SENDS}
+    sends = {
+        (a.stage, _MESSAGE.get(a.op, a.op), a.micro_batch, a.tick) for a in placed if a.op in SENDS | {Op.SEND_END}
+    }
     problems = []
     for stage, op, mb, tick in sorted(sends, key=lambda s: (s[3], s[0], s[1].value)):
         step, recv, what = _LINKS[op]

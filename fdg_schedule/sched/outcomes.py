@@ -2,7 +2,7 @@
 
 DeepSpeed's schedule is the only source of control, and no handler calls it back: a handler that
 learns something the schedule depends on (the data ended) returns one of these, and the dispatch
-loop (:func:`fdg_schedule.runtime.dispatch.execute`) gives it to the call's
+loop (:func:`fdg_schedule.base.dispatch.execute`) gives it to the call's
 :meth:`~fdg_schedule.sched.schedule.ScheduleRun.tell`, which runs on with the schedule that follows
 from it (Note [end of data] in :mod:`fdg_schedule.sched.schedule`). Torch-free.
 """

@@ -6,7 +6,7 @@
 
 FDG engines count their own time per instruction kind (``engine.fdg_stats``) and their ticks;
 DeepSpeed's ``PipelineEngine`` does not, so the clock times its instruction handlers during
-``train_batch()`` through the public per-instruction hook (:func:`fdg_schedule.runtime.dispatch.observe`)
+``train_batch()`` through the public per-instruction hook (:func:`fdg_schedule.base.dispatch.observe`)
 and counts its backward passes. Compute is forward + backward (+ the
 recomputed forward, which runs inside it) + optimizer step + gradient all-reduce; wait is time
 blocked on a neighbour.
@@ -18,8 +18,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from fdg_schedule.base import dispatch
 from fdg_schedule.partitioning.partition import Partition, balanced_partition, rescaled
-from fdg_schedule.runtime import dispatch
 
 COMPUTE = ("forward_s", "backward_s", "step_s", "reduce_s")
 

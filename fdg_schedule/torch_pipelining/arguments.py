@@ -1,6 +1,6 @@
 """ScheduleFDG's arguments, checked on every rank before any rank waits on another.
 
-The FDG keys are those of ``pipeline.fdg`` in the DeepSpeed path (:class:`~fdg_schedule.runtime.config.FDGConfig`,
+The FDG keys are those of ``pipeline.fdg`` in the DeepSpeed path (:class:`~fdg_schedule.base.config.FDGConfig`,
 one statement of what they mean), passed as keyword arguments; errors name the argument instead of the
 DeepSpeed config key. Keys that only the DeepSpeed engine implements are refused with the reason.
 """
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fdg_schedule.runtime.config import FDGConfig, FDGConfigError
+from fdg_schedule.base.config import FDGConfig, FDGConfigError
 
 # pipeline.fdg keys the DeepSpeed engine has and ScheduleFDG has not, and why (the error says it).
 ENGINE_ONLY = {

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from fdg_schedule.runtime.errors import FDGRuntimeError
+from fdg_schedule.base.errors import FDGRuntimeError
 
 
 def describe_rank(stage_index: int, group: Any, group_rank: int, replica: int | None = None) -> str:

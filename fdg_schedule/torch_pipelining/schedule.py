@@ -46,12 +46,12 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
+from fdg_schedule.base.config import FDGConfig
+from fdg_schedule.base.errors import FDGRuntimeError
+from fdg_schedule.base.tensors import describe
 from fdg_schedule.corrections import auto_corrections
 from fdg_schedule.corrections.delayed import DelayedBackward, Held
 from fdg_schedule.corrections.staleness import Corrections
-from fdg_schedule.runtime.config import FDGConfig
-from fdg_schedule.runtime.errors import FDGRuntimeError
-from fdg_schedule.runtime.tensors import describe
 from fdg_schedule.sched import ticks
 from fdg_schedule.torch_pipelining import arguments
 from fdg_schedule.torch_pipelining.links import Links, describe_rank
@@ -81,7 +81,7 @@ class ScheduleFDG(PipelineScheduleSingle):
             optimizer step (one all-reduce per step). None: no data parallelism.
         args_chunk_spec, kwargs_chunk_spec: as in torch's schedules.
         on_tick: called with the global tick at the end of every tick (an observer, e.g. for tests).
-        **fdg: the FDG keys of ``pipeline.fdg`` (:class:`~fdg_schedule.runtime.config.FDGConfig`):
+        **fdg: the FDG keys of ``pipeline.fdg`` (:class:`~fdg_schedule.base.config.FDGConfig`):
             ``grad_shrink``, ``weights``, ``activations``, ``accumulate``, ``corrections`` and the
             correction keys, ``timeout`` (seconds a stage waits for a neighbour).
     """

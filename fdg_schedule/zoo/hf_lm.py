@@ -36,6 +36,9 @@ Note [tied embeddings]
     ``pipeline_layers(model, untie=True)`` (the recipe's ``--untie``) gives the head its own copy
     instead (same values at the start, trained on its own): the untied variant, exported with
     ``tie_word_embeddings = False``.
+
+Long because turning a Hugging Face causal LM into pipeline layers and back is one mapping per family
+(GPT-2, LLaMA), kept beside its inverse.
 """
 
 from __future__ import annotations

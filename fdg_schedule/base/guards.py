@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fdg_schedule.runtime.errors import FDGRuntimeError
-from fdg_schedule.runtime.tensors import floating
+from fdg_schedule.base.errors import FDGRuntimeError
+from fdg_schedule.base.tensors import floating
 
 
 def finite(t: Tensor) -> bool:

@@ -12,11 +12,13 @@ The public keys::
         "delay_lr_ticks": 0,          # T: delayed stages start at a lower learning rate, full at tick T; 0 = off
         "predict_decay": null,        # gamma in [0, 1): forwards run on predicted weights; null = off
         "predict_horizon": "own",     # "own" | "first_stage": the tick the prediction aims at
+        "predict_scale": 1.0,         # p > 0: forwards on w + p * H * delta (H the horizon in steps)
+        "predict_momentum": null,     # mu in (0, 1): H counts its steps as mu + mu**2 + ... + mu**H; null = off
         "delay_momentum": false,      # momentum mu of stage k taken as mu ** (1 + h_k) in its steps
         "delay_momentum_peak_lr": null,  # rho > 0: mu ** (1 + h_k * min(1, lr / rho)) instead; null = off
         "delay_momentum_raise": null, # c > 0: mu of stage k taken as mu ** (1 / (1 + c * h_k)); null = off
-        "corrections": null,          # "auto": the six keys above chosen per stage (Note [the auto rule]);
-                                      # "none": none of them; null: the explicit keys
+        "corrections": null,          # "auto": the rule's keys above chosen per stage (Note [the auto rule]);
+                                      # "none": none of the eight keys above; null: the explicit keys
         "staleness_every": 100,       # measure ||w_fwd - w_bwd|| / ||w|| every N ticks; 0 = off
         "nonfinite": "error",         # "error" | "skip": a non-finite loss or gradient on a stage
         "timeout": 60,                # seconds a stage waits for a neighbour before failing
@@ -46,8 +48,8 @@ TRANSPORTS = ("auto", "process_group", "shm")
 # The staleness-correction keys ``corrections`` decides (Note [the auto rule] in
 # fdg_schedule.corrections.auto_corrections).
 CORRECTION_KEYS = (
-    "delay_lr_ticks", "predict_decay", "predict_horizon", "delay_momentum", "delay_momentum_peak_lr",
-    "delay_momentum_raise",
+    "delay_lr_ticks", "predict_decay", "predict_horizon", "predict_scale", "predict_momentum", "delay_momentum",
+    "delay_momentum_peak_lr", "delay_momentum_raise",
 )  # fmt: skip
 
 
@@ -89,6 +91,10 @@ KEYS: tuple[Key, ...] = (
     Key("predict_decay", "number", "in [0, 1)", at_least=0, below=1, nullable=True,
         fix="null turns weight prediction off, e.g. 0.9 turns it on"),
     Key("predict_horizon", "choice", choices=("own", "first_stage")),
+    Key("predict_scale", "number", "a number > 0", above=0, below=math.inf,
+        fix="e.g. 0.5 (1.0 predicts the whole horizon)"),
+    Key("predict_momentum", "number", "in (0, 1)", above=0, below=1, nullable=True,
+        fix="set it to the optimizer's momentum (e.g. 0.9, Adam's first beta), or null for a straight line"),
     Key("delay_momentum", "bool", fix="false turns it off"),
     Key("delay_momentum_peak_lr", "number", "a learning rate > 0", above=0, below=math.inf, nullable=True,
         fix="set it to the schedule's peak lr (e.g. 0.1), or null for off"),
@@ -148,6 +154,22 @@ class FDGConfig:
     (``(K-1) / accumulate`` steps ahead; under ``"stashed"`` its gradient is taken there, under
     ``"current"`` its backward reads the live weights). Needs ``predict_decay``."""
 
+    predict_scale: float = 1.0
+    """p > 0, how much of the horizon the prediction of ``predict_decay`` covers (an extension, issue 64): every
+    forward of stage k runs on ``w + p * H_k * delta``, H_k the horizon in steps (``predict_horizon``; with
+    ``predict_momentum`` its discounted count). With ``predict_decay`` 0, delta is the last applied update (for
+    Muon the orthogonalised step, weight decay included) and p 1 or 0.5 are the two extrapolations of the
+    marin report (2026). 1.0 (the default) is the prediction as before, bit for bit. Needs ``predict_decay``."""
+
+    predict_momentum: float | None = None
+    """mu in (0, 1), a momentum look-ahead for the prediction of ``predict_decay`` (an extension, issue 64): the
+    horizon's h steps count as ``mu + mu**2 + ... + mu**h = mu * (1 - mu**h) / (1 - mu)`` (for any real h),
+    so every forward of stage k runs on ``w + p * mu * (1 - mu**h) / (1 - mu) * delta``. With ``predict_decay``
+    0 and SGD with momentum mu, delta is the heavy-ball velocity and h = 1 gives Nesterov's look-ahead point
+    ``w + mu * v``; a larger h follows that velocity as it decays over the h steps the gradient is delayed by, if
+    no new gradient came. Set mu to the optimizer's momentum (Adam's first beta). None: ``h`` itself (a straight
+    line). Needs ``predict_decay``."""
+
     delay_momentum: bool = False
     """Delay-aware momentum (Note [staleness corrections] in reference.py): the step of stage k uses
     momentum ``mu ** (1 + h_k)``, h_k = delay_k / accumulate, where mu is each param group's
@@ -176,8 +198,10 @@ class FDGConfig:
     """``"auto"``: the staleness-correction keys (``delay_lr_ticks``, ``predict_decay``, ``predict_horizon``,
     ``delay_momentum``, ``delay_momentum_peak_lr``, ``delay_momentum_raise``) are chosen at
     ``deepspeed.initialize`` for each stage from its optimizer, K, ``accumulate`` and the LR scheduler (Note
-    [the auto rule] in :mod:`fdg_schedule.corrections.auto_corrections`); ``"none"``: none of them (the paper's FDG);
-    None: the keys as given. With ``"auto"`` or ``"none"`` the block sets none of those keys itself."""
+    [the auto rule] in :mod:`fdg_schedule.corrections.auto_corrections`; it leaves ``predict_scale`` and
+    ``predict_momentum`` at their defaults); ``"none"``: none of them (the paper's FDG); None: the keys as given.
+    With ``"auto"`` or ``"none"`` the block sets none of those keys (nor ``predict_scale``, ``predict_momentum``)
+    itself."""
 
     _resolved: bool = dataclasses.field(default=False, repr=False)
     """Internal: ``corrections: "auto"`` has filled in its keys
@@ -208,7 +232,7 @@ class FDGConfig:
     is the same."""
 
     host_memory: str = "retain"
-    """On a CPU device, what the process does with freed host memory (:mod:`fdg_schedule.runtime.host_memory`):
+    """On a CPU device, what the process does with freed host memory (:mod:`fdg_schedule.base.host_memory`):
     ``"retain"`` (the default) keeps it, as a caching allocator keeps device memory, so a tick's tensors reuse
     pages already mapped instead of faulting fresh zeroed ones in (page faults cost FDG's CPU stages 10-15 %
     of a tick on the plain conv net of docs/performance.md); ``"system"``: glibc's default, which hands large
@@ -216,7 +240,7 @@ class FDGConfig:
 
     check_every: int = 0
     """Ticks between host reads of the non-finite flags (Note [no host sync in a tick] in
-    :mod:`fdg_schedule.runtime.guards`): 0 reads them once, at the end of each ``train_batch()`` / ``drain()``
+    :mod:`fdg_schedule.base.guards`): 0 reads them once, at the end of each ``train_batch()`` / ``drain()``
     call; N >= 1 also every N ticks inside a call (an earlier stop, one host synchronisation each)."""
 
     trace: Mapping[str, Any] | None = None
@@ -263,6 +287,16 @@ def _horizon_needs_prediction(config: FDGConfig) -> None:
         )
 
 
+def _prediction_keys_need_prediction(config: FDGConfig) -> None:
+    for key, off in (("predict_scale", "1.0"), ("predict_momentum", "null")):
+        value = getattr(config, key)
+        if value != getattr(FDGConfig, key) and config.predict_decay is None:
+            raise FDGConfigError(
+                f"{key} is {value!r} but predict_decay is null (pipeline.fdg in ds_config): it shapes the weight "
+                f"prediction; set predict_decay (e.g. 0.0: the last applied update), or set {key} to {off}"
+            )
+
+
 def _peak_lr_needs_delay_momentum(config: FDGConfig) -> None:
     if config.delay_momentum_peak_lr is not None and not config.delay_momentum:
         raise FDGConfigError(
@@ -297,8 +331,8 @@ def _shm_needs_linux(config: FDGConfig) -> None:
 
 
 # Checked in this order once every key has passed its row of KEYS: rules between keys, or beyond a key's values.
-RULES = (_horizon_needs_prediction, _peak_lr_needs_delay_momentum, _raise_excludes_delay_momentum,
-         _no_corrections_sets_no_correction_keys, _shm_needs_linux)  # fmt: skip
+RULES = (_horizon_needs_prediction, _prediction_keys_need_prediction, _peak_lr_needs_delay_momentum,
+         _raise_excludes_delay_momentum, _no_corrections_sets_no_correction_keys, _shm_needs_linux)  # fmt: skip
 
 
 def schedule_name(pipeline: Mapping[str, Any] | None) -> str:

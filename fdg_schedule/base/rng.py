@@ -18,7 +18,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from torch import Tensor
 
-from fdg_schedule.runtime.tensors import HOST
+from fdg_schedule.base.tensors import HOST
 
 
 class RngState(NamedTuple):

@@ -46,7 +46,7 @@ from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from torch import Tensor, nn
 
-from fdg_schedule.runtime.config import FDGConfigError
+from fdg_schedule.base.config import FDGConfigError
 
 
 def decouple_from_other_stages(optimizer: Any, basic: Any = None) -> None:
@@ -164,7 +164,7 @@ def clip_stage_local(parameters: Iterable[nn.Parameter], clip: float) -> Tensor:
     """Clip the gradients to norm ``clip`` (0: no clipping) by this stage's own norm; returns the norm before clipping.
 
     For plain torch optimizers: DeepSpeed's ``clip_fp32_gradients`` would all-reduce the norm across stages.
-    The norm stays on the device (Note [no host sync in a tick] in :mod:`fdg_schedule.runtime.guards`).
+    The norm stays on the device (Note [no host sync in a tick] in :mod:`fdg_schedule.base.guards`).
     """
     params = list(parameters)
     if clip > 0:

@@ -15,7 +15,7 @@ from typing import Any
 
 from deepspeed.runtime.pipe.schedule import PipeInstruction, PipeSchedule
 
-from fdg_schedule.runtime.errors import FDGRuntimeError
+from fdg_schedule.base.errors import FDGRuntimeError
 
 
 def execute(engine: Any, schedule: PipeSchedule, after: Callable[[PipeInstruction, float, float], None]) -> None:
@@ -48,8 +48,8 @@ InstructionCallback = Callable[[Any, PipeInstruction, float, float], None]
 def observe(engine: Any, on_instruction: InstructionCallback) -> None:
     """Call ``on_instruction(view, cmd, start, end)`` after every instruction ``engine`` runs: the public hook.
 
-    An FDG engine calls its observers itself (``engine.observers``; the view is the engine as a
-    :class:`~fdg_schedule.observability.view.StageView`, never its ``StageState``). DeepSpeed's own
+    An FDG engine calls its observers itself (``engine.observers``; the view is a
+    :class:`~fdg_schedule.observability.view.StageView` built per call, never the engine). DeepSpeed's own
     ``PipelineEngine`` has no hook: this is the one place that gives it one, by timing each handler
     through a copy of the instruction map on that engine instance (its class and other engines keep
     theirs). Observers never patch ``_INSTRUCTION_MAP`` themselves.

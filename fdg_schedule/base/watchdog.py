@@ -9,7 +9,7 @@ the post would fail a healthy neighbour whenever ticks are long). The exchange r
 accelerator event on the compute stream right after each post (:func:`stream_mark`) and wraps the
 work in a :class:`StreamWork`; the deadline starts when that event is first seen complete. A daemon
 thread polls ``work.is_completed()`` and the events (queries, never waits); when a deadline passes
-it records an :class:`~fdg_schedule.runtime.errors.FDGRuntimeError` naming the neighbour, logs it, and the
+it records an :class:`~fdg_schedule.base.errors.FDGRuntimeError` naming the neighbour, logs it, and the
 main thread raises it at its next exchange call. A main thread that never returns there (stuck in a device
 synchronisation behind the transfer that will not come) is ended after a grace period with exit
 code :data:`EXIT_CODE`, the message already in its log: a failed neighbour ends every rank, never
@@ -30,7 +30,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import logger
 from torch import Tensor
 
-from fdg_schedule.runtime.errors import FDGRuntimeError
+from fdg_schedule.base.errors import FDGRuntimeError
 
 EXIT_CODE = 75  # a rank ended by its watchdog
 

@@ -34,12 +34,12 @@ from fdg_schedule.observability.view import MicroBatchNumbers, StageView
 from fdg_schedule.sched import ticks
 from fdg_schedule.sched.schedule import FDGBackward, Kind, LocalOptimizerStep
 
-# Seconds per tick, averaged over the call: what each kind of instruction took (engine.fdg_stats).
+# Seconds per tick, averaged over the call: what each kind of instruction took (StageView.stats).
 _KINDS = [kind.value for kind in Kind]
 
 METRICS = {
     "fdg/tick": "ticks this stage has run (x axis of every fdg/ chart; equals global_steps)",
-    "fdg/samples": "engine.global_samples",
+    "fdg/samples": "samples trained on (DeepSpeed's global_samples)",
     "fdg/tick_s": "seconds per tick, averaged over the call",
     "fdg/compute_s": "forward + backward + optimizer step seconds per tick",
     "fdg/wait_s": "seconds per tick waiting for a neighbour's activation or gradient",
@@ -129,18 +129,19 @@ def _global_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def run_config(engine: StageView, ds_config: Mapping[str, Any]) -> dict[str, Any]:
+def run_config(view: StageView, ds_config: Mapping[str, Any]) -> dict[str, Any]:
     """What goes into each stage's W&B run config: the FDG settings and the stage's place."""
+    ids = view.ids
     return {
-        "fdg": {k: v for k, v in dataclasses.asdict(engine.fdg_config).items() if not k.startswith("_")},
-        "stages": engine.num_stages,
-        "stage_id": engine.stage_id,
-        "dp_id": engine.grid.data_parallel_id,
-        "dp_world_size": engine.dp_world_size,
-        "global_rank": engine.global_rank,
-        "delay": ticks.delay(engine.num_stages, engine.stage_id),
-        "train_micro_batch_size_per_gpu": engine.train_micro_batch_size_per_gpu(),
-        "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
+        "fdg": {k: v for k, v in dataclasses.asdict(view.config).items() if not k.startswith("_")},
+        "stages": ids.num_stages,
+        "stage_id": ids.stage_id,
+        "dp_id": ids.dp_id,
+        "dp_world_size": ids.dp_world_size,
+        "global_rank": ids.global_rank,
+        "delay": ticks.delay(ids.num_stages, ids.stage_id),
+        "train_micro_batch_size_per_gpu": view.micro_batch_size,
+        "gradient_accumulation_steps": view.gradient_accumulation_steps,
         "ds_config": dict(ds_config),
     }
 
@@ -152,7 +153,7 @@ class StageTracker:
     losses are kept as tensors until the call ends, so the ticks pay no device synchronisation.
     """
 
-    def __init__(self, engine: StageView, ds_config: Mapping[str, Any]) -> None:
+    def __init__(self, view: StageView, ds_config: Mapping[str, Any]) -> None:
         import wandb
 
         block = wandb_block(ds_config) or {}
@@ -161,77 +162,78 @@ class StageTracker:
             project=block.get("project") or "deepspeed",
             entity=block.get("team"),
             group=group,
-            name=f"stage{engine.stage_id}-dp{engine.grid.data_parallel_id}",
-            job_type=f"stage{engine.stage_id}",
-            config=run_config(engine, ds_config),
+            name=f"stage{view.ids.stage_id}-dp{view.ids.dp_id}",
+            job_type=f"stage{view.ids.stage_id}",
+            config=run_config(view, ds_config),
             reinit="create_new",  # DeepSpeed's own rank-0 run stays wandb.run
         )
         self.run.define_metric("fdg/tick")
         self.run.define_metric("fdg/*", step_metric="fdg/tick")
-        self.delay = ticks.delay(engine.num_stages, engine.stage_id)
+        self.delay = ticks.delay(view.ids.num_stages, view.ids.stage_id)
         self.numbers = MicroBatchNumbers()
-        self._stats = dict(engine.fdg_stats)
+        self._stats = dict(view.stats)
         self._grad_norm: torch.Tensor | None = None
         self._last_loss: tuple[int, torch.Tensor] | None = None
         self._closed = False
         atexit.register(self.close)
 
-    def on_instruction(self, engine: StageView, cmd: Any, start: float, end: float) -> None:
+    def on_instruction(self, view: StageView, cmd: Any, start: float, end: float) -> None:
         self.numbers.watch(cmd)
-        if isinstance(cmd, ReduceGrads):  # fp16: the gradients carry the loss scale
-            self._grad_norm = engine.fdg_state.scaling.unscaled(_grad_norm(engine.module.parameters()))
+        if isinstance(cmd, ReduceGrads):  # the step zeroes the gradients: their norm now (unscaled, fp16)
+            self._grad_norm = view.grad_norm()
         elif isinstance(cmd, LocalOptimizerStep) and self._grad_norm is None:
             # ZeRO keeps reduced gradients in its own partitions; its step computed the norm.
-            norm = getattr(engine.optimizer, "_global_grad_norm", None)
+            norm = view.optimizer_grad_norm
             self._grad_norm = None if norm is None else torch.as_tensor(norm, dtype=torch.float32)
-        elif isinstance(cmd, FDGBackward) and engine.fdg_state.call_losses:
-            self._last_loss = (self.numbers(cmd.micro_batch), engine.fdg_state.call_losses[-1])
+        elif isinstance(cmd, FDGBackward) and view.last_loss is not None:
+            self._last_loss = (self.numbers(cmd.micro_batch), view.last_loss)
 
-    def on_call_end(self, engine: StageView, seconds: float) -> None:
+    def on_call_end(self, view: StageView, seconds: float) -> None:
         self.numbers.end_call()
         if self._closed:
             return
-        self.run.log(self.row(engine, seconds))
+        self.run.log(self.row(view, seconds))
         self._grad_norm = None
 
-    def row(self, engine: StageView, seconds: float) -> dict[str, Any]:
+    def row(self, view: StageView, seconds: float) -> dict[str, Any]:
         """The history row of the call that just ended (also updates the per-call baselines)."""
-        stats, before = engine.fdg_stats, self._stats
+        stats, before = view.stats, self._stats
         ran = max(stats["ticks"] - before["ticks"], 1)
         per_tick = {kind: (stats[f"{kind}_s"] - before[f"{kind}_s"]) / ran for kind in _KINDS}
         self._stats = dict(stats)
         tick_s = seconds / ran
         row: dict[str, Any] = {
-            "fdg/tick": engine.global_steps,
-            "fdg/samples": engine.global_samples,
+            "fdg/tick": view.global_steps,
+            "fdg/samples": view.global_samples,
             "fdg/tick_s": tick_s,
             "fdg/compute_s": per_tick["forward"] + per_tick["backward"] + per_tick["step"],
             "fdg/wait_fraction": per_tick["wait"] / tick_s if tick_s > 0 else 0.0,
             **{f"fdg/{kind}_s": value for kind, value in per_tick.items()},
-            "fdg/lr": engine.get_lr()[0],
+            "fdg/lr": view.lr,
             "fdg/delay": self.delay,
-            "fdg/held_bytes": engine.held_bytes(),
-            "fdg/in_flight": engine.in_flight(),
+            "fdg/held_bytes": view.held_bytes,
+            "fdg/in_flight": view.in_flight,
             "fdg/steps": int(stats["steps"]),
             "fdg/skipped": int(stats.get("skipped", 0)),
             "fdg/memory_allocated": get_accelerator().memory_allocated(),
             "fdg/max_memory_allocated": get_accelerator().max_memory_allocated(),
         }
-        on_device = {"fdg/loss": engine.agg_train_loss}
-        if "loss_scale" in stats:  # fp16 (Note [loss scale per stage] in fdg_schedule.precision.loss_scale)
-            row["fdg/loss_scale"] = stats["loss_scale"]
+        assert view.loss is not None, "a call's end comes after its loss"
+        on_device = {"fdg/loss": view.loss}
+        if view.loss_scale is not None:  # fp16 (Note [loss scale per stage] in fdg_schedule.precision.loss_scale)
+            row["fdg/loss_scale"] = view.loss_scale
         staleness = stats.get("staleness", math.nan)
         if not math.isnan(staleness):  # measured every pipeline.fdg.staleness_every ticks
             row["fdg/staleness"] = staleness
-        if engine.fdg_config.delay_lr_ticks:
-            row["fdg/lr_factor"] = engine.fdg_state.corrections.lr_factor(engine.fdg_state.tick - 1)
+        if view.lr_factor is not None:
+            row["fdg/lr_factor"] = view.lr_factor
         if self._grad_norm is not None:
             on_device["fdg/grad_norm"] = self._grad_norm
         if self._last_loss is not None:
             micro_batch, on_device["fdg/loss_last"] = self._last_loss
             row["fdg/loss_micro_batch"] = micro_batch
             self._last_loss = None
-        # One host read for the call's device values (Note [no host sync in a tick] in fdg_schedule.runtime.guards).
+        # One host read for the call's device values (Note [no host sync in a tick] in fdg_schedule.base.guards).
         values = torch.stack([t.detach().float().reshape(()) for t in on_device.values()]).tolist()
         row.update((key, value) for key, value in zip(on_device, values) if not math.isnan(value) or key != "fdg/loss")
         return row
@@ -241,13 +243,6 @@ class StageTracker:
         if not self._closed:
             self._closed = True
             self.run.finish()
-
-
-def _grad_norm(params: Any) -> torch.Tensor | None:
-    grads = [p.grad.detach() for p in params if p.grad is not None]
-    if not grads:
-        return None
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
 
 
 def read_offline_run(run_dir: Path) -> dict[str, Any]:

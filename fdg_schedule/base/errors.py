@@ -1,4 +1,4 @@
-"""Exceptions fdg_schedule raises at run time (config errors live in :mod:`fdg_schedule.runtime.config`)."""
+"""Exceptions fdg_schedule raises at run time (config errors live in :mod:`fdg_schedule.base.config`)."""
 
 
 class FDGRuntimeError(RuntimeError):
