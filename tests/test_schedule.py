@@ -238,6 +238,22 @@ def test_a_drain_learns_an_earlier_end_of_the_data_on_its_way_down() -> None:
     assert render(running.schedule) == ["A5 X T"]  # the ended schedule alone gives what ran
 
 
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_the_tick_end_says_which_tick_is_the_segments_last(stages: int) -> None:
+    """AdvanceTick(last=True) at the tick stage 0 back-propagates the segment's last micro-batch, on every stage:
+    the tied step flushes there (Note [tied layers across stages]); a segment whose end is not known has none."""
+
+    def lasts(plan: FDGTrainSchedule) -> list[bool]:
+        return [cmd.last for step in plan.steps() for cmd in step if isinstance(cmd, AdvanceTick)]
+
+    for stage_id in range(stages):
+        ended = lasts(FDGTrainSchedule(20, stages, stage_id, limit=5))
+        assert len(ended) == ticks.last_tick(5, stages) + 1 and ended[-1] and not any(ended[:-1])
+        assert not any(lasts(FDGTrainSchedule(8, stages, stage_id)))
+        drain = lasts(FDGTrainSchedule(ticks.drain_ticks(stages), stages, stage_id, start_tick=4, drain=True))
+        assert drain == [False] * (ticks.drain_ticks(stages) - 1) + [True] or stages == 1
+
+
 def _render_with_labels_ending_at_7(plan: FDGTrainSchedule) -> list[str]:
     """The last stage's ticks, rendered, when its labels run out after micro-batch 6 (told at that forward)
     and the end of the data arrives where micro-batch 7 would (Note [end of data])."""

@@ -10,10 +10,11 @@ import torch
 from torch import nn
 
 from fdg_schedule.base.config import FDGConfig
+from fdg_schedule.base.errors import FDGRuntimeError
 from fdg_schedule.checkpointing import checkpoint
 from fdg_schedule.corrections.delayed import DelayedBackward
 from fdg_schedule.exchange.comm import NeighbourExchange, meta_of
-from fdg_schedule.runtime.stage_state import StageState
+from fdg_schedule.runtime.stage_state import InFlight, StageState
 
 
 def _stage() -> nn.Module:
@@ -23,15 +24,23 @@ def _stage() -> nn.Module:
 
 def _state(module: nn.Module, config: FDGConfig) -> tuple[StageState, DelayedBackward]:
     exchange = NeighbourExchange(None, None, torch.device("cpu"), False, stage_id=0, timeout_s=5)
-    buffers: dict[str, list] = {"inputs": [None] * 3, "outputs": [None] * 3, "labels": [None] * 3}
-    return StageState(2, exchange, buffers), DelayedBackward(module, config, delayed=True)
+    return StageState(2, exchange), DelayedBackward(module, config, delayed=True)
+
+
+def _forward(state: StageState, delayed: DelayedBackward, buffer_id: int, inputs: torch.Tensor) -> InFlight:
+    """What the engine's FDGLoad / WaitActivation and FDGForward leave in the record of ``buffer_id``."""
+    state.enter(buffer_id, inputs)
+    record = state.records[buffer_id]
+    record.outputs, record.held = delayed.forward(lambda: delayed.module(inputs))
+    return record
 
 
 def _backward(state: StageState, delayed: DelayedBackward, module: nn.Module, buffer_id: int) -> list[torch.Tensor]:
-    inputs = state.buffers["inputs"][buffer_id]
-    held = state.held.pop(buffer_id)
+    record = state.records.pop(buffer_id)
+    inputs, held = record.inputs, record.held
+    assert held is not None
     g = torch.full((2, 3), 0.5)
-    with delayed.backward(held, state.buffers["outputs"][buffer_id], lambda: module(inputs)) as out:
+    with delayed.backward(held, record.outputs, lambda: module(inputs)) as out:
         torch.autograd.backward(out, g)
     grads = [p.grad.clone() for p in module.parameters()] + [inputs.grad.clone()]
     module.zero_grad()
@@ -46,10 +55,8 @@ def test_capture_and_restore_round_trip(one_rank_group: None, weights: str, acti
     module = _stage()
     state, delayed = _state(module, config)
     for buffer_id in (0, 1):  # two micro-batches in flight
-        inputs = torch.randn(2, 4, requires_grad=True)
-        outputs, held = delayed.forward(lambda inputs=inputs: module(inputs))
-        state.buffers["inputs"][buffer_id], state.buffers["outputs"][buffer_id] = inputs, outputs
-        state.held[buffer_id], state.sent_meta[buffer_id] = held, meta_of([outputs])
+        record = _forward(state, delayed, buffer_id, torch.randn(2, 4, requires_grad=True))
+        record.sent_meta = meta_of([record.outputs])
     state.segment_tick, state.micro_batches_read = 2, 2
     state.segment_limit = 1  # stage 0 learned at tick 1 that the data ended (Note [end of data])
     state.labels_in_flight.append(torch.tensor([1, 2]))
@@ -67,7 +74,8 @@ def test_capture_and_restore_round_trip(one_rank_group: None, weights: str, acti
     assert torch.equal(torch.get_rng_state(), rng)
     assert (restored.segment_tick, restored.micro_batches_read, restored.segment_limit) == (2, 2, 1)
     assert [t.tolist() for t in restored.labels_in_flight] == [[1, 2]]
-    assert restored.sent_meta == state.sent_meta
+    assert sorted(restored.records) == sorted(state.records) == [0, 1]
+    assert all(restored.records[b].sent_meta == state.records[b].sent_meta is not None for b in (0, 1))
     assert restored.in_flight() == state.in_flight() == 2
     assert restored.held_bytes() == state.held_bytes() > 0
     for m in (module, other):  # an optimizer step on both, between the save and the delayed backward
@@ -95,13 +103,20 @@ def test_the_segment_ends_after_its_last_tick(one_rank_group: None) -> None:
 
 def test_reset_forgets_the_work_in_flight(one_rank_group: None) -> None:
     state, delayed = _state(_stage(), FDGConfig(weights="stashed"))
-    module = delayed.module
-    inputs = torch.randn(2, 4)
-    state.buffers["outputs"][1], state.held[1] = delayed.forward(lambda: module(inputs))
-    state.buffers["inputs"][1], state.segment_tick = inputs, 3
+    _forward(state, delayed, 1, torch.randn(2, 4))
+    state.segment_tick = 3
+    assert state.in_flight() == 1
     state.reset()
-    assert state.in_flight() == 0 and state.segment_tick == 0
-    assert all(b is None for buffers in state.buffers.values() for b in buffers)
+    assert state.in_flight() == 0 and state.segment_tick == 0 and state.records == {}
+
+
+def test_a_micro_batch_entering_a_buffer_still_in_use_is_refused(one_rank_group: None) -> None:
+    state, delayed = _state(_stage(), FDGConfig())
+    _forward(state, delayed, 2, torch.randn(2, 4))
+    with pytest.raises(FDGRuntimeError, match="buffer 2 still holds a micro-batch in flight"):
+        state.enter(2, torch.randn(2, 4))  # the schedule's buffer count would be wrong
+    state.records.pop(2)  # its backward (and, off stage 0, its gradient's send) ended it
+    state.enter(2, torch.randn(2, 4))
 
 
 def test_a_checkpoint_keeps_host_tensors_on_the_host_and_the_work_in_flight_goes_to_the_device(
@@ -113,9 +128,7 @@ def test_a_checkpoint_keeps_host_tensors_on_the_host_and_the_work_in_flight_goes
     held tensors go to the stage's device (here the meta device stands in for a GPU), also from a host save."""
     config = FDGConfig(weights="stashed")
     state, delayed = _state(_stage(), config)
-    inputs = torch.randn(2, 4)
-    state.buffers["outputs"][0], state.held[0] = delayed.forward(lambda: delayed.module(inputs))
-    state.buffers["inputs"][0], state.sent_meta[0] = inputs, [(torch.Size([2, 3]), torch.float32)]
+    _forward(state, delayed, 0, torch.randn(2, 4)).sent_meta = [(torch.Size([2, 3]), torch.float32)]
     captured = state.capture()
     meta = [(torch.Size([2]), torch.float32)]  # an activation that arrived for the next tick, with its control word
     captured["received"] = {"activation": [torch.ones(2), torch.tensor([-1])], "grad": None, "sent_meta": None,
@@ -132,8 +145,10 @@ def test_a_checkpoint_keeps_host_tensors_on_the_host_and_the_work_in_flight_goes
     loaded["tied"] = None
     restored, _ = _state(_stage(), config)
     restored.restore(loaded, lambda held, inputs: None, needs_grad=False, device=device)
-    held = restored.held[0]
-    assert {t.device.type for t in (restored.buffers["inputs"][0], *held.weights, *held.saved)} == {"meta"}
+    record = restored.records[0]
+    held = record.held
+    assert held is not None and held.weights is not None and held.saved is not None
+    assert {t.device.type for t in (record.inputs, *held.weights, *held.saved)} == {"meta"}
     assert held.rng_state[0].device.type == "cpu"
     received, end = restored.exchange.wait_activation()
     assert end == -1 and torch.equal(received[0], torch.ones(2))

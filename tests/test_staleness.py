@@ -238,17 +238,16 @@ def test_the_meter_measures_the_relative_distance_every_n_ticks(stashed: bool) -
     params = _params()
     meter = StalenessMeter(params, every=3, delayed=True)
     w_fwd = [p.detach().clone() for p in params]
-    for tick, buffer_id in ((0, 0), (1, 1), (2, 2)):
-        meter.after_forward(tick, buffer_id, [w.clone() for w in w_fwd] if stashed else None)
-    assert sorted(meter.probes) == [0]  # only tick 0 of ticks 0-2
+    probes = [meter.after_forward(tick, [w.clone() for w in w_fwd] if stashed else None) for tick in (0, 1, 2)]
+    assert [probe is not None for probe in probes] == [True, False, False]  # only tick 0 of ticks 0-2
     with torch.no_grad():
         params[0][0, 0] += 3.0
         params[1][1] -= 4.0
-    meter.before_backward(2, 1)  # not measured
+    meter.before_backward(2, probes[1])  # not measured
     assert meter.count == 0 and math.isnan(meter.read())
-    meter.before_backward(2, 0)
+    meter.before_backward(2, probes[0])
     norm = math.sqrt(sum(float(p.detach().pow(2).sum()) for p in params))
-    assert meter.count == 1 and meter.tick == 2 and meter.probes == {}
+    assert meter.count == 1 and meter.tick == 2
     assert meter.read() == pytest.approx(5.0 / norm, rel=1e-6)
     assert isinstance(meter.value, torch.Tensor)  # kept on the device until read
     assert StalenessMeter(params, every=3, delayed=False).every == 0  # the last stage

@@ -1,6 +1,8 @@
 """DeepSpeed's dispatch loop, ``for cmds in schedule: for cmd in cmds: handler(cmd)``, with each instruction timed.
 
-FDG's engine runs its ticks and ``eval_batch()`` through it;
+A handler never calls the schedule back: what it found out that changes the rest of the call (the data
+ended) it returns as an outcome (:mod:`fdg_schedule.sched.outcomes`), and the loop hands that to the
+schedule's ``tell``. FDG's engine runs its ticks and ``eval_batch()`` through it;
 :func:`fdg_schedule.observability.timeline.trace_one_f_one_b`
 runs a stock 1F1B engine through it to record a trace.
 """
@@ -17,7 +19,8 @@ from fdg_schedule.base.errors import FDGRuntimeError
 
 
 def execute(engine: Any, schedule: PipeSchedule, after: Callable[[PipeInstruction, float, float], None]) -> None:
-    """Run ``schedule`` on a ``PipelineEngine``; ``after(cmd, start, end)`` follows every instruction."""
+    """Run ``schedule`` on a ``PipelineEngine``; ``after(cmd, start, end)`` follows every instruction, and what a
+    handler returns (None, or an outcome) goes to ``schedule.tell`` before the next one."""
     engine._reserve_pipe_buffers(schedule.num_pipe_buffers())
     engine.fwd_outputs = []
     for cmds in schedule:
@@ -26,8 +29,17 @@ def execute(engine: Any, schedule: PipeSchedule, after: Callable[[PipeInstructio
             if handler is None:
                 raise FDGRuntimeError(f"{type(engine).__name__} does not understand instruction {cmd!r}")
             start = time.perf_counter()
-            handler(engine, **cmd.kwargs)
+            outcome = handler(engine, **cmd.kwargs)
+            if outcome is not None:
+                _tell(schedule, outcome, cmd)
             after(cmd, start, time.perf_counter())
+
+
+def _tell(schedule: PipeSchedule, outcome: object, cmd: PipeInstruction) -> None:
+    tell = getattr(schedule, "tell", None)
+    if tell is None:
+        raise FDGRuntimeError(f"{type(schedule).__name__} takes no outcome, yet {cmd!r} returned {outcome!r}")
+    tell(outcome)
 
 
 InstructionCallback = Callable[[Any, PipeInstruction, float, float], None]

@@ -249,40 +249,35 @@ class StalenessMeter:
     def __init__(self, params: Sequence[Tensor], every: int, delayed: bool) -> None:
         self.params = list(params)
         self.every = every if delayed and self.params else 0
-        self.probes: dict[int, list[Tensor]] = {}  # buffer -> the forward's weights, until its backward
         self.value: Tensor | None = None  # the latest measurement
         self.tick: int | None = None  # the tick of the backward it was measured at
         self.count = 0  # measurements so far (observers compare it to see a new one)
         self._reported = 0  # measurements already copied into the engine's stats (report_new)
 
-    def after_forward(self, tick: int, buffer_id: int, stashed: list[Tensor] | None) -> None:
-        """Keep the weights of the forward that just ran in ``buffer_id`` when ``tick`` is measured.
+    def after_forward(self, tick: int, stashed: list[Tensor] | None) -> list[Tensor] | None:
+        """The weights of the forward that just ran when ``tick`` is measured (None when it is not): the probe the
+        micro-batch keeps until :meth:`before_backward`.
 
         ``stashed``: the forward's weight snapshot when the mode keeps one (no copy is made then).
         Call it while the parameters still hold the forward's weights (Note [predicted weights in place]).
         """
         if not self.every or tick % self.every:
-            return
+            return None
         if stashed is None:
             with torch.no_grad():
                 stashed = [p.detach().clone() for p in self.params]
-        self.probes[buffer_id] = stashed
+        return stashed
 
-    def before_backward(self, tick: int, buffer_id: int) -> None:
-        """Measure the micro-batch in ``buffer_id`` if its forward was kept (the parameters hold ``w_bwd``)."""
-        forward = self.probes.pop(buffer_id, None)
-        if forward is None:
+    def before_backward(self, tick: int, probe: list[Tensor] | None) -> None:
+        """Measure a micro-batch whose forward kept ``probe`` (None: not measured); the parameters hold ``w_bwd``."""
+        if probe is None:
             return
         with torch.no_grad():
             live = _fp32([p.detach() for p in self.params])
-            moved = torch._foreach_sub(_fp32(forward), live)
+            moved = torch._foreach_sub(_fp32(probe), live)
             self.value = _norm(moved) / _norm(live)
         self.tick = tick
         self.count += 1
-
-    def reset(self) -> None:
-        """Forget kept forwards (their micro-batches are dropped, or rebuilt without them after a load)."""
-        self.probes.clear()
 
     def report_new(self, stats: dict[str, float]) -> None:
         """A measurement taken since the last call into ``stats["staleness"]`` and ``["staleness_tick"]``

@@ -42,16 +42,19 @@ from fdg_schedule.precision import fp16
 from fdg_schedule.runtime import loading, stage_view
 from fdg_schedule.runtime.engine_checkpoints import FDGCheckpoints
 from fdg_schedule.runtime.stage_backward import stage_backward
-from fdg_schedule.runtime.stage_state import StageState
+from fdg_schedule.runtime.stage_state import InFlight, StageState
 from fdg_schedule.sched import grid, schedule, ticks
 from fdg_schedule.sched.kinds import Kind
+from fdg_schedule.sched.outcomes import DataEnded, LabelsEnded
 from fdg_schedule.sched.schedule import KINDS, FDGTrainSchedule, ScheduleRun
 
 
 # Three handlers that are one call to the exchange each (Note [each message when it exists] in
 # fdg_schedule.exchange.comm), kept out of the engine class.
 def _send_grad(engine: FDGPipelineEngine, buffer_id: int, micro_batch: int) -> None:
-    engine._exchange.send_grad(*engine.fdg_state.to_send.pop(buffer_id))
+    sent = engine.fdg_state.records.pop(buffer_id).to_send  # the micro-batch leaves the stage
+    assert sent is not None
+    engine._exchange.send_grad(*sent)
 
 
 def _post_recv_activation(engine: FDGPipelineEngine, buffer_id: int, micro_batch: int) -> None:
@@ -59,7 +62,26 @@ def _post_recv_activation(engine: FDGPipelineEngine, buffer_id: int, micro_batch
 
 
 def _post_recv_grad(engine: FDGPipelineEngine, buffer_id: int, micro_batch: int) -> None:
-    engine._exchange.post_recv_grad(engine.fdg_state.sent_meta[buffer_id])
+    meta = engine.fdg_state.records[buffer_id].sent_meta  # its forward's activation shapes
+    assert meta is not None
+    engine._exchange.post_recv_grad(meta)
+
+
+def _loss(engine: FDGPipelineEngine, outputs: Any, labels: Any, micro_batch: int) -> Tensor:
+    """The last stage's loss of ``micro_batch``: the module's ``loss_fn``, or the outputs where the model returns it."""
+    if engine.module.loss_fn is None:
+        return cast(Tensor, outputs)
+    try:
+        return cast(Tensor, engine.module.loss_fn(outputs, labels))
+    except (RuntimeError, TypeError, ValueError) as err:
+        raise FDGRuntimeError(
+            f"{engine._where()}: loss_fn failed on micro-batch {micro_batch} "
+            f"with outputs {describe(outputs)} and labels {describe(labels)}: {err}"
+        ) from err
+
+
+def _no_plan() -> str:
+    return ""  # between calls: no schedule is running
 
 
 def _set_up_host(engine: FDGPipelineEngine, config: FDGConfig) -> None:
@@ -107,7 +129,7 @@ class FDGPipelineEngine(FDGCheckpoints):
         scale_config = fp16.scale_config(self)  # Note [loss scale per stage]; None: no fp16
         self._exchange = NeighbourExchange(
             rank(self.stage_id - 1), rank(self.stage_id + 1), self.device, self.dynamic_shape, self.stage_id,
-            timeout_s=fdg_config.timeout, plan=self._plan, describe=self._describe, transport=fdg_config.transport,
+            timeout_s=fdg_config.timeout, describe=self._describe, transport=fdg_config.transport,
             loss_scale=scale_config is not None,
         )  # fmt: skip
         _set_up_host(self, fdg_config)
@@ -132,11 +154,10 @@ class FDGPipelineEngine(FDGCheckpoints):
         scaling = fp16.StageScaling(scale_config, self.optimizer, self._exchange, self.is_first_stage(),
                                     not delayed, fdg_config.accumulate, self.fdg_stats)  # fmt: skip
         self.fdg_state = StageState(
-            self.num_stages, self._exchange, self.pipe_buffers, corrections=corrections,
+            self.num_stages, self._exchange, corrections=corrections,
             meter=StalenessMeter(params, every, delayed), tied=self._tied, scaling=scaling,
         )  # fmt: skip
         self._watch = guards.NonFiniteWatch()  # Note [no host sync in a tick]
-        self._running: ScheduleRun | None = None  # the call in progress: told when the data ends
         self.observers = observe.observers_from_config(stage_view.view(self), self._config._param_dict)
         self._reduce_is_identity = optim.reduce_is_identity(self)
 
@@ -195,7 +216,8 @@ class FDGPipelineEngine(FDGCheckpoints):
         return self.fdg_state.micro_batches_read
 
     def eval_batch(self, *args: Any, **kwargs: Any) -> Any:
-        """DeepSpeed's ``eval_batch``, run on its own buffers so in-flight FDG work is untouched."""
+        """DeepSpeed's ``eval_batch``, on pipe buffers of its own that it drops after (FDG keeps its work in flight
+        in ``fdg_state.records``)."""
         fdg_buffers, fdg_count = self.pipe_buffers, self.num_pipe_buffers
         self.pipe_buffers = {key: [] for key in fdg_buffers}
         self.num_pipe_buffers = 0
@@ -216,11 +238,12 @@ class FDGPipelineEngine(FDGCheckpoints):
         self.module.train()
         self.fdg_state.call_losses = []
         steps_before, start = self.global_steps, time.perf_counter()
-        self._running = ScheduleRun(plan)
+        run = ScheduleRun(plan)  # told what the handlers found out (the dispatch loop hands it their outcomes)
+        self._exchange.plan = lambda: grid.around(run.schedule, self.fdg_state.segment_tick)  # errors print it
         try:
-            self._exec_schedule(self._running)
+            self._exec_schedule(run)
         finally:
-            self._running = None
+            self._exchange.plan = _no_plan
         limit = self.fdg_state.segment_limit
         try:
             self._watch.check(self._where())  # the call's one host read (Note [no host sync in a tick])
@@ -254,76 +277,65 @@ class FDGPipelineEngine(FDGCheckpoints):
             self.fdg_stats[f"{kind.value}_s"] += end - start
         stage_view.instruction_ran(self, cmd, start, end)
 
-    def _data_ended(self, limit: int) -> None:
+    def _data_ended(self, limit: int) -> DataEnded:
         """Note [end of data]: this stage just learned that its segment has ``limit`` micro-batches."""
-        assert self._running is not None
-        self._running.end_data(limit)
         self.fdg_state.segment_limit = limit
         # Ticks since micro-batch `limit` would have entered counted one as entering on this stage.
         late = self.fdg_state.segment_tick - limit
         self.global_samples -= late * self.train_micro_batch_size_per_gpu() * self.dp_world_size
-
-    def _plan(self) -> str:
-        """Every stage's plan around this tick, for errors that mean the stages disagree on it."""
-        return "" if self._running is None else grid.around(self._running.schedule, self.fdg_state.segment_tick)
+        return DataEnded(limit)  # for the run: the dispatch loop hands it on
 
     # -- instruction handlers -------------------------------------------------------------------
 
-    def _exec_fdg_load(self, buffer_id: int, micro_batch: int) -> None:
+    def _exec_fdg_load(self, buffer_id: int, micro_batch: int) -> DataEnded | None:
         try:
             if self.is_first_stage():  # inputs (and labels too when K = 1), as DeepSpeed loads them
-                loading.load_micro_batch(self, buffer_id)  # Note [no host sync in a tick]: non_blocking copies
-                inputs = self.pipe_buffers["inputs"][buffer_id]
+                inputs, labels = loading.load_micro_batch(self)  # Note [no host sync in a tick]: non_blocking copies
                 guards.check_inputs(inputs, micro_batch, guards.training_dtype(self), self._where())
+                self.fdg_state.enter(buffer_id, inputs, labels)
             else:  # Note [labels read when the inputs are]
                 self.fdg_state.labels_in_flight.append(to_device(self._next_batch()[1], self.device))
         except StopIteration:
-            if self.is_first_stage():
-                self._data_ended(micro_batch)
-            return  # the last stage learns the end from upstream, with the micro-batch that is missing
+            # the last stage learns the end from upstream, with the micro-batch that is missing
+            return self._data_ended(micro_batch) if self.is_first_stage() else None
         self.fdg_state.micro_batches_read += 1
+        return None
 
-    def _exec_wait_activation(self, buffer_id: int, micro_batch: int) -> None:
+    def _exec_wait_activation(self, buffer_id: int, micro_batch: int) -> DataEnded | None:
         received, end = self._exchange.wait_activation(lend=True)
         if end != NO_END:  # a dummy where micro-batch `end` would be: the data ended (Note [end of data])
-            self._data_ended(end)
-            return
+            return self._data_ended(end)
         for t in received:
             t.requires_grad_(t.is_floating_point())
-        self.pipe_buffers["inputs"][buffer_id] = received[0] if len(received) == 1 else received
+        self.fdg_state.enter(buffer_id, received[0] if len(received) == 1 else received)
+        return None
 
     def _exec_wait_grad(self, buffer_id: int, micro_batch: int) -> None:
-        self.fdg_state.received[buffer_id] = self._exchange.wait_grad(lend=True)
+        self.fdg_state.records[buffer_id].received = self._exchange.wait_grad(lend=True)
 
-    def _exec_fdg_forward(self, buffer_id: int, micro_batch: int) -> None:
-        inputs, state = self.pipe_buffers["inputs"][buffer_id], self.fdg_state
-        with state.predicted_forward(keep=lambda: self.fdg_config.weights == "stashed" and buffer_id in state.losses):
-            outputs, held = self._delayed.forward(lambda: self._stage_forward(inputs, received=True))
-            self.pipe_buffers["outputs"][buffer_id] = outputs
-            if held is not None:
-                state.meter.after_forward(state.tick, buffer_id, held.weights)
-                state.held[buffer_id] = held
+    def _exec_fdg_forward(self, buffer_id: int, micro_batch: int) -> LabelsEnded | None:
+        state = self.fdg_state
+        record = state.records[buffer_id]
+        with state.predicted_forward(keep=lambda: self.fdg_config.weights == "stashed" and record.loss is not None):
+            inputs = record.inputs
+            record.outputs, record.held = self._delayed.forward(lambda: self._stage_forward(inputs, received=True))
+            if record.held is not None:
+                record.probe = state.meter.after_forward(state.tick, record.held.weights)
             if not self.is_last_stage():
-                state.sent_meta[buffer_id] = meta_of(floating(outputs))
-                return
+                record.sent_meta = meta_of(floating(record.outputs))
+                return None
             first = self.is_first_stage()  # K = 1 reads its labels with the inputs
-            labels = self.pipe_buffers["labels"][buffer_id] if first else state.next_labels(micro_batch, self._where)
-            if not first and not state.labels_in_flight and self._running is not None:
-                self._running.end_labels(micro_batch + 1)  # Note [end of data]: none read for the next one
-            if self.module.loss_fn is None:  # the model returns its loss
-                state.losses[buffer_id] = outputs
-                return
-            try:
-                state.losses[buffer_id] = self.module.loss_fn(outputs, labels)
-            except (RuntimeError, TypeError, ValueError) as err:
-                raise FDGRuntimeError(
-                    f"{self._where()}: loss_fn failed on micro-batch {micro_batch} "
-                    f"with outputs {describe(outputs)} and labels {describe(labels)}: {err}"
-                ) from err
+            labels = record.labels if first else state.next_labels(micro_batch, self._where)
+            # Note [end of data]: none read for the next one
+            ended = None if first or state.labels_in_flight else LabelsEnded(micro_batch + 1)
+            record.loss = _loss(self, record.outputs, labels, micro_batch)
+            return ended
 
     def _exec_fdg_backward(self, buffer_id: int, micro_batch: int) -> None:
+        record = self.fdg_state.records[buffer_id]
         if self.is_last_stage():
-            loss = self.fdg_state.losses.pop(buffer_id)
+            loss, record.loss = record.loss, None
+            assert loss is not None
             if self.fdg_config.nonfinite == "error":  # under "skip" the gradient's check skips the step
                 self._watch.record("loss", loss, self.global_steps, micro_batch)
             scaled = self.fdg_state.scaling.scale_loss(loss, micro_batch)  # / accumulate, not GAS; fp16: x the scale
@@ -332,21 +344,21 @@ class FDGPipelineEngine(FDGCheckpoints):
             carried = loss.detach().float()
             self._tied.after_backward(self.fdg_state.scaling.backward_scale)  # fp16: unscaled by S
         else:
-            grads, carried = self.fdg_state.received.pop(buffer_id)
+            assert record.received is not None and record.held is not None
+            (grads, carried), held = record.received, record.held
             if self.fdg_config.grad_shrink != 1.0:
                 grads = tuple(g.mul_(self.fdg_config.grad_shrink) for g in grads)
-            inputs, held = self.pipe_buffers["inputs"][buffer_id], self.fdg_state.held.pop(buffer_id)
-            stored = self.pipe_buffers["outputs"][buffer_id]
-            self.fdg_state.meter.before_backward(self.fdg_state.tick, buffer_id)  # the live weights are w_bwd
-            with self._delayed.backward(held, stored, lambda: self._stage_forward(inputs)) as outputs:
+            self.fdg_state.meter.before_backward(self.fdg_state.tick, record.probe)  # the live weights are w_bwd
+            with self._delayed.backward(held, record.outputs, lambda: self._stage_forward(record.inputs)) as outputs:
                 stage_backward(self, floating(outputs), grads, self._where)
             self._tied.after_backward(self.fdg_state.scaling.backward_scale)  # before the reduce; fp16: unscaled
         self.fdg_state.call_losses.append(carried)
-        if not self.is_first_stage():
-            sent = self.fdg_state.scaling.carry(carried)  # the loss and, with fp16, its scale
-            self.fdg_state.to_send[buffer_id] = (input_grads(self.pipe_buffers["inputs"][buffer_id]), sent)
-        for key in ("inputs", "outputs", "labels"):
-            self.pipe_buffers[key][buffer_id] = None
+        if self.is_first_stage():
+            del self.fdg_state.records[buffer_id]  # the micro-batch leaves the stage
+            return
+        sent = self.fdg_state.scaling.carry(carried)  # the loss and, with fp16, its scale
+        # only the message stays, for SendGrad, which ends the record
+        self.fdg_state.records[buffer_id] = InFlight(to_send=(input_grads(record.inputs), sent))
 
     def _exec_reduce_grads(self) -> None:
         """DeepSpeed's gradient all-reduce among this stage's replicas, bounded (Note [replicas end together])."""
@@ -398,18 +410,18 @@ class FDGPipelineEngine(FDGCheckpoints):
         return not getattr(self.optimizer, "overflow", False)
 
     def _exec_send_activation(self, buffer_id: int, micro_batch: int, end: bool) -> None:
-        activation = None if end else as_tuple(self.pipe_buffers["outputs"][buffer_id])
-        if not end and self._delayed.recompute:  # only the input waits for the backward
-            self.pipe_buffers["outputs"][buffer_id] = None
+        record = None if end else self.fdg_state.records[buffer_id]  # end: no micro-batch, the end word
+        activation = None if record is None else as_tuple(record.outputs)
+        if record is not None and self._delayed.recompute:  # only the input waits for the backward
+            record.outputs = None
         ceiling = self.fdg_state.scaling.ceiling(sending=not end)
         self._exchange.send_activation(activation, micro_batch if end else NO_END, ceiling)
 
     def _exec_exchange(self) -> None:
         self._exchange.finish_tick(peers=self._tied.messages())
 
-    def _exec_advance_tick(self, entered: bool) -> None:
+    def _exec_advance_tick(self, entered: bool, last: bool) -> None:
         print_flops_profile(self)
-        finished = self.fdg_state.segment_tick
         self.fdg_state.tick += 1
         self.fdg_state.segment_tick += 1
         self.global_steps += 1
@@ -418,7 +430,7 @@ class FDGPipelineEngine(FDGCheckpoints):
         if self.lr_scheduler is not None and ticks.scheduler_steps_after(self.global_steps, self.fdg_config.accumulate):
             self.lr_scheduler.step()  # Note [learning rate per optimizer step]
         if self._tied:
-            self._tied_step(segment_over=self._running is not None and self._running.last_tick() == finished)
+            self._tied_step(segment_over=last)
         self.fdg_stats["ticks"] += 1
         every = self.fdg_config.check_every
         if every and self.global_steps % every == 0:

@@ -25,7 +25,6 @@ from fdg_schedule.corrections import auto_corrections
 from fdg_schedule.corrections.delayed import DelayedBackward
 from fdg_schedule.exchange.tied import TiedSync
 from fdg_schedule.runtime.stage_state import StageState
-from fdg_schedule.sched import ticks
 
 
 class FDGCheckpoints(PipelineEngine):
@@ -186,7 +185,6 @@ class FDGCheckpoints(PipelineEngine):
             if not self.fdg_state.corrections.restore(delta, strict=False):
                 logger.warning(f"{self._where()}: the checkpoint's prediction delta does not fit; it starts at 0")
             return
-        self._reserve_pipe_buffers(ticks.num_buffers(self.num_stages, self.stage_id))
         if self.training_data is not None and (self.is_first_stage() or self.is_last_stage()):
             # The engine's own loader: continue after the micro-batches read before the save.
             self._build_data_iter(self.training_data)

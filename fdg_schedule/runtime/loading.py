@@ -1,4 +1,4 @@
-"""A micro-batch from the data iterator into the pipe buffers, copied to the stage's device without a host sync.
+"""A micro-batch from the data iterator, copied to the stage's device without a host sync.
 
 DeepSpeed's ``PipelineEngine._exec_load_micro_batch`` (0.19.8) copies the first stage's inputs and
 the last stage's labels with ``.to(device)``: from host memory that copy waits for every kernel
@@ -20,24 +20,27 @@ from deepspeed.runtime.pipe.engine import BATCH_INPUT_TIMER
 from fdg_schedule.base.tensors import to_device
 
 
-def load_micro_batch(engine: Any, buffer_id: int) -> None:
-    """``engine._exec_load_micro_batch(buffer_id)`` with every copy to the device ``non_blocking``."""
+def load_micro_batch(engine: Any) -> tuple[Any, Any]:
+    """``engine._exec_load_micro_batch`` with every copy to the device ``non_blocking``: the first stage's inputs
+    and the last stage's labels (None where the stage reads none), returned rather than put in a pipe buffer."""
     timed = engine.wall_clock_breakdown()
     if timed:
         engine.timers(BATCH_INPUT_TIMER).start()
     batch = engine._next_batch()
+    inputs: Any = None
+    labels: Any = None
     if engine.is_first_stage():
         grad = engine._reentrant_activation_checkpointing()
         if torch.is_tensor(batch[0]):
-            loaded: Any = _input(batch[0], engine.device, grad)
+            inputs = _input(batch[0], engine.device, grad)
         else:
             assert isinstance(batch[0], (tuple, list))
-            loaded = tuple(_input(x, engine.device, grad) for x in batch[0])
-        engine.pipe_buffers["inputs"][buffer_id] = loaded
+            inputs = tuple(_input(x, engine.device, grad) for x in batch[0])
     if engine.is_last_stage():
-        engine.pipe_buffers["labels"][buffer_id] = to_device(batch[1], engine.device)
+        labels = to_device(batch[1], engine.device)
     if timed:
         engine.timers(BATCH_INPUT_TIMER).stop()
+    return inputs, labels
 
 
 def _input(x: Any, device: torch.device, requires_grad: bool) -> torch.Tensor:

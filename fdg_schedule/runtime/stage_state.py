@@ -2,24 +2,31 @@
 
 The engine's instruction handlers read and write a :class:`StageState`; checkpoints save what
 :meth:`StageState.capture` returns and give it back to :meth:`StageState.restore`. Nothing else
-keeps work in flight between ticks. What it holds, and how long each piece lives:
+keeps work in flight between ticks. Each micro-batch in flight on the stage is one :class:`InFlight`
+record (``records[b]``, by the ``buffer_id`` its instructions carry), from the instruction that brings
+its inputs to the one that sends its input gradient. What it holds, and how long each piece lives:
 
     field               written by                  read by                      lives
     tick                AdvanceTick                 the corrections, the meter   the run (t of the corrections)
     corrections.delta   LocalOptimizerStep          FDGForward (prediction)      the run
-    meter.probes[b]     FDGForward (every N ticks)  FDGBackward (the metric)     delay ticks
     segment_tick        AdvanceTick                 the next call's schedule     until the segment ends
     segment_limit       the handler that learns     the next call's schedule     from the end of the data
                         the end of the data                                      to the segment's last tick
-    held[b]             FDGForward (non-last)       FDGBackward, checkpoints     delay ticks
-    buffers inputs[b]   FDGLoad / WaitActivation    FDGForward, FDGBackward      delay ticks
-    sent_meta[b]        FDGForward (non-last)       Exchange (gradient receive)  delay ticks
+    records[b]          FDGLoad / WaitActivation    ... SendGrad (non-first) or  delay ticks
+                                                    FDGBackward (first)
+      .inputs           FDGLoad / WaitActivation    FDGForward, FDGBackward      to the backward
+      .labels           FDGLoad (K = 1)             FDGForward                   within a tick
+      .outputs          FDGForward                  SendActivation, FDGBackward  to the send (recomputed) or
+                                                                                 the backward (stored)
+      .held             FDGForward (non-last)       FDGBackward, checkpoints     delay ticks
+      .sent_meta        FDGForward (non-last)       PostRecvGrad                 delay ticks
+      .probe            FDGForward (every N ticks)  FDGBackward (the metric)     delay ticks
+      .loss             FDGForward (last stage)     FDGBackward                  within a tick
+      .received         WaitGrad                    FDGBackward                  within a tick
+      .to_send          FDGBackward (non-first)     SendGrad                     within a tick
     labels_in_flight    FDGLoad (last stage)        FDGForward (last stage)      K-1 ticks
-    received[b]         WaitGrad                    FDGBackward                  within a tick
-    losses[b]           FDGForward (last stage)     FDGBackward                  within a tick
     last_prediction     FDGForward (last stage,     FDGBackward (closes it:      within a tick
                         "stashed", predicting)      w back in the parameters)
-    to_send[b]          FDGBackward (non-first)     Exchange                     within a tick
     call_losses         FDGBackward                 train_batch()'s return       one call
     micro_batches_read  FDGLoad                     checkpoints (data position)  the run
     exchange            Exchange                    WaitActivation / WaitGrad    one tick (next tick's messages)
@@ -29,16 +36,17 @@ keeps work in flight between ticks. What it holds, and how long each piece lives
       s_k, counters,    FDGBackward (the last       LocalOptimizerStep           stage] in loss_scale.py)
       group scale)      stage's group scale)
 
-Only what lives across ticks is captured (the meter's kept weights are not: a measurement is
-skipped across a checkpoint); within-tick fields are empty between calls. A new piece
-of per-stage state (an optimizer-side tensor, a counter) gets a field here and a line in
-:meth:`capture` / :meth:`restore`.
+Only what lives across ticks is captured (a record's probe is not: a measurement is skipped across
+a checkpoint); within-tick fields are empty between calls. A new piece of per-stage state (an
+optimizer-side tensor, a counter) gets a field here and a line in :meth:`capture` / :meth:`restore`;
+a new piece of per-micro-batch state, a field of :class:`InFlight`.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -59,14 +67,28 @@ from fdg_schedule.sched import ticks
 Message = tuple[tuple[Tensor, ...], Tensor]  # gradients and the loss carried with them
 
 
+@dataclasses.dataclass
+class InFlight:
+    """One micro-batch on this stage, from the instruction that brings its inputs to the one that sends its input
+    gradient (the table in the module docstring says who writes and reads each field)."""
+
+    inputs: Any = None  # the stage's inputs (a leaf that requires grad where a gradient is sent back)
+    labels: Any = None  # K = 1: read with the inputs
+    outputs: Any = None  # the forward's outputs: sent on, and back-propagated through when stored
+    held: Held | None = None  # what the delayed backward needs (graph or RNG state, weight snapshot)
+    sent_meta: Meta | None = None  # the activation's shapes, for the gradient receive
+    probe: list[Tensor] | None = None  # the forward's weights, when the staleness meter measures this one
+    loss: Tensor | None = None  # last stage: the forward's loss
+    received: Message | None = None  # the gradient and loss from the next stage
+    to_send: Message | None = None  # the input gradient and loss for the previous stage
+
+
 class StageState:
     """The in-flight state of one stage (one rank).
 
     Args:
         stages: number of pipeline stages ``K``.
         exchange: this stage's exchange; it keeps the messages that arrived for the next tick.
-        buffers: DeepSpeed's pipe buffers (``inputs``, ``outputs``, ``labels`` by ``buffer_id``),
-            shared with the engine (its ``pipe_buffers``).
         corrections: the stage's staleness corrections (:mod:`fdg_schedule.corrections.staleness`); none by default.
         meter: the stage's staleness metric; off by default.
         tied: the stage's tied-gradient sync (Note [tied layers across stages]); none by default.
@@ -77,7 +99,6 @@ class StageState:
         self,
         stages: int,
         exchange: NeighbourExchange,
-        buffers: dict[str, list[Any]],
         corrections: Corrections | None = None,
         meter: StalenessMeter | None = None,
         tied: TiedSync | None = None,
@@ -85,7 +106,6 @@ class StageState:
     ) -> None:
         self.stages = stages
         self.exchange = exchange
-        self.buffers = buffers
         self.corrections = corrections or Corrections([], stages, stages - 1, FDGConfig())  # off
         self.meter = meter or StalenessMeter([], every=0, delayed=False)
         self.tied = tied if tied is not None else TiedSync([], stages - 1, None)
@@ -93,17 +113,22 @@ class StageState:
         self.tick = 0  # ticks since the start of training (fill and drain included): t of the corrections
         self.segment_tick = 0  # ticks since the pipeline last filled (micro-batch 0 of the segment)
         self.segment_limit: int | None = None  # micro-batches in this segment, once the data has ended
-        self.held: dict[int, Held] = {}  # buffer -> what its delayed backward needs
-        self.sent_meta: dict[int, Meta] = {}  # buffer -> activation shapes, for the gradient receive
+        self.records: dict[int, InFlight] = {}  # buffer -> the micro-batch in it
         self.labels_in_flight: collections.deque[Any] = collections.deque()  # last stage, K > 1
-        self.received: dict[int, Message] = {}  # buffer -> gradients and loss from the next stage
-        self.losses: dict[int, Tensor] = {}  # buffer -> loss (last stage)
         # Note [the last stage's prediction]: under "stashed" the last stage's predicted weights stay in its
         # parameters from its forward through its backward (same tick), so its gradient is taken at w_hat
         self.last_prediction = contextlib.ExitStack()
-        self.to_send: dict[int, Message] = {}  # buffer -> input gradients and loss for the previous stage
         self.call_losses: list[Tensor] = []  # losses back-propagated in this call
         self.micro_batches_read = 0  # from the data iterator on this rank (first and last stage)
+
+    def enter(self, buffer_id: int, inputs: Any, labels: Any = None) -> None:
+        """A micro-batch's inputs arrived in ``buffer_id`` (loaded or received): its record starts."""
+        if buffer_id in self.records:  # the schedule's buffer count guarantees the previous one has left
+            raise FDGRuntimeError(
+                f"buffer {buffer_id} still holds a micro-batch in flight: the schedule reuses it too early "
+                "(a bug; please report it with the stage's log)"
+            )
+        self.records[buffer_id] = InFlight(inputs=inputs, labels=labels)
 
     @contextlib.contextmanager
     def predicted_forward(self, keep: Callable[[], bool]) -> Iterator[None]:
@@ -129,12 +154,11 @@ class StageState:
 
     def in_flight(self) -> int:
         """Micro-batches forwarded but not yet back-propagated."""
-        return len(self.held)
+        return sum(record.held is not None for record in self.records.values())
 
     def held_bytes(self) -> int:
         """Bytes held for delayed backward passes: stage inputs, saved activations, weight snapshots."""
-        inputs = self.buffers["inputs"]
-        return sum(nbytes(inputs[b]) + held.nbytes() for b, held in self.held.items() if b < len(inputs))
+        return sum(nbytes(r.inputs) + r.held.nbytes() for r in self.records.values() if r.held is not None)
 
     def ticks_left(self) -> int:
         """Ticks until the segment's last one, once the data has ended (Note [end of data])."""
@@ -154,28 +178,25 @@ class StageState:
         """Forget everything carried (before loading a checkpoint): the in-flight work, the tick, delta."""
         self.tick = 0
         self.corrections.reset()
-        self.meter.reset()
         self.tied.reset()
-        for store in (self.held, self.received, self.to_send, self.losses, self.sent_meta):
-            store.clear()
+        self.records.clear()
         self.labels_in_flight.clear()
         self.exchange.restore_received(None)
         self.segment_tick = 0
         self.segment_limit = None
-        for buffers in self.buffers.values():
-            buffers[:] = [None] * len(buffers)
 
     def capture(self) -> dict[str, Any]:
         """What continues this stage bit for bit in a new process (between ``train_batch()`` calls)."""
         in_flight = {
             buffer_id: {
-                "inputs": detached(self.buffers["inputs"][buffer_id]),
-                "rng_state": held.rng_state,
-                "weights": held.weights,
-                "saved": None if held.saved is None else [t.detach() for t in held.saved],
-                "sent_meta": self.sent_meta.get(buffer_id),
+                "inputs": detached(record.inputs),
+                "rng_state": record.held.rng_state,
+                "weights": record.held.weights,
+                "saved": None if record.held.saved is None else [t.detach() for t in record.held.saved],
+                "sent_meta": record.sent_meta,
             }
-            for buffer_id, held in self.held.items()
+            for buffer_id, record in self.records.items()
+            if record.held is not None
         }
         return {
             "tick": self.tick,
@@ -198,7 +219,7 @@ class StageState:
         needs_grad: bool,
         device: torch.device | None = None,
     ) -> None:
-        """Undo :meth:`capture` in a new process; the buffers must have their slots reserved.
+        """Undo :meth:`capture` in a new process.
 
         ``saved`` was loaded as :func:`fdg_schedule.checkpointing.checkpoint.load` places it (Note [host tensors stay on
         the host]); the in-flight inputs, held tensors and labels go to ``device`` (where the stage computes;
@@ -213,14 +234,12 @@ class StageState:
         self.tied.restore(saved.get("tied"))
         self.scaling.restore(saved.get("loss_scale"))
         self.segment_tick = saved["segment_tick"]
-        for buffer_id, record in sorted(saved["in_flight"].items()):
-            inputs = leaves(_on(device, record["inputs"]), needs_grad)
-            self.buffers["inputs"][buffer_id] = inputs
-            self.sent_meta[buffer_id] = record["sent_meta"]
-            weights, rng_state = _on(device, record["weights"]), on_cpu(record["rng_state"])
-            held = Held(weights=weights, rng_state=rng_state, saved=_on(device, record["saved"]))
-            self.held[buffer_id] = held
-            self.buffers["outputs"][buffer_id] = rebuild(held, inputs)
+        for buffer_id, kept in sorted(saved["in_flight"].items()):
+            record = InFlight(inputs=leaves(_on(device, kept["inputs"]), needs_grad), sent_meta=kept["sent_meta"])
+            weights, rng_state = _on(device, kept["weights"]), on_cpu(kept["rng_state"])
+            record.held = Held(weights=weights, rng_state=rng_state, saved=_on(device, kept["saved"]))
+            record.outputs = rebuild(record.held, record.inputs)
+            self.records[buffer_id] = record
         self.exchange.restore_received(saved["received"])
         self.labels_in_flight.extend(_on(device, labels) for labels in saved["labels_in_flight"])
         self.micro_batches_read = saved["micro_batches_read"]

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from fdg_schedule.base.errors import FDGRuntimeError
 from fdg_schedule.sched import ticks
 from fdg_schedule.sched.actions import Action, Op, fdg_tick
+from fdg_schedule.sched.outcomes import DataEnded, LabelsEnded, Outcome
 
 
 class StageSchedule:
@@ -80,6 +81,11 @@ class StageSchedule:
     def last_tick(self) -> int | None:
         """The segment tick at which stage 0 back-propagates the segment's last micro-batch (once known)."""
         return None if self.limit is None else ticks.last_tick(self.limit, self.stages)
+
+    def ends_segment(self, tick: int | None) -> bool:
+        """Whether ``tick`` is the segment's last (once known): its tick end (``T``) flushes the tied step (Note
+        [tied layers across stages] in fdg_schedule.exchange.tied)."""
+        return tick is not None and self.last_tick() == tick
 
     def _replace(self, **changes: int | None) -> StageSchedule:
         new = copy.copy(self)  # of the same class: an engine's schedule stays one
@@ -219,6 +225,16 @@ class Run:
         """The last stage holds no labels for micro-batch ``limit``; learned during the current tick."""
         self.schedule = self.schedule.labels_ended(limit, self.tick)
 
+    def tell(self, outcome: Outcome) -> None:
+        """What a handler returned during the current tick (:mod:`fdg_schedule.sched.outcomes`): the run goes on
+        with the schedule that follows from it."""
+        if isinstance(outcome, DataEnded):
+            self.end_data(outcome.limit)
+        elif isinstance(outcome, LabelsEnded):
+            self.end_labels(outcome.limit)
+        else:
+            raise FDGRuntimeError(f"stage {self.schedule.stage_id}: the schedule run does not take {outcome!r}")
+
     def __iter__(self) -> Iterator[Iterator[Action]]:
         tick = self.schedule.start_tick
         while self.schedule.runs(tick):
@@ -259,7 +275,7 @@ def run_call(schedule: StageSchedule, data_end: int | None = None) -> tuple[list
         for action in tick:
             step.append(action)
             if data_end is not None and _learns_end(action, schedule, data_end):
-                running.end_data(data_end)
+                running.tell(DataEnded(data_end))  # what the engine's handler returns there
         steps.append(step)
     return steps, running.schedule
 

@@ -15,7 +15,8 @@ one was read (Note [each message when it exists] in :mod:`fdg_schedule.exchange.
 
 Note [end of data]: a segment (the pipeline fills at its tick 0) ends with a drain or when the data
 runs out. Stage 0's iterator runs out at micro-batch ``limit`` at tick ``limit``: the handler of
-that ``FDGLoad`` calls :meth:`ScheduleRun.end_data`, which runs on with a new schedule, the one of a
+that ``FDGLoad`` returns ``DataEnded(limit)`` (:mod:`fdg_schedule.sched.outcomes`), which the dispatch loop
+hands to :meth:`ScheduleRun.tell`; the run goes on with a new schedule, the one of a
 segment of ``limit`` micro-batches learned at that tick (:meth:`FDGTrainSchedule.ended`; a schedule
 is never changed). Before the tick ends the stage sends a dummy activation carrying ``limit``
 (``SendActivation(end=True)``, ``se``) where micro-batch ``limit`` would have gone, and stage k learns the end from
@@ -34,7 +35,7 @@ The one exception is the last stage's final partial accumulation (``accumulate``
 multiple of it, K > 1): the reference steps it right after the backward of micro-batch ``limit - 1``,
 at tick ``limit + K - 2``, one tick before the dummy can reach the last stage. That stage read its
 labels with stage 0's inputs, so it ran out of them at tick ``limit`` too: when it forwards a
-micro-batch after which it holds no labels, the engine calls :meth:`ScheduleRun.end_labels`
+micro-batch after which it holds no labels, its forward returns ``LabelsEnded(micro_batch + 1)``
 and the stage steps after that backward, at the reference's tick and learning rate. (A label
 iterator longer than the inputs gives no such sign: then the partial accumulation is not stepped.)
 """
@@ -51,6 +52,7 @@ from fdg_schedule.base.errors import FDGRuntimeError
 from fdg_schedule.sched import actions, lowering
 from fdg_schedule.sched.actions import Op
 from fdg_schedule.sched.kinds import Kind
+from fdg_schedule.sched.outcomes import Outcome
 
 
 class _Short:
@@ -127,13 +129,15 @@ class Exchange(_Short, PipeInstruction):
 
 
 class AdvanceTick(_Short, PipeInstruction):
-    """End the tick: ``global_steps += 1``, samples counted if one entered, and the LR scheduler steps
-    once every ``accumulate`` ticks (Note [learning rate per optimizer step])."""
+    """End the tick: ``global_steps += 1``, samples counted if one ``entered``, and the LR scheduler steps
+    once every ``accumulate`` ticks (Note [learning rate per optimizer step]). ``last``: the tick is the
+    segment's last (the tied step flushes, Note [tied layers across stages] in fdg_schedule.exchange.tied)."""
 
 
 # The one table Op -> instruction: each letter the engine runs, as the instruction class its handler takes and the
 # fixed arguments that tell two letters of one class apart (sa / se, T / T+). Buffer instructions also take the
-# micro-batch's buffer and number (FDGTrainSchedule.instruction).
+# micro-batch's buffer and number, and a tick's end whether its tick is the segment's last (no letter of its own:
+# StageSchedule.ends_segment, the lowering's; FDGTrainSchedule.instruction).
 INSTRUCTIONS: dict[Op, tuple[type[PipeInstruction], dict[str, bool]]] = {
     Op.LOAD: (FDGLoad, {}),
     Op.RECV_ACTIVATION: (WaitActivation, {}),
@@ -248,8 +252,8 @@ class FDGTrainSchedule(lowering.StageSchedule, PipeSchedule):
         if row is None:
             raise FDGRuntimeError(f"stage {self.stage_id}: the engine has no instruction for action {action}")
         cls, fixed, buffered = row
-        if not buffered:
-            return cls(**fixed)
+        if not buffered:  # a tick's end also says whether the tick is the segment's last (the lowering's)
+            return cls(**fixed, last=self.ends_segment(action.tick)) if cls is AdvanceTick else cls(**fixed)
         micro_batch = action.micro_batch
         assert micro_batch is not None, action
         labels = action.op is Op.LOAD and self.stage_id == self.stages - 1 and self.stage_id > 0
@@ -287,13 +291,19 @@ class ScheduleRun:
         """The last stage holds no labels for micro-batch ``limit``; learned during the current tick."""
         self._run.end_labels(limit)
 
+    def tell(self, outcome: Outcome) -> None:
+        """What a handler returned during the current tick (:mod:`fdg_schedule.sched.outcomes`): the run goes on
+        with the schedule that follows from it."""
+        self._run.tell(outcome)
+
     def __iter__(self) -> Iterator[Iterator[PipeInstruction]]:
         return self.steps()
 
     def steps(self) -> Iterator[Iterator[PipeInstruction]]:
         for tick in self._run:
-            # an end learned mid-tick changes the segment, not the stage's buffers: one schedule's table serves
-            yield map(self.schedule.instruction, tick)
+            # an end learned mid-tick changes the segment (the tick that is its last), not the stage's buffers:
+            # each action is read with the schedule running when it runs
+            yield (self.schedule.instruction(action) for action in tick)
 
 
 def render(schedule: FDGTrainSchedule) -> list[str]:
