@@ -2,6 +2,8 @@
 
 Activations go down (stage k -> k+1); input gradients and the loss they belong to go up
 (k+1 -> k). Every wait is bounded by the configured timeout and names the neighbour it gave up on.
+(Over 500 lines: one class whose message order, deferred header exchange with its link set-up, control words
+and receive bookkeeping are one protocol; transports, paths and the wire form live in the modules named below.)
 
 Note [each message when it exists]: a message leaves as soon as the instruction that made it has
 run, as its own non-blocking operation: the input gradient right after the stage's backward (before
@@ -27,8 +29,8 @@ How tensors travel and a stage waits for them through the process group (the thr
 ways to wait]; a communicator per pair under NCCL, Note [one communicator per link]) is
 :mod:`fdg_schedule.exchange.process_group`'s. The exchange reaches each neighbour through a
 :class:`~fdg_schedule.exchange.link.Link` only: the process group's, or the configured transport's
-(:mod:`fdg_schedule.exchange.transports`), set up at a header exchange (Note [shared-memory transport], continued
-in :mod:`fdg_schedule.exchange.link`).
+(:mod:`fdg_schedule.exchange.transports`, where Note [the fastest transport by default] is), set up at a header
+exchange (Note [shared-memory transport], continued in :mod:`fdg_schedule.exchange.link`).
 
 Note [no wait between calls]: a ``train_batch()`` call ends with its last tick's receives still posted and its
 sends in flight; the next call's first wait takes them (:meth:`NeighbourExchange.complete` runs only where
