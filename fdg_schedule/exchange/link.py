@@ -5,9 +5,9 @@ header and the control words; it moves each message to a neighbour through that 
 nothing else. Every stage has a link to each neighbour through its process group
 (:class:`~fdg_schedule.exchange.process_group.GroupLink`, Note [three ways to wait]); the configured transport
 (``pipeline.fdg.transport``, :mod:`fdg_schedule.exchange.transports`) may replace it with a link of its own, set
-up inside the activation header exchange (Note [shared-memory transport]): the upstream stage
-:meth:`Transport.create`\\ s the link and sends the two set-up ints in the header; the downstream stage
-:meth:`Transport.join`\\ s it from them. Both sides change links at the same header exchange, between messages.
+up inside the activation header exchange (Note [shared-memory transport]): the upstream stage creates the
+link (:meth:`Transport.create`) and sends its two set-up ints in the header; the downstream stage joins it from
+them (:meth:`Transport.join`). Both sides change links at the same header exchange, between messages.
 
 A link is the pair of directions with one neighbour: what this stage sends goes one way (activations down to
 the next stage, gradients up to the previous one), what it receives comes the other. Messages are lists of
