@@ -79,7 +79,7 @@ def test_a_wait_with_no_receive_posted_prints_every_stages_plan(one_rank_group: 
     ],
 )
 def test_the_path_follows_backend_and_device(backend: str, device: str, path: str) -> None:
-    from fdg_schedule.exchange.comm import choose_path, needs_host_group
+    from fdg_schedule.exchange.process_group import choose_path, needs_host_group
 
     assert choose_path(backend, torch.device(device)).value == path
     # control words beside the data unless the data goes through a backend on an accelerator
@@ -172,11 +172,11 @@ def test_under_stream_each_link_gets_its_own_group_ready_before_the_first_tick(o
     import torch.distributed as dist
 
     from fdg_schedule.base.watchdog import StreamWork
-    from fdg_schedule.exchange import comm
+    from fdg_schedule.exchange import comm, process_group
 
     made, first_ops, posted = [], [], []
-    monkeypatch.setattr(comm, "_link_groups", {})
-    monkeypatch.setattr(comm, "_warmed", set())
+    monkeypatch.setattr(process_group, "_link_groups", {})
+    monkeypatch.setattr(process_group, "_warmed", set())
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 3)
     monkeypatch.setattr(
@@ -201,7 +201,7 @@ def test_under_stream_each_link_gets_its_own_group_ready_before_the_first_tick(o
     groups = {(op.op, op.peer): op.group for batch in posted for op in batch}
     assert groups == {("isend", 0): up01, ("irecv", 0): down01,  # gradient up, activation in
                       ("isend", 2): down12, ("irecv", 2): up12}  # fmt: skip
-    works = exchange._activation[0]
+    works = exchange._activation.handles
     assert all(isinstance(w, StreamWork) for w in works) and not any(w.started() for w in works)
     reached[0] = True  # the stream got to the post
     assert all(w.started() for w in works)
@@ -239,7 +239,7 @@ def test_control_words_are_read_only_from_host_memory() -> None:
 
 
 def test_a_coalesced_batch_work_stands_for_its_sends_and_receives() -> None:
-    from fdg_schedule.exchange.comm import split_works
+    from fdg_schedule.exchange.process_group import split_works
 
     assert split_works(["s1", "s2", "r1"], 2, 1) == (["s1", "s2"], ["r1"])  # gloo: one work per operation
     assert split_works(["all"], 2, 1) == (["all"], ["all"])  # NCCL: one work for the batch
@@ -284,7 +284,8 @@ def exchange_ticks(rank: int, world: int, shm: bool, ticks: int) -> dict:
             comm.post(None, grads, torch.tensor(tick + 0.5), recv_activation=tick < ticks - 1, recv_grad_meta=None)
     comm.complete()
     link = comm.links["next" if rank == 0 else "prev"]
-    files_left = [] if link is None else [p for p in link._paths if os.path.exists(p)]
+    shm = getattr(link, "shm", None)  # a shared-memory link's files (tests/test_link.py runs this on a toy's link)
+    files_left = [] if shm is None else [p for p in shm._paths if os.path.exists(p)]
     return {"got": got, "linked": link is not None, "files_left": files_left}
 
 
@@ -347,7 +348,7 @@ def growing_activations(rank: int, world: int, sizes: list[int]) -> dict:
             meta = [(torch.Size([sizes[tick - 1]]), torch.float32)] if backward_next else None
             comm.post(activation, None, None, recv_activation=False, recv_grad_meta=meta)
             if activation is not None:
-                tokens.append(comm.links["next"].token)
+                tokens.append(comm.links["next"].shm.token)
     else:
         for tick in range(n + 1):
             grads = None
@@ -357,7 +358,7 @@ def growing_activations(rank: int, world: int, sizes: list[int]) -> dict:
                 grads = (a + 1,)
             comm.post(None, grads, torch.tensor(0.0) if grads else None, recv_activation=tick < n, recv_grad_meta=None)
             if tick < n:
-                tokens.append(comm.links["prev"].token)
+                tokens.append(comm.links["prev"].shm.token)
     comm.complete()
     return {"got": got, "tokens": tokens}
 
@@ -415,10 +416,10 @@ def neighbours_on_hosts(rank: int, world: int, hosts: list[str]) -> tuple[bool, 
     the next stage's pid it returns, and this rank's pid."""
     import os
 
-    from fdg_schedule.exchange import comm
+    from fdg_schedule.exchange import shm_transport
 
-    comm.host_id = lambda: hosts[rank]  # type: ignore[assignment]  (each rank its own process)
-    found = comm.same_host_neighbours(rank - 1 if rank else None, rank + 1 if rank < world - 1 else None)
+    shm_transport.host_id = lambda: hosts[rank]  # type: ignore[assignment]  (each rank its own process)
+    found = shm_transport.same_host_neighbours(rank - 1 if rank else None, rank + 1 if rank < world - 1 else None)
     return (*found, os.getpid())
 
 
@@ -432,7 +433,8 @@ def test_only_neighbours_on_the_same_host_get_a_shared_memory_link(tmp_path) -> 
 
 def test_auto_transport_is_shared_memory_only_on_linux_on_the_blocking_path() -> None:
     """Note [the fastest transport by default]: "auto" picks the link where it can run, the group elsewhere."""
-    from fdg_schedule.exchange.comm import Path, resolve_transport
+    from fdg_schedule.exchange.process_group import Path
+    from fdg_schedule.exchange.transports import resolve_transport
 
     assert resolve_transport("auto", Path.BLOCKING, "linux") == "shm"
     assert resolve_transport("auto", Path.STAGED, "linux") == "process_group"  # a GPU stage with gloo

@@ -44,7 +44,7 @@ from typing import Any, Literal, NoReturn
 SCHEDULES = ("1f1b", "fdg")
 TRACE_KEYS = {"start_tick": 0, "ticks": 64, "dir": "fdg_trace"}
 CORRECTIONS = ("none", "auto")
-TRANSPORTS = ("auto", "process_group", "shm")
+TRANSPORTS = ("auto", "process_group", "shm")  # "auto" and fdg_schedule.exchange.transports.TRANSPORTS' names
 # The staleness-correction keys ``corrections`` decides (Note [the auto rule] in
 # fdg_schedule.corrections.auto_corrections).
 CORRECTION_KEYS = (
@@ -228,8 +228,8 @@ class FDGConfig:
     no transport thread (Note [shared-memory transport] in :mod:`fdg_schedule.exchange.shm_link`; Linux, host
     memory and gloo only), neighbours on other hosts through the group as before; ``"auto"`` (the default):
     ``"shm"`` where it can run (Linux, a stage on the CPU with gloo: the exchange's blocking path), else
-    ``"process_group"`` (Note [the fastest transport by default] in :mod:`fdg_schedule.exchange.comm`). The math
-    is the same."""
+    ``"process_group"`` (Note [the fastest transport by default] in :mod:`fdg_schedule.exchange.transports`). The
+    math is the same. A new transport: its name in :data:`TRANSPORTS` and in ``exchange.transports.TRANSPORTS``."""
 
     host_memory: str = "retain"
     """On a CPU device, what the process does with freed host memory (:mod:`fdg_schedule.base.host_memory`):

@@ -45,7 +45,7 @@ Note [who may connect]: an abstract socket name has no file permissions and is l
 /proc/net/unix, so any local process can connect to it. The upstream accepts only its neighbour:
 the kernel's credentials of the connecting process (``SO_PEERCRED``) must carry this process's uid
 and the pid the neighbour announced through the process group when the exchange was built
-(:func:`fdg_schedule.exchange.comm.same_host_neighbours`). Any other connection is closed, counted in
+(:func:`fdg_schedule.exchange.shm_transport.same_host_neighbours`). Any other connection is closed, counted in
 :attr:`Link.refused`, and the upstream goes on listening until its timeout.
 """
 
