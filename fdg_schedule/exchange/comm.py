@@ -2,8 +2,8 @@
 
 Activations go down (stage k -> k+1); input gradients and the loss they belong to go up
 (k+1 -> k). Every wait is bounded by the configured timeout and names the neighbour it gave up on.
-(Over 500 lines: one class whose message order, deferred header exchange with its link set-up, control words
-and receive bookkeeping are one protocol; transports, paths and the wire form live in the modules named below.)
+Long because it is one class whose message order, deferred header exchange with its link set-up, control words
+and receive bookkeeping are one protocol; transports, paths and the wire form live in the modules named below.
 
 Note [each message when it exists]: a message leaves as soon as the instruction that made it has
 run, as its own non-blocking operation: the input gradient right after the stage's backward (before
