@@ -121,6 +121,15 @@ SCRIPT_IMPORTS = {
     "benchmarks.throughput.transport_cost": {"benchmarks.throughput.throughput"},
     "benchmarks.throughput.correction_cost": {"benchmarks.throughput.throughput"},
     "benchmarks.studies.tick_anatomy": {"benchmarks.throughput.throughput", "benchmarks.throughput.throughput_measure"},
+    # issue 64's screen runs on the auto test's development tasks with the Muon queue's optimizer, as they were
+    # measured (its runs are compared with theirs); issue 63's runner builds Muon as that queue did
+    "benchmarks.convergence.candidates_screen": {"benchmarks.convergence.auto_test", "benchmarks.convergence.muon_lm"},
+    "benchmarks.convergence.time_to_loss": {"benchmarks.convergence.muon_lm"},
+    # two common modules read a script's definitions (to move down into common/ next: both scripts' queues run
+    # frozen commits, so the move changes no run): the held-out check reads the development corpora as the auto test
+    # built them; the bench model `ttl_lm` is the time-to-loss LM's config, so the K = 2 ratio times that very model
+    "benchmarks.common.heldout_text": {"benchmarks.convergence.auto_test"},
+    "benchmarks.common.bench_models": {"benchmarks.convergence.time_to_loss"},
 }
 
 
