@@ -2,8 +2,9 @@
 
 The engine only executes: :class:`~fdg_schedule.sched.schedule.FDGTrainSchedule` decides what happens
 at each tick (and how a segment ends), :class:`~fdg_schedule.runtime.stage_state.StageState` holds what
-is in flight between ticks, :class:`~fdg_schedule.corrections.delayed.DelayedBackward` runs forwards whose
-backward comes later, :class:`~fdg_schedule.exchange.comm.NeighbourExchange` moves tensors. DeepSpeed's own
+is in flight between ticks, :class:`~fdg_schedule.corrections.delayed.DelayedBackward` is the context the stage's
+forwards and delayed backwards run inside (the engine calls into ``corrections/``, never the other way: Note [one
+direction] there), :class:`~fdg_schedule.exchange.comm.NeighbourExchange` moves tensors. DeepSpeed's own
 data loading, gradient all-reduce, optimizer wrappers, checkpoints and monitors are reused as they are.
 
 What ``train_batch()`` returns on each rank: the mean loss of the micro-batches this stage
