@@ -6,8 +6,11 @@ stage at the forward's weights, or by hand for the mixed "current"/"stored" case
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -15,6 +18,26 @@ from torch import nn
 
 from fdg_schedule.base.config import FDGConfig
 from fdg_schedule.corrections.delayed import DelayedBackward, Held
+
+
+def _forward(delayed: DelayedBackward, run: Callable[[], Any]) -> tuple[Any, Held | None]:
+    """The stage forward ``run()`` inside :meth:`DelayedBackward.forwarding`, as the engine runs it."""
+    with delayed.forwarding() as forward:
+        forward.outputs = run()
+    return forward.outputs, forward.held
+
+
+@contextlib.contextmanager
+def _backward(delayed: DelayedBackward, held: Held, outputs: Any, run: Callable[[], Any]) -> Iterator[Any]:
+    """The outputs to back-propagate through inside :meth:`DelayedBackward.backward`: ``run()`` again or ``outputs``."""
+    with delayed.backward(held) as rerun:
+        yield run() if rerun else outputs
+
+
+def _rebuild(delayed: DelayedBackward, held: Held, run: Callable[[], Any]) -> Any:
+    with delayed.rebuilding(held) as rerun:
+        outputs = run() if rerun else None
+    return outputs
 
 
 def _stage(dropout: float = 0.0) -> nn.Module:
@@ -35,10 +58,10 @@ def _grads(module: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
 
 def _delayed(module: nn.Module, weights: str, activations: str, x: torch.Tensor, g: torch.Tensor) -> list:
     delayed = DelayedBackward(module, FDGConfig(weights=weights, activations=activations), delayed=True)
-    outputs, held = delayed.forward(lambda: module(x))
+    outputs, held = _forward(delayed, lambda: module(x))
     assert held is not None
     _step(module)
-    with delayed.backward(held, outputs, lambda: module(x)) as out:
+    with _backward(delayed, held, outputs, lambda: module(x)) as out:
         torch.autograd.backward(out, g)
     return _grads(module, x)
 
@@ -95,7 +118,7 @@ def test_a_rebuilt_stored_forward_back_propagates_bit_for_bit(weights: str) -> N
     x, g = torch.randn(2, 4, requires_grad=True), torch.randn(2, 3)
     module = _stage(dropout=0.3)
     delayed = DelayedBackward(module, FDGConfig(weights=weights, activations="stored"), delayed=True)
-    outputs, held = delayed.forward(lambda: module(x))
+    outputs, held = _forward(delayed, lambda: module(x))
     assert held is not None and held.saved
     _step(module)
     saved = Held(
@@ -103,13 +126,13 @@ def test_a_rebuilt_stored_forward_back_propagates_bit_for_bit(weights: str) -> N
         rng_state=held.rng_state,
         saved=[t.detach().clone() for t in held.saved],
     )
-    rebuilt = delayed.rebuild(saved, lambda: module(x))
-    with delayed.backward(saved, rebuilt, lambda: module(x)) as out:
+    rebuilt = _rebuild(delayed, saved, lambda: module(x))
+    with _backward(delayed, saved, rebuilt, lambda: module(x)) as out:
         torch.autograd.backward(out, g)
     from_rebuilt = _grads(module, x)
     module.zero_grad()
     x.grad = None
-    with delayed.backward(held, outputs, lambda: module(x)) as out:
+    with _backward(delayed, held, outputs, lambda: module(x)) as out:
         torch.autograd.backward(out, g)
     for a, b in zip(from_rebuilt, _grads(module, x)):
         assert torch.equal(a, b)
@@ -123,13 +146,13 @@ def test_what_is_held_per_mode() -> None:
     for w in ("current", "stashed"):
         for a in ("stored", "recomputed"):
             delayed = DelayedBackward(module, FDGConfig(weights=w, activations=a), delayed=True)
-            held[w, a] = delayed.forward(lambda: module(x))[1]
+            held[w, a] = _forward(delayed, lambda: module(x))[1]
     assert held["current", "recomputed"].nbytes() == 0  # only the input (kept by the engine) and RNG state
     assert held["stashed", "recomputed"].nbytes() == weights
     assert held["current", "stored"].nbytes() > 0 and held["current", "stored"].weights is None
     assert held["stashed", "stored"].nbytes() == held["current", "stored"].nbytes() + weights
     last = DelayedBackward(module, FDGConfig(weights="stashed"), delayed=False)  # delay 0: plain autograd
-    assert last.forward(lambda: module(x))[1] is None
+    assert _forward(last, lambda: module(x))[1] is None
 
 
 @pytest.mark.parametrize("weights", ["current", "stashed"])
@@ -143,7 +166,7 @@ def test_a_graph_dropped_without_its_backward_is_freed_without_the_cycle_collect
     generation = python_gc_manager.acquire()
     try:
         x = torch.randn(64, 4, requires_grad=True)
-        outputs, held = delayed.forward(lambda: torch.sigmoid(module(x)))  # sigmoid saves its own output
+        outputs, held = _forward(delayed, lambda: torch.sigmoid(module(x)))  # sigmoid saves its own output
         freed: list[str] = []
         weakref.finalize(outputs, freed.append, "outputs")
         del outputs, held
@@ -165,9 +188,9 @@ def test_a_recomputed_forward_runs_as_the_first_forward_did() -> None:
     module = nn.Sequential(Probe(), nn.Linear(4, 3))
     delayed = DelayedBackward(module, FDGConfig(activations="recomputed"), delayed=True)
     x = torch.randn(2, 4, requires_grad=True)
-    outputs, held = delayed.forward(lambda: module(x))
+    outputs, held = _forward(delayed, lambda: module(x))
     assert held is not None and outputs.grad_fn is None  # the graph went with the first forward
-    with delayed.backward(held, outputs, lambda: module(x)) as out:
+    with _backward(delayed, held, outputs, lambda: module(x)) as out:
         out.sum().backward()
     assert grad_enabled == [True, True]
 
@@ -178,11 +201,11 @@ def test_a_stored_forwards_activations_are_freed_during_its_backward() -> None:
     module = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3), nn.Tanh())
     delayed = DelayedBackward(module, FDGConfig(), delayed=True)
     x = torch.randn(2, 4, requires_grad=True)
-    outputs, held = delayed.forward(lambda: module(x))
+    outputs, held = _forward(delayed, lambda: module(x))
     assert held is not None and held.saved
     activations = [weakref.ref(t) for t in held.saved if t.untyped_storage().data_ptr() != x.data_ptr()]
     assert activations
-    with delayed.backward(held, outputs, lambda: module(x)) as out:
+    with _backward(delayed, held, outputs, lambda: module(x)) as out:
         torch.autograd.backward(out, torch.ones(2, 3))
         assert all(a() is None for a in activations)  # freed inside the backward, `held` still alive
     assert held.nbytes() == 0

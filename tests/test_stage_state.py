@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import functools
 import io
+from typing import Any
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ from torch import nn
 from fdg_schedule.base.config import FDGConfig
 from fdg_schedule.base.errors import FDGRuntimeError
 from fdg_schedule.checkpointing import checkpoint
-from fdg_schedule.corrections.delayed import DelayedBackward
+from fdg_schedule.corrections.delayed import DelayedBackward, Held
 from fdg_schedule.exchange.comm import NeighbourExchange, meta_of
 from fdg_schedule.runtime.stage_state import InFlight, StageState
 
@@ -31,8 +33,19 @@ def _forward(state: StageState, delayed: DelayedBackward, buffer_id: int, inputs
     """What the engine's FDGLoad / WaitActivation and FDGForward leave in the record of ``buffer_id``."""
     state.enter(buffer_id, inputs)
     record = state.records[buffer_id]
-    record.outputs, record.held = delayed.forward(lambda: delayed.module(inputs))
+    with delayed.forwarding() as forward:
+        forward.outputs = delayed.module(inputs)
+    record.outputs, record.held = forward.outputs, forward.held
     return record
+
+
+def _rebuilt(delayed: DelayedBackward, held: Held, inputs: torch.Tensor) -> Any:
+    """What the engine's checkpoint half gives ``StageState.restore``: a stored forward rebuilt (None: recomputed)."""
+    outputs = None
+    with delayed.rebuilding(held) as rerun:
+        if rerun:
+            outputs = delayed.module(inputs)
+    return outputs
 
 
 def _backward(state: StageState, delayed: DelayedBackward, module: nn.Module, buffer_id: int) -> list[torch.Tensor]:
@@ -40,8 +53,8 @@ def _backward(state: StageState, delayed: DelayedBackward, module: nn.Module, bu
     inputs, held = record.inputs, record.held
     assert held is not None
     g = torch.full((2, 3), 0.5)
-    with delayed.backward(held, record.outputs, lambda: module(inputs)) as out:
-        torch.autograd.backward(out, g)
+    with delayed.backward(held) as rerun:
+        torch.autograd.backward(module(inputs) if rerun else record.outputs, g)
     grads = [p.grad.clone() for p in module.parameters()] + [inputs.grad.clone()]
     module.zero_grad()
     return grads
@@ -68,8 +81,7 @@ def test_capture_and_restore_round_trip(one_rank_group: None, weights: str, acti
     other = copy.deepcopy(module)  # a new process: the same weights, loaded by DeepSpeed
     restored, other_delayed = _state(other, config)
     file.seek(0)
-    rebuild = lambda held, inputs: other_delayed.rebuild(held, lambda: other(inputs))  # noqa: E731
-    restored.restore(torch.load(file, weights_only=False), rebuild, needs_grad=True)
+    restored.restore(torch.load(file, weights_only=False), functools.partial(_rebuilt, other_delayed), needs_grad=True)
 
     assert torch.equal(torch.get_rng_state(), rng)
     assert (restored.segment_tick, restored.micro_batches_read, restored.segment_limit) == (2, 2, 1)

@@ -9,6 +9,8 @@ a skipped step, bf16 weights, checkpoint contents).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -21,6 +23,23 @@ from fdg_schedule.corrections.staleness import Corrections, StalenessMeter
 def _params(dtype: torch.dtype = torch.float32) -> list[nn.Parameter]:
     g = torch.Generator().manual_seed(0)
     return [nn.Parameter(torch.randn(4, 3, generator=g).to(dtype)), nn.Parameter(torch.randn(3, generator=g).to(dtype))]
+
+
+def _step(corrections: Corrections, optimizer: Any, tick: int, take_step: Callable[[], bool]) -> bool:
+    """One step inside ``corrections.stepping`` as the engine takes it: ``take_step()`` says whether it was taken."""
+    with corrections.stepping(optimizer, tick) as step:
+        step.taken = take_step()
+    return step.taken
+
+
+def test_the_step_is_not_taken_unless_the_caller_says_so() -> None:
+    params = _params()
+    corrections = Corrections(params, 3, 0, FDGConfig(predict_decay=0.5))
+    with corrections.stepping(torch.optim.SGD(params, lr=0.1), 0) as step:
+        params[0].grad, params[1].grad = torch.ones(4, 3), torch.ones(3)
+        torch.optim.SGD(params, lr=0.1).step()  # the weights moved, but the caller did not say the step was taken
+    assert not step.taken
+    assert corrections.delta is not None and all(not d.any() for d in corrections.delta)  # a skipped step: no move
 
 
 def test_lr_factor_per_stage_and_tick() -> None:
@@ -44,7 +63,7 @@ def test_the_step_runs_at_the_scaled_lr_and_the_lr_is_written_back() -> None:
         seen.append([group["lr"] for group in optimizer.param_groups])
         return True
 
-    assert corrections.step(optimizer, 2, step)
+    assert _step(corrections, optimizer, 2, step)
     assert seen == [[0.3 * 2**-0.5, 0.1 * 2**-0.5]]
     assert [group["lr"] for group in optimizer.param_groups] == [0.3, 0.1]  # the same floats, not divided back
 
@@ -52,7 +71,7 @@ def test_the_step_runs_at_the_scaled_lr_and_the_lr_is_written_back() -> None:
         raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError):
-        corrections.step(optimizer, 0, failing)
+        _step(corrections, optimizer, 0, failing)
     assert [group["lr"] for group in optimizer.param_groups] == [0.3, 0.1]
 
 
@@ -67,10 +86,10 @@ def test_the_step_runs_with_delay_aware_momentum_and_it_is_written_back(stage: i
     seen: list[list[object]] = []
     for optimizer, key in ((sgd, "momentum"), (adam, "betas")):
         before = [group[key] for group in optimizer.param_groups]
-        corrections.step(optimizer, 5, lambda o=optimizer, k=key: seen.append([g[k] for g in o.param_groups]) or True)
+        _step(corrections, optimizer, 5, lambda o=optimizer, k=key: seen.append([g[k] for g in o.param_groups]) or True)
         assert [group[key] for group in optimizer.param_groups] == before
         with pytest.raises(RuntimeError):
-            corrections.step(optimizer, 5, lambda: (_ for _ in ()).throw(RuntimeError("boom")))
+            _step(corrections, optimizer, 5, lambda: (_ for _ in ()).throw(RuntimeError("boom")))
         assert [group[key] for group in optimizer.param_groups] == before
     p = power or 1.0
     assert seen == [[0.9**p, 0.5**p], [(0.8**p, 0.95)]]
@@ -83,7 +102,7 @@ def test_a_peak_lr_scales_the_delay_by_each_groups_lr() -> None:
     config = FDGConfig(delay_momentum=True, delay_momentum_peak_lr=0.1, delay_lr_ticks=100)  # K = 4, stage 0: h = 6
     corrections = Corrections(params, 4, 0, config)
     seen: list[list[float]] = []
-    corrections.step(sgd, 0, lambda: seen.append([g["momentum"] for g in sgd.param_groups]) or True)
+    _step(corrections, sgd, 0, lambda: seen.append([g["momentum"] for g in sgd.param_groups]) or True)
     assert seen == [[0.9 ** (1 + 6), 0.9 ** (1 + 6 * 0.5)]]  # lr 0.2 >= rho: h in full; lr 0.05: half of it
     assert [g["momentum"] for g in sgd.param_groups] == [0.9, 0.9]
     assert Corrections(params, 4, 3, config).momentum_power_at(0.05) == 1.0  # the last stage keeps mu
@@ -101,7 +120,7 @@ def test_a_raised_momentum_is_mu_to_one_over_one_plus_c_times_the_delay(stage: i
     seen: list[list[object]] = []
     for optimizer, key in ((sgd, "momentum"), (adam, "betas")):
         before = [group[key] for group in optimizer.param_groups]
-        corrections.step(optimizer, 5, lambda o=optimizer, k=key: seen.append([g[k] for g in o.param_groups]) or True)
+        _step(corrections, optimizer, 5, lambda o=optimizer, k=key: seen.append([g[k] for g in o.param_groups]) or True)
         assert [group[key] for group in optimizer.param_groups] == before
     p = power or 1.0
     assert seen == [[0.9**p, 0.9**p], [(0.8**p, 0.95)]]
@@ -137,13 +156,13 @@ def test_delta_follows_taken_steps_only() -> None:
         return True
 
     before = [p.detach().clone() for p in params]
-    corrections.step(torch.optim.SGD(params, lr=0.1), 0, move)
+    _step(corrections, torch.optim.SGD(params, lr=0.1), 0, move)
     assert corrections.delta is not None
     for d, p, b in zip(corrections.delta, params, before):  # 0.75 * 0 + 0.25 * (w_after - w_before)
         assert torch.equal(d, torch.zeros_like(b).mul_(0.75).add_(p.detach() - b, alpha=0.25))
     kept = corrections.capture()
     assert kept is not None
-    assert not corrections.step(torch.optim.SGD(params, lr=0.1), 1, lambda: False)  # skipped: no step
+    assert not _step(corrections, torch.optim.SGD(params, lr=0.1), 1, lambda: False)  # skipped: no step
     for d, k in zip(corrections.delta, kept):
         assert torch.equal(d, k)
 
@@ -207,7 +226,7 @@ def test_bf16_weights_keep_an_fp32_delta() -> None:
         return True
 
     before = params[0].detach().clone()
-    corrections.step(torch.optim.SGD(params, lr=0.1), 0, move)
+    _step(corrections, torch.optim.SGD(params, lr=0.1), 0, move)
     moved = params[0].detach().float() - before.float()  # the bf16 weights' own step, not the 1.0 asked for
     assert torch.equal(corrections.delta[0], 0.5 * moved)
     w = params[0].detach().clone()

@@ -198,3 +198,56 @@ def test_run_files_are_curves_the_token_overhead_command_reads(tmp_path: Path, c
     assert to.load_curve(str(base.path(tmp_path))) == [tuple(p) for p in line(2.0, N)]
     assert to.main([str(base.path(tmp_path)), str(late.path(tmp_path))]) == 0
     assert "r = 1.250 over 1 seeds" in capsys.readouterr().out
+
+
+# docs/results/time-to-loss-preregistration.md's task table, as literal values: `lm` "8 decoder layers, width 128,
+# intermediate 344, 4 heads, 2 KV heads, untied, vocabulary 4,096: 10 pipeline layers", 128-token blocks, 8 per
+# micro-batch; `resnet` "cifar_resnet_layers(20, 10, 1), 12 pipeline layers", 32 images of MNIST's 28x28. The
+# table's runner (51720f3, which its queue runs frozen) held these in its LLAMA (the keys the table does not name
+# included); main's copy must build exactly these models.
+PREREGISTERED_LLAMA = {
+    "model_type": "llama", "num_hidden_layers": 8, "hidden_size": 128, "intermediate_size": 344,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128, "vocab_size": 4096,
+    "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 0, "rms_norm_eps": 1e-6,
+}  # fmt: skip
+
+
+def test_the_models_are_the_preregistered_ones() -> None:
+    from benchmarks.common import bench_models, ttl_models
+
+    assert ttl_models.LLAMA == PREREGISTERED_LLAMA and ttl.LLAMA is ttl_models.LLAMA
+    assert (ttl.LM_MICRO, ttl.LM_BLOCK, ttl.RESNET_MICRO) == (8, 128, 32)
+    resnet = (ttl_models.RESNET_DEPTH, ttl_models.RESNET_CLASSES, ttl_models.RESNET_CHANNELS, ttl_models.RESNET_IMAGE)
+    assert resnet == (20, 10, 1, 28)
+    # the throughput benchmark times the same models (the K = 2 ratio of the pre-registration's command)
+    assert bench_models.MODELS["ttl_lm"] == {"kind": "llama", "vocab": 4096, "seq": 128, "micro": 8}
+    assert bench_models.MODELS["ttl_resnet"] == {"kind": "resnet", "depth": 20, "micro": 32, "image": 28, "channels": 1}
+
+
+def test_the_builders_build_the_preregistered_models_weight_for_weight() -> None:
+    import torch
+    from transformers import LlamaConfig
+
+    from benchmarks.common import ttl_models
+    from fdg_schedule.zoo import hf_lm, resnet
+
+    def built(layers: list) -> list:
+        return [layer.build() if hasattr(layer, "build") else layer for layer in layers]
+
+    def weights(layers: list) -> list[tuple[str, torch.Tensor]]:
+        return [(name, p) for layer in layers for name, p in layer.state_dict().items()]
+
+    torch.manual_seed(301)  # the runner seeds the initial weights with the run's seed
+    lm = ttl_models.lm_layers()
+    torch.manual_seed(301)
+    expected = hf_lm.pipeline_layers(hf_lm.build_model(LlamaConfig(**PREREGISTERED_LLAMA)))
+    torch.manual_seed(302)
+    net = built(ttl_models.resnet_layers())
+    torch.manual_seed(302)
+    expected_net = built(resnet.cifar_resnet_layers(20, 10, 1))
+    assert (len(lm), len(net)) == (10, 12)  # the table's pipeline layers
+    # counted from 51720f3's definitions
+    assert [sum(p.numel() for m in layers for p in m.parameters()) for layers in (lm, net)] == [2500736, 269434]
+    for ours, theirs in ((weights(lm), weights(expected)), (weights(net), weights(expected_net))):
+        assert [name for name, _ in ours] == [name for name, _ in theirs]
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(ours, theirs))

@@ -20,6 +20,7 @@
                           (2 MiB boundaries) and 64 channels x 6 blocks (8 MiB); 12 x (Linear(1024, 1024), ReLU),
                           micro-batch 128 (512 KiB); 8 pre-norm encoder blocks of width 192, 6 heads, 64-token
                           sequences, micro-batch 8 (384 KiB)
+    ttl_lm, ttl_resnet    the time-to-loss test's LLaMA-style LM and MNIST ResNet-20 (:mod:`.ttl_models`)
     *_tiny                small versions for smoke tests
 
 Every layer list is built the same way on every call (``LayerSpec``s, or modules built under a fixed
@@ -32,6 +33,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from benchmarks.common import ttl_models
 
 CLASSES = 10
 
@@ -54,9 +57,18 @@ MODELS: dict[str, dict[str, Any]] = {
     "transformer_tiny": dict(kind="transformer", blocks=2, width=64, heads=4, seq=16, micro=8),
     "gpt2_tiny": dict(kind="gpt2", size="tiny", vocab=256, seq=16, micro=4),
     "convstack_tiny": dict(kind="conv", widths=(8, 16), per_group=2, micro=8, image=16),
-    # the time-to-loss runs' models (benchmarks/convergence/time_to_loss.py): their K = 2 throughput ratio
-    "ttl_lm": dict(kind="llama", vocab=4096, seq=128, micro=8),
-    "ttl_resnet": dict(kind="resnet", depth=20, micro=32, image=28, channels=1),
+    # the time-to-loss runs' models (ttl_models, trained by benchmarks/convergence/time_to_loss.py): their K = 2
+    # throughput ratio
+    "ttl_lm": dict(
+        kind="llama", vocab=ttl_models.LLAMA["vocab_size"], seq=ttl_models.LM_BLOCK, micro=ttl_models.LM_MICRO
+    ),
+    "ttl_resnet": dict(
+        kind="resnet",
+        depth=ttl_models.RESNET_DEPTH,
+        micro=ttl_models.RESNET_MICRO,
+        image=ttl_models.RESNET_IMAGE,
+        channels=ttl_models.RESNET_CHANNELS,
+    ),
 }
 
 
@@ -139,14 +151,10 @@ def model_layers(model: str) -> list[Any]:
         return [*blocks, LayerSpec(MeanPoolHead, width, CLASSES)]
     from fdg_schedule.zoo import hf_lm
 
-    if cfg["kind"] == "llama":
-        from transformers import LlamaConfig
-
-        from benchmarks.convergence.time_to_loss import LLAMA
-
+    if cfg["kind"] == "llama":  # the time-to-loss LM, the only one
         with torch.random.fork_rng():
             torch.manual_seed(0)
-            return list(hf_lm.pipeline_layers(hf_lm.build_model(LlamaConfig(**LLAMA))))
+            return ttl_models.lm_layers()
     with torch.random.fork_rng():
         torch.manual_seed(0)
         config = hf_lm.build_config("gpt2", cfg["size"], cfg["vocab"], cfg["seq"], tie_word_embeddings=False)

@@ -48,7 +48,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import ttl_models
 from benchmarks.common.provenance import commit, machine
+from benchmarks.common.ttl_models import LLAMA, LM_BLOCK, LM_MICRO, RESNET_MICRO
 from fdg_schedule.plan import token_overhead as to
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,13 +77,9 @@ CONFIGS = (  # (task, optimizer, K), in queue order
     ("lm", "adamw", 8),
     ("lm", "muon", 8),
 )
-LLAMA = {
-    "model_type": "llama", "num_hidden_layers": 8, "hidden_size": 128, "intermediate_size": 344,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128, "vocab_size": 4096,
-    "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 0, "rms_norm_eps": 1e-6,
-}  # fmt: skip
-LM_MICRO, LM_BLOCK, LM_EVAL_BLOCKS = 8, 128, 256
-RESNET_DEPTH, RESNET_MICRO, RESNET_TRAIN, RESNET_EVAL = 20, 32, 16384, 2048
+# the two models and their micro-batches (LLAMA, LM_MICRO, LM_BLOCK, RESNET_MICRO): benchmarks.common.ttl_models
+LM_EVAL_BLOCKS = 256
+RESNET_TRAIN, RESNET_EVAL = 16384, 2048
 ADAMW = {"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 SGD = {"momentum": 0.9, "weight_decay": 5e-4}
 CLIP = {"lm": 1.0, "resnet": 0.0}
@@ -182,13 +180,11 @@ def setup(run: Run) -> tuple[list[Any], list[Any], list[Any], Any, Any]:
     torch.set_num_threads(1)
     batches: list[tuple[Any, Any]] = []
     if run.task == "lm":
-        from transformers import LlamaConfig
-
         from fdg_schedule.zoo import hf_lm
 
         train, val, test = lm_data()
         torch.manual_seed(run.seed)  # the initial weights
-        layers = hf_lm.pipeline_layers(hf_lm.build_model(LlamaConfig(**LLAMA)))
+        layers = ttl_models.lm_layers()
         bounds = hf_lm.stage_bounds(layers, run.stages)  # the decoder blocks spread evenly (type:BlockPipe)
         per_epoch = len(train) // LM_MICRO
         epoch = 0
@@ -205,12 +201,9 @@ def setup(run: Run) -> tuple[list[Any], list[Any], list[Any], Any, Any]:
         evaluation: Any = [(c, c) for c in blocks.split(32)]
         loss_fn: Any = hf_lm.lm_loss
     else:
-        from fdg_schedule.zoo import resnet
-
         data = mnist()
         torch.manual_seed(run.seed)
-        layers = [layer.build() if hasattr(layer, "build") else layer
-                  for layer in resnet.cifar_resnet_layers(RESNET_DEPTH, 10, 1)]  # fmt: skip
+        layers = [layer.build() if hasattr(layer, "build") else layer for layer in ttl_models.resnet_layers()]
         bounds = balanced_bounds(len(layers), run.stages)
         x, y = data["images"]["train"], data["labels"]["train"]
         train_idx = list(range(RESNET_TRAIN))  # the first 16,384 training images; 50,000-59,999 validate

@@ -37,13 +37,22 @@ Note [saved activations freed during the backward]: ``Held.saved`` lists every t
 in a stored forward, for checkpoints (Note [rebuilding a stored graph]). The backward lets the list
 go before it runs, so each activation is freed as soon as autograd has used it, as in a plain
 backward; kept to the end, every activation of the micro-batch would live through the whole backward.
+
+Note [one direction]: the engine (and the torch.distributed.pipelining schedule) calls into
+``corrections/``; nothing here calls back. What has to happen around a stage's forward, its delayed
+backward, a checkpoint's rebuild and an optimizer step is a context the caller enters and runs its own
+code inside (:meth:`DelayedBackward.forwarding`, :meth:`~DelayedBackward.backward`,
+:meth:`~DelayedBackward.rebuilding`, :meth:`fdg_schedule.corrections.staleness.Corrections.stepping`);
+the caller reports back through what the context yields (``Forward.outputs``, ``Step.taken``) or
+learns from it whether to run the forward again (the yielded bool). No callable of the engine is handed
+down, so the correction and the engine code it wraps read top to bottom in one place.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -68,11 +77,20 @@ class Held:
         return sum(t.numel() * t.element_size() for t in (*(self.saved or ()), *(self.weights or ())))
 
 
+@dataclasses.dataclass
+class Forward:
+    """One forward inside :meth:`DelayedBackward.forwarding`: the caller sets ``outputs``."""
+
+    held: Held | None  # what the backward needs; None on the last stage (no delay)
+    outputs: Any = None
+
+
 class DelayedBackward:
     """Runs a stage's forwards so their backward can run ``delay`` ticks and optimizer steps later.
 
-    It keeps nothing itself: :meth:`forward` returns the :class:`Held` record of a micro-batch,
+    It keeps nothing itself: :meth:`forwarding` hands out the :class:`Held` record of a micro-batch,
     which :class:`~fdg_schedule.runtime.stage_state.StageState` keeps until :meth:`backward` consumes it.
+    Its methods are contexts the caller runs the stage forward and backward inside (Note [one direction]).
 
     Args:
         module: the stage (its trainable parameters are the ones stashed or read live).
@@ -88,54 +106,65 @@ class DelayedBackward:
         self.stash = delayed and config.weights == "stashed"
         self.recompute = delayed and config.activations == "recomputed"
 
-    def forward(self, run: Callable[[], Any]) -> tuple[Any, Held | None]:
-        """Run ``run()`` (the stage forward); returns its outputs and what its backward needs (None: no delay)."""
+    @contextlib.contextmanager
+    def forwarding(self) -> Iterator[Forward]:
+        """Context for a stage forward that the caller runs inside, setting ``forward.outputs``.
+
+        On leaving, ``forward.outputs`` is what the stage keeps of the outputs (detached under recomputed
+        activations) and ``forward.held`` what the backward needs (None: no delay). Note [one direction].
+        """
         if not self.delayed:  # the backward follows at once: plain autograd
-            return run(), None
-        held = Held(rng_state=rng.capture())
+            yield Forward(None)
+            return
+        forward = Forward(Held(rng_state=rng.capture()))
+        assert forward.held is not None
         if self.stash:
-            held.weights = [p.detach().clone() for p in self.params]
+            forward.held.weights = [p.detach().clone() for p in self.params]
         if self.recompute:  # Note [the recomputed forward runs as the first did]
             with torch.enable_grad():
-                outputs = detached(run())
+                yield forward
+                forward.outputs = detached(forward.outputs)
         else:
-            held.saved = []
-            with _saved_tensors_read_live(held, self.state_storages):
-                outputs = run()
-        return outputs, held
+            forward.held.saved = []
+            with _saved_tensors_read_live(forward.held, self.state_storages):
+                yield forward
 
-    def rebuild(self, held: Held, run: Callable[[], Any]) -> Any:
-        """Rebuild a stored forward's graph from a checkpoint (Note [rebuilding a stored graph]); updates ``held``."""
+    @contextlib.contextmanager
+    def rebuilding(self, held: Held) -> Iterator[bool]:
+        """Context for rebuilding a stored forward's graph from a checkpoint (Note [rebuilding a stored graph]):
+        yields whether the caller runs the stage forward inside (False under recomputed activations, which keep
+        no graph); updates ``held``. Note [one direction]."""
         if self.recompute:
-            return None
+            yield False
+            return
         assert held.saved is not None and held.rng_state is not None
         saved, held.saved = held.saved, []
         replaced = _saved_tensors_read_live(held, self.state_storages, replace=iter(saved))
         with rng.replayed(held.rng_state), _buffers_kept(self.module), replaced:
-            outputs = run()
+            yield True
         if len(held.saved) != len(saved):
             raise FDGRuntimeError(
                 f"cannot rebuild a stored forward: the checkpoint holds {len(saved)} saved tensors, the forward "
                 f"now saves {len(held.saved)}; the stage's code changed since the save"
             )
-        return outputs
 
     @contextlib.contextmanager
-    def backward(self, held: Held, stored_outputs: Any, run: Callable[[], Any]) -> Iterator[Any]:
-        """Context for the delayed backward of ``held``: yields the outputs to back-propagate through.
+    def backward(self, held: Held) -> Iterator[bool]:
+        """Context for the delayed backward of ``held``: yields whether the caller reruns the stage forward inside
+        (recomputed activations) before back-propagating; else it back-propagates through the stored outputs.
 
         With stashed weights the forward's weights sit in the parameters for the whole context;
-        with recomputed activations the forward is rerun inside it with the forward's RNG state,
-        leaving buffers (batch-norm running statistics) as the first forward left them.
+        with recomputed activations the context replays the forward's RNG state and leaves buffers
+        (batch-norm running statistics) as the first forward left them. Note [one direction].
         """
         with self._weights_of(held):
             if not self.recompute:
                 held.saved = None  # Note [saved activations freed during the backward]: the graph holds them
-                yield stored_outputs
+                yield False
                 return
             assert held.rng_state is not None
             with rng.replayed(held.rng_state), _buffers_kept(self.module):
-                yield run()  # the backward runs in here, before the buffers are put back
+                yield True  # the forward and the backward run in here, before the buffers are put back
 
     @contextlib.contextmanager
     def _weights_of(self, held: Held) -> Iterator[None]:

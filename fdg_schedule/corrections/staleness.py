@@ -43,6 +43,7 @@ use. A step the optimizer skips (``nonfinite: "skip"``, an overflow) is no step:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -75,6 +76,13 @@ def set_momentum(group: dict[str, Any], key: str | None, value: Any, power: floa
         group[key] = value**power
     elif key == "betas":
         group[key] = (value[0] ** power, *value[1:])
+
+
+@dataclasses.dataclass
+class Step:
+    """One optimizer step inside :meth:`Corrections.stepping`: the caller sets ``taken``."""
+
+    taken: bool = False  # the optimizer stepped (False: it skipped the step; delta keeps its value)
 
 
 class Corrections:
@@ -144,12 +152,14 @@ class Corrections:
             with torch.no_grad():
                 torch._foreach_copy_(weights, saved)
 
-    def step(self, optimizer: Any, tick: int, take_step: Callable[[], bool]) -> bool:
-        """Run ``take_step()`` (one optimizer step; returns whether it was taken) in tick ``tick``.
+    @contextlib.contextmanager
+    def stepping(self, optimizer: Any, tick: int) -> Iterator[Step]:
+        """Context for one optimizer step in tick ``tick``: the caller steps inside and sets ``step.taken``
+        (False, the default: the optimizer skipped it). Note [one direction] in :mod:`fdg_schedule.corrections.delayed`.
 
-        The lr of every param group of ``optimizer`` is multiplied by :meth:`lr_factor` for the step
-        only, and with ``delay_momentum`` (or ``delay_momentum_raise``) its momentum mu is taken as ``mu ** p``, p from
-        :meth:`momentum_power_at` of the group's lr: the values they had are written back afterwards
+        Inside, the lr of every param group of ``optimizer`` is multiplied by :meth:`lr_factor`, and with
+        ``delay_momentum`` (or ``delay_momentum_raise``) its momentum mu is taken as ``mu ** p``, p from
+        :meth:`momentum_power_at` of the group's lr: the values they had are written back on leaving
         (not divided back), so a scheduler or the user sees its own. DeepSpeed's bf16 and ZeRO wrappers
         share ``param_groups`` (the same dicts) with the optimizer they wrap. After a step that was
         taken, delta moves towards the step:
@@ -169,19 +179,30 @@ class Corrections:
         if self.moves_momentum:
             for group, lr, (key, value) in zip(groups, lrs, momenta):
                 set_momentum(group, key, value, self.momentum_power_at(lr))
+        step = Step()
         try:
-            taken = take_step()
+            yield step
         finally:
             for group, lr, (key, value) in zip(groups, lrs, momenta):
                 group["lr"] = lr
                 if key is not None:
                     group[key] = value
-        if taken and before is not None and self.delta is not None and self.gamma is not None:
+        if step.taken and before is not None and self.delta is not None and self.gamma is not None:
             with torch.no_grad():
                 moved = torch._foreach_sub(_fp32(_data(self.params)), _fp32(before))
                 torch._foreach_mul_(self.delta, self.gamma)
                 torch._foreach_add_(self.delta, moved, alpha=1.0 - self.gamma)
-        return taken
+
+    def step(self, optimizer: Any, tick: int, take_step: Callable[[], bool]) -> bool:
+        """:meth:`stepping` around ``take_step()`` (one optimizer step; returns whether it was taken).
+
+        Kept for ``benchmarks/throughput/correction_cost.py``, which times a step written as a function; the
+        engine and the torch.distributed.pipelining schedule step inside :meth:`stepping` (Note [one direction]
+        in :mod:`fdg_schedule.corrections.delayed`). Goes once that benchmark steps inside :meth:`stepping`.
+        """
+        with self.stepping(optimizer, tick) as step:
+            step.taken = take_step()
+        return step.taken
 
     def check_optimizer(self, optimizer: Any, where: str) -> None:
         """With ``delay_momentum`` or ``delay_momentum_raise``, every param group must have a momentum to take

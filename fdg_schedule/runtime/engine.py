@@ -2,8 +2,9 @@
 
 The engine only executes: :class:`~fdg_schedule.sched.schedule.FDGTrainSchedule` decides what happens
 at each tick (and how a segment ends), :class:`~fdg_schedule.runtime.stage_state.StageState` holds what
-is in flight between ticks, :class:`~fdg_schedule.corrections.delayed.DelayedBackward` runs forwards whose
-backward comes later, :class:`~fdg_schedule.exchange.comm.NeighbourExchange` moves tensors. DeepSpeed's own
+is in flight between ticks, :class:`~fdg_schedule.corrections.delayed.DelayedBackward` is the context the stage's
+forwards and delayed backwards run inside (the engine calls into ``corrections/``, never the other way: Note [one
+direction] there), :class:`~fdg_schedule.exchange.comm.NeighbourExchange` moves tensors. DeepSpeed's own
 data loading, gradient all-reduce, optimizer wrappers, checkpoints and monitors are reused as they are.
 
 What ``train_batch()`` returns on each rank: the mean loss of the micro-batches this stage
@@ -318,7 +319,9 @@ class FDGPipelineEngine(FDGCheckpoints):
         record = state.records[buffer_id]
         with state.predicted_forward(keep=lambda: self.fdg_config.weights == "stashed" and record.loss is not None):
             inputs = record.inputs
-            record.outputs, record.held = self._delayed.forward(lambda: self._stage_forward(inputs, received=True))
+            with self._delayed.forwarding() as forward:  # Note [one direction] in fdg_schedule.corrections.delayed
+                forward.outputs = self._stage_forward(inputs, received=True)
+            record.outputs, record.held = forward.outputs, forward.held
             if record.held is not None:
                 record.probe = state.meter.after_forward(state.tick, record.held.weights)
             if not self.is_last_stage():
@@ -349,7 +352,8 @@ class FDGPipelineEngine(FDGCheckpoints):
             if self.fdg_config.grad_shrink != 1.0:
                 grads = tuple(g.mul_(self.fdg_config.grad_shrink) for g in grads)
             self.fdg_state.meter.before_backward(self.fdg_state.tick, record.probe)  # the live weights are w_bwd
-            with self._delayed.backward(held, record.outputs, lambda: self._stage_forward(record.inputs)) as outputs:
+            with self._delayed.backward(held) as rerun:  # stashed weights swapped in; recomputed: RNG replayed
+                outputs = self._stage_forward(record.inputs) if rerun else record.outputs
                 stage_backward(self, floating(outputs), grads, self._where)
             self._tied.after_backward(self.fdg_state.scaling.backward_scale)  # before the reduce; fp16: unscaled
         self.fdg_state.call_losses.append(carried)
@@ -399,7 +403,9 @@ class FDGPipelineEngine(FDGCheckpoints):
             self._global_grad_norm = norm  # get_global_grad_norm(): this stage's own norm, left on the device
             if not self._watch.allows(self.fdg_config.nonfinite, "gradient", norm, self.global_steps):
                 return False
-        return self.fdg_state.corrections.step(self.optimizer, self.fdg_state.tick, self._optimizer_step)
+        with self.fdg_state.corrections.stepping(self.optimizer, self.fdg_state.tick) as step:  # lr, momentum, delta
+            step.taken = self._optimizer_step()
+        return step.taken
 
     def _optimizer_step(self) -> bool:
         """One step of the optimizer DeepSpeed built; False when it skipped it (a wrapper's overflow check)."""

@@ -8,7 +8,6 @@ optimizer state in checkpoints] in :mod:`fdg_schedule.exchange.tied`.
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Any
 
@@ -22,7 +21,7 @@ from fdg_schedule.base.config import FDGConfig, FDGConfigError
 from fdg_schedule.base.guards import NonFiniteWatch
 from fdg_schedule.checkpointing import checkpoint
 from fdg_schedule.corrections import auto_corrections
-from fdg_schedule.corrections.delayed import DelayedBackward
+from fdg_schedule.corrections.delayed import DelayedBackward, Held
 from fdg_schedule.exchange.tied import TiedSync
 from fdg_schedule.runtime.stage_state import StageState
 
@@ -193,5 +192,13 @@ class FDGCheckpoints(PipelineEngine):
         if saved.get("accumulated") is not None:  # after DeepSpeed loaded the optimizer
             optim.restore_accumulated(self.optimizer, self._delayed.params, saved["accumulated"], self.device)
         needs_grad = not self.is_first_stage() or self._reentrant_activation_checkpointing()
-        rebuild = lambda held, inputs: self._delayed.rebuild(held, functools.partial(self._stage_forward, inputs))
-        self.fdg_state.restore(saved, rebuild, needs_grad, self.device)
+        self.fdg_state.restore(saved, self._rebuilt, needs_grad, self.device)
+
+    def _rebuilt(self, held: Held, inputs: Any) -> Any:
+        """A stored forward's outputs, its graph rebuilt into ``held`` (Note [rebuilding a stored graph]); None when
+        the stage recomputes (Note [one direction] in fdg_schedule.corrections.delayed)."""
+        outputs = None
+        with self._delayed.rebuilding(held) as rerun:
+            if rerun:
+                outputs = self._stage_forward(inputs)
+        return outputs

@@ -17,7 +17,7 @@ the gradients accumulated since its last optimizer step; the prediction's delta,
 last stage's targets of micro-batches still on their way, the LR scheduler and the host RNG. A graph
 cannot be saved: on resume the stage's first ``step()`` (once torch's stage has set up its buffers) refills
 the receive buffers and runs each stored forward again with autograd handed the saved tensors
-(:meth:`~fdg_schedule.corrections.delayed.DelayedBackward.rebuild`, Note [rebuilding a stored graph]), so
+(:meth:`~fdg_schedule.corrections.delayed.DelayedBackward.rebuilding`, Note [rebuilding a stored graph]), so
 the delayed backward is bit for bit the one the uninterrupted run computes (tested).
 """
 

@@ -27,7 +27,9 @@ what torch's runtime has no action for: the delayed backward's modes (the engine
 :class:`~fdg_schedule.corrections.delayed.DelayedBackward`: saved weights read live, stashed weights,
 recomputed forwards), the gradient shrink, the optimizer step inside the tick with the staleness
 corrections (:class:`~fdg_schedule.corrections.staleness.Corrections`), a data-parallel gradient
-reduction per optimizer step, and messages that outlive ``step()`` (:mod:`.links`). torch's
+reduction per optimizer step, and messages that outlive ``step()`` (:mod:`.links`). The corrections are
+contexts this schedule runs torch's chunks and its optimizer step inside (Note [one direction] in
+:mod:`fdg_schedule.corrections.delayed`). torch's
 ``_PipelineScheduleRuntime`` cannot carry them: its step clears the stage after n micro-batches,
 reduces gradients at the last backward and has no update action.
 """
@@ -37,7 +39,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -253,8 +254,9 @@ class ScheduleFDG(PipelineScheduleSingle):
 
     def _forward(self, micro_batch: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[dist.P2POp]:
         stage, slot = self._stage, micro_batch % self.slots
-        with self.corrections.predicted():
-            _, held = self.delayed.forward(lambda: self._run_forward(slot, args, kwargs))
+        with self.corrections.predicted(), self.delayed.forwarding() as forward:  # Note [one direction]
+            self._run_forward(slot, args, kwargs)  # its output stays in the stage's fwd_cache
+        held = forward.held
         if self.config.activations == "recomputed":  # keep the inputs only: the first forward's graph goes
             outputs, inputs = stage.fwd_cache[slot]
             stage.fwd_cache[slot] = (tuple(o.detach() if torch.is_tensor(o) else o for o in outputs), inputs)
@@ -269,8 +271,9 @@ class ScheduleFDG(PipelineScheduleSingle):
                 if info.buffer is not None:
                     info.buffer.mul_(self.config.grad_shrink)
         assert record.held is not None
-        rerun = lambda: self._run_forward(record.slot, record.args, record.kwargs)  # noqa: E731
-        with self.delayed.backward(record.held, None, rerun):
+        with self.delayed.backward(record.held) as rerun:  # Note [one direction]
+            if rerun:
+                self._run_forward(record.slot, record.args, record.kwargs)
             stage.backward_one_chunk(record.slot, loss=None, last_backward=False)
         return stage.get_bwd_send_ops(record.slot)
 
@@ -313,12 +316,9 @@ class ScheduleFDG(PipelineScheduleSingle):
         self._reduce_grads()
         if self.clip_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(self._stage.submod.parameters(), self.clip_grad_norm)
-
-        def take_step() -> bool:
+        with self.corrections.stepping(self.optimizer, self.tick) as step:  # Note [one direction]
             self.optimizer.step()
-            return True
-
-        self.corrections.step(self.optimizer, self.tick, take_step)
+            step.taken = True
         self.optimizer.zero_grad()
 
     def _reduce_grads(self) -> None:
@@ -425,7 +425,9 @@ class ScheduleFDG(PipelineScheduleSingle):
                 with torch.no_grad():
                     _fill(stage.args_recv_info[slot], record["inputs"])
             held = Held(weights=record["weights"], rng_state=record["rng_state"], saved=record["saved"])
-            self.delayed.rebuild(held, functools.partial(self._run_forward, slot, record["args"], record["kwargs"]))
+            with self.delayed.rebuilding(held) as rerun:  # Note [one direction]
+                if rerun:
+                    self._run_forward(slot, record["args"], record["kwargs"])
             self.in_flight[b] = InFlight(slot, record["args"], record["kwargs"], held)
         torch.set_rng_state(rng)
 
