@@ -115,12 +115,8 @@ SCRIPT_IMPORTS = {
     "benchmarks.convergence.muon_lm": {"benchmarks.convergence.auto_test"},  # runs the auto test's own protocol
     # derives the shipped token-overhead table from that study's own run lists (its evidence, not a helper)
     "benchmarks.studies.token_overheads": {"benchmarks.studies.staleness_gpt2_gaps"},
-    # throughput.py's model_profile / engine_version and throughput_measure.py's process set-up are shared, but
-    # those files were being changed when issue 65 moved the other helpers: they move to common/ next
+    # the calibration runs the throughput benchmark itself (``throughput.main``) on the planner's splits
     "benchmarks.throughput.plan_calibration": {"benchmarks.throughput.throughput"},
-    "benchmarks.throughput.transport_cost": {"benchmarks.throughput.throughput"},
-    "benchmarks.throughput.correction_cost": {"benchmarks.throughput.throughput"},
-    "benchmarks.studies.tick_anatomy": {"benchmarks.throughput.throughput", "benchmarks.throughput.throughput_measure"},
     # issue 64's screen runs on the auto test's development tasks with the Muon queue's optimizer, as they were
     # measured (its runs are compared with theirs); issue 63's runner builds Muon as that queue did
     "benchmarks.convergence.candidates_screen": {"benchmarks.convergence.auto_test", "benchmarks.convergence.muon_lm"},
