@@ -22,8 +22,9 @@ from torch import nn
 
 NAMES = ("sgd", "adamw", "muon")
 LR, MOMENTUM = 0.01, 0.9  # SGD: the throughput benchmark's settings
-ADAMW = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
-MUON = {"momentum": 0.95, "adam_lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}  # muon_lm's
+ADAMW: dict[str, Any] = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+# Muon (the muon_lm queue's, recipes/train_lm.py --optimizer muon): momentum, its Adam half's lr, betas, eps, decay
+MUON: dict[str, Any] = {"momentum": 0.95, "adam_lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
 MUON_LR = 0.02
 CLIP = {"sgd": 0.0, "adamw": 1.0, "muon": 1.0}  # gradient clipping by norm (0: off), as the runs clip
 
@@ -60,7 +61,7 @@ def parameter_factory(name: str) -> Factory:
     if check(name) == "sgd":
         return functools.partial(torch.optim.SGD, lr=LR, momentum=MOMENTUM)
     if name == "adamw":
-        return functools.partial(torch.optim.AdamW, **ADAMW)  # type: ignore[arg-type]
+        return functools.partial(torch.optim.AdamW, **ADAMW)
     raise ValueError("muon tags its parameters by name: build it from the module (optimizers.build)")
 
 
@@ -138,7 +139,7 @@ class LayerMuon:
         tags = self.tags[tuple(tuple(p.shape) for p in params)]
         for p, tag in zip(params, tags):
             p.use_muon = tag  # type: ignore[attr-defined]
-        return muon_on_tagged(params, MUON_LR)  # type: ignore[no-any-return]
+        return muon_on_tagged(params, MUON_LR)
 
     def __repr__(self) -> str:  # the profile's cache key describes its optimizer by this
         return f"DeepSpeed Muon(muon_lr={MUON_LR}, {sorted(MUON.items())}, tagged by name)"

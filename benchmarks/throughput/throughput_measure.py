@@ -13,6 +13,7 @@ from deepspeed.accelerator import get_accelerator
 from torch import nn
 
 from benchmarks.common import rank_process
+from benchmarks.common.optimizers import CLIP
 from benchmarks.common.rank_process import prepare_process
 from benchmarks.common.throughput_variants import DeepSpeedVariant, Variant, build_variant
 
@@ -44,7 +45,17 @@ def throughput_worker(rank: int, world: int, plan: dict[str, Any]) -> dict[str, 
         dist.barrier()
         memory[spec["name"]] = held_or_saved(built[spec["name"]], spec, plan["memory_micro_batches"])
     stage = {name: (v.stage_id if v is not None else None) for name, v in built.items()}
-    return {"rank": rank, "windows": windows, "stage_id": stage, "memory": memory}
+    stepped = {name: stepped_by(v) for name, v in built.items() if v is not None}
+    return {"rank": rank, "windows": windows, "stage_id": stage, "memory": memory, "optimizer": stepped}
+
+
+def stepped_by(variant: Variant) -> dict[str, Any]:
+    """What this rank's part of a variant stepped: the optimizer's class (DeepSpeed's unwrapped) and the gradient
+    clipping it ran with."""
+    if isinstance(variant, DeepSpeedVariant):
+        engine = variant.engine
+        return {"class": type(engine.basic_optimizer).__name__, "gradient_clipping": engine.gradient_clipping()}
+    return {"class": type(variant.optimizer).__name__, "gradient_clipping": CLIP[variant.optimizer_name]}
 
 
 def _window(variant: Variant | None, spec: dict[str, Any], micro_batches: int) -> dict[str, Any]:
