@@ -152,7 +152,7 @@ def test_the_plain_halves_run_fdgs_split_on_both_ranks_and_every_pipeline_is_com
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize(("optimizer", "stepped"), [("adamw", "AdamW"), ("muon", "MuonWithAuxAdam")])
 def test_every_variant_steps_the_optimizer_asked_for_and_the_ratio_file_reads_the_run(
     tmp_path: Path, optimizer: str, stepped: str
@@ -165,7 +165,8 @@ def test_every_variant_steps_the_optimizer_asked_for_and_the_ratio_file_reads_th
 
     names = {"bp", "1f1b_m4", "fdg_stashed_stored", "halves"}
     run_benchmark("throughput", "--quick", "--models=transformer_tiny", "--repeats=1", "--variants=" + ",".join(names),
-                  f"--optimizer={optimizer}", f"--out={tmp_path}")  # fmt: skip
+                  f"--optimizer={optimizer}", f"--out={tmp_path}", timeout=220)  # fmt: skip
+    # (Muon: 60-90 s on a loaded 2-core machine, most of it DeepSpeed building its Muon and the engines)
     report = json.loads((tmp_path / "throughput.json").read_text())
     assert report["optimizer"] == optimizer and report["optimizer_settings"]["gradient_clipping"] == 1.0
     raw = report["models"]["transformer_tiny"]["raw"]
