@@ -115,12 +115,8 @@ SCRIPT_IMPORTS = {
     "benchmarks.convergence.muon_lm": {"benchmarks.convergence.auto_test"},  # runs the auto test's own protocol
     # derives the shipped token-overhead table from that study's own run lists (its evidence, not a helper)
     "benchmarks.studies.token_overheads": {"benchmarks.studies.staleness_gpt2_gaps"},
-    # throughput.py's model_profile / engine_version and throughput_measure.py's process set-up are shared, but
-    # those files were being changed when issue 65 moved the other helpers: they move to common/ next
+    # the calibration runs the throughput benchmark itself (``throughput.main``) on the planner's splits
     "benchmarks.throughput.plan_calibration": {"benchmarks.throughput.throughput"},
-    "benchmarks.throughput.transport_cost": {"benchmarks.throughput.throughput"},
-    "benchmarks.throughput.correction_cost": {"benchmarks.throughput.throughput"},
-    "benchmarks.studies.tick_anatomy": {"benchmarks.throughput.throughput", "benchmarks.throughput.throughput_measure"},
     # issue 64's screen runs on the auto test's development tasks with the Muon queue's optimizer, as they were
     # measured (its runs are compared with theirs); issue 63's runner builds Muon as that queue did
     "benchmarks.convergence.candidates_screen": {"benchmarks.convergence.auto_test", "benchmarks.convergence.muon_lm"},
@@ -157,3 +153,42 @@ def test_provenance_names_the_machine_and_the_commit() -> None:
     here = machine()
     assert set(here) == {"cpu", "vector", "torch", "deepspeed", "python"} and here["cpu"], here
     assert commit() == "" or all(c in "0123456789abcdef" for c in commit())
+
+
+def test_the_benchmark_optimizers_are_the_time_to_loss_runs() -> None:
+    """AdamW and Muon as benchmarks/convergence/time_to_loss.py trains with them (lr: its grid's middle), clipped as
+    its LM runs; Muon built by the one builder both use; a name the benchmark does not build is refused."""
+    from benchmarks.common import optimizers
+    from benchmarks.convergence import muon_lm
+    from benchmarks.convergence import time_to_loss as ttl
+
+    assert {k: v for k, v in optimizers.ADAMW.items() if k != "lr"} == ttl.ADAMW
+    assert optimizers.ADAMW["lr"] == ttl.GRIDS["adamw"][1] and ttl.GRIDS["muon"][1] == optimizers.MUON_LR
+    assert optimizers.CLIP["adamw"] == optimizers.CLIP["muon"] == ttl.CLIP["lm"] and optimizers.CLIP["sgd"] == 0.0
+    assert muon_lm.muon is optimizers.muon
+    entries, client = optimizers.deepspeed_entries("muon")
+    assert client is None and entries["optimizer"] == {"type": "Muon", "params": {"muon_lr": 0.02, **optimizers.MUON}}
+    with pytest.raises(
+        ValueError, match=r"--optimizer 'adam' is not an optimizer the benchmark builds: use one of sgd"
+    ):
+        optimizers.check("adam")
+
+
+def test_the_profiles_muon_tags_each_layer_copy_as_deepspeed_tags_the_model() -> None:
+    """The profiler steps copies of single layers, without the model's names: the embedding and the head still go on
+    Muon's Adam half (their names), the blocks' matrices on Muon, as in a DeepSpeed engine of the whole model."""
+    import copy
+
+    from benchmarks.common.bench_models import model_layers
+    from benchmarks.common.optimizers import LayerMuon
+
+    layers = model_layers("gpt2_tiny")
+    factory = LayerMuon(layers)
+    for layer in (layers[0], layers[1], layers[-1]):  # the embedding, a block, the head
+        params = list(copy.deepcopy(layer).parameters())
+        opt = factory(params)
+        on_muon = {id(p) for g in opt.param_groups if g["use_muon"] for p in g["params"]}
+        names = dict(layer.named_parameters())
+        expected = {n for n, p in names.items() if p.ndim >= 2 and "embed" not in n and "lm_head" not in n}
+        assert {n for (n, _), p in zip(names.items(), params) if id(p) in on_muon} == expected, type(layer).__name__
+    assert any(g["use_muon"] for g in factory(list(copy.deepcopy(layers[1]).parameters())).param_groups)

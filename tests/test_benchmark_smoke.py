@@ -65,6 +65,12 @@ def test_quick_run_writes_a_complete_report(tmp_path: Path) -> None:
         assert all(len(pair) == 2 for pair in row["load_avg_1min"])
     assert rows["bp"]["ratio_vs_bp"]["median"] == pytest.approx(1.0)
     assert rows["1f1b_m4"]["optimizer_steps_per_micro_batch"] == pytest.approx(0.25)
+    # The default optimizer: the benchmark's SGD with momentum, unclipped, on every rank of every variant.
+    assert report["optimizer"] == "sgd" and report["optimizer_settings"]["gradient_clipping"] == 0.0
+    stepped = [got for r in report["models"]["transformer_tiny"]["raw"] for got in r["optimizer"].values()]
+    assert len(stepped) == 1 + 2 * (len(VARIANTS) - 1)  # bp on rank 0 only, every other variant on both ranks
+    assert all(got == {"class": "SGD", "gradient_clipping": 0.0} for got in stepped)
+    assert "Every variant steps sgd (lr 0.01, momentum 0.9; gradient clipping off)." in markdown
 
     # Splits come from the library: the profile is kept, every pipeline has a predicted time per stage.
     result = report["models"]["transformer_tiny"]
@@ -143,6 +149,39 @@ def test_the_plain_halves_run_fdgs_split_on_both_ranks_and_every_pipeline_is_com
     ratio = rows["fdg_current_recomputed_shm"]["ratio_vs_halves_recomputed"]["median"]
     assert ratio > 0 and f"- fdg_current_recomputed_shm: {ratio:.2f} [" in markdown
     assert "ratio_vs_halves_recomputed" not in rows["fdg_current_stored_shm"]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("optimizer", "stepped"), [("adamw", "AdamW"), ("muon", "MuonWithAuxAdam")])
+def test_every_variant_steps_the_optimizer_asked_for_and_the_ratio_file_reads_the_run(
+    tmp_path: Path, optimizer: str, stepped: str
+) -> None:
+    """``--optimizer``: bp, 1F1B, FDG and the plain halves all step it, clipped at 1.0 as the time-to-loss runs (the
+    DeepSpeed engines' own record of what they built); the report says so, and ttl_ratios turns it into the
+    analysis' ratio for that optimizer."""
+    from benchmarks.convergence import time_to_loss
+    from benchmarks.throughput import ttl_ratios
+
+    names = {"bp", "1f1b_m4", "fdg_stashed_stored", "halves"}
+    run_benchmark("throughput", "--quick", "--models=transformer_tiny", "--repeats=1", "--variants=" + ",".join(names),
+                  f"--optimizer={optimizer}", f"--out={tmp_path}", timeout=220)  # fmt: skip
+    # (Muon: 60-90 s on a loaded 2-core machine, most of it DeepSpeed building its Muon and the engines)
+    report = json.loads((tmp_path / "throughput.json").read_text())
+    assert report["optimizer"] == optimizer and report["optimizer_settings"]["gradient_clipping"] == 1.0
+    raw = report["models"]["transformer_tiny"]["raw"]
+    assert set(raw[0]["optimizer"]) == names and set(raw[1]["optimizer"]) == names - {"bp"}
+    assert all(got == {"class": stepped, "gradient_clipping": 1.0} for r in raw for got in r["optimizer"].values())
+    assert f"Every variant steps {optimizer} (" in (tmp_path / "throughput.md").read_text()
+
+    # as a time-to-loss model's run: the ratio file holds the medians' ratio under <task>_<optimizer>
+    report["models"] = {"ttl_lm": report["models"]["transformer_tiny"]}
+    (tmp_path / "as_ttl.json").write_text(json.dumps(report))
+    ttl_ratios.main([str(tmp_path / "as_ttl.json"), "--json", str(tmp_path / "ratios.json")])
+    rows = report["models"]["ttl_lm"]["variants"]
+    expected = rows["fdg_stashed_stored"]["samples_per_s"]["median"] / rows["1f1b_m4"]["samples_per_s"]["median"]
+    got = time_to_loss.throughput_ratio(tmp_path / "ratios.json", "lm", optimizer, 2)
+    assert got is not None and got["ratio"] == pytest.approx(expected) and got["optimizer_matches"]
 
 
 @pytest.mark.timeout(150)

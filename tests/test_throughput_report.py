@@ -115,3 +115,19 @@ def test_the_throughput_benchmark_refuses_a_variant_name_it_does_not_have(capsys
         signal.signal(signal.SIGTERM, handler)
     err = capsys.readouterr().err
     assert "['fdg_current_stored_shm_g4']" in err and "fdg_current_stored_shm'" in err
+
+
+def test_the_throughput_benchmark_refuses_an_optimizer_it_does_not_build(capsys) -> None:
+    import signal
+
+    from benchmarks.throughput.throughput import main
+
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit):
+            main(["--models", "plainconv", "--optimizer", "adam"])
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    assert "--optimizer 'adam' is not an optimizer the benchmark builds: use one of sgd, adamw, muon" in (
+        capsys.readouterr().err
+    )

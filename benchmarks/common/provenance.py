@@ -36,3 +36,18 @@ def commit() -> str:
         return out.stdout.strip()
     except OSError:
         return ""
+
+
+def engine_version() -> str:
+    """Where the engine a benchmark ran comes from: the commit, and whether fdg_schedule/ differs from it."""
+    import fdg_schedule
+
+    if Path(fdg_schedule.__file__).resolve().parents[1] != ROOT:
+        return f"fdg_schedule from {Path(fdg_schedule.__file__).parent}"
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = git("status", "--porcelain", "--", "fdg_schedule")
+    return f"{head}{' + uncommitted changes in fdg_schedule/' if dirty else ''}"

@@ -183,7 +183,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"Load average (1 min) at start {report['load_start'][0]:.2f}, at end {report['load_end'][0]:.2f}; "
         f"{report['seconds']:.0f} s in all. Freed host memory: {report.get('host_memory', 'system default')}; "
         f"every rank bound to a core of its own: {'yes' if report.get('bind_cores') else 'no'} "
-        "(`_bound` variants: in their own windows).",
+        "(`_bound` variants: in their own windows). Every variant steps "
+        f"{_optimizer(report)}.",
         "",
     ]
     for model, result in report["models"].items():
@@ -317,6 +318,15 @@ def _corrections_table(rows: dict[str, dict[str, Any]]) -> list[str]:
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def _optimizer(report: dict[str, Any]) -> str:
+    """The optimizer line of a report (one from before ``--optimizer`` stepped SGD with momentum)."""
+    name = report.get("optimizer", "sgd")
+    given = report.get("optimizer_settings", {"params": {"lr": 0.01, "momentum": 0.9}, "gradient_clipping": 0.0})
+    params = ", ".join(f"{k} {v}" for k, v in given["params"].items())
+    clip = given["gradient_clipping"]
+    return f"{name} ({params}; gradient clipping {clip if clip else 'off'})"
 
 
 def _row(name: str, row: dict[str, Any]) -> str:

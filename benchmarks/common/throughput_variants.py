@@ -19,14 +19,16 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from torch import nn
 
+from benchmarks.common import optimizers
 from benchmarks.common.bench_models import MODELS, build_layers, fixed_data, loss_fn, model_layers
+from benchmarks.common.optimizers import LR, MOMENTUM  # noqa: F401  (the benchmark's SGD, as its scripts read it)
 from fdg_schedule.exchange.shm_link import Link, message_bytes
 
 STAGES = 2  # this machine has 2 cores: one per stage
 TIMEOUT = timedelta(seconds=120)  # the plain halves' waits on each other
 MODES = [("current", "stored"), ("current", "recomputed"), ("stashed", "stored"), ("stashed", "recomputed")]
 GAS_1F1B = (2, 4, 8)
-LR, MOMENTUM, GRAD_SHRINK = 0.01, 0.9, 0.5
+GRAD_SHRINK = 0.5
 COMPUTE_KINDS = ("forward_s", "backward_s", "step_s", "reduce_s")
 BY_PARAMS = "_by_params"  # name suffix of the variants split by DeepSpeed's "parameters" method
 BY_PARAMS_OF = ("1f1b_m4", "fdg_current_stored")  # the variants also run on that split
@@ -134,12 +136,13 @@ def variants(gas_fdg: int | list[int]) -> list[dict[str, Any]]:
 class PlainBP:
     """Backprop on one worker: the same layers in an nn.Sequential, an optimizer step per micro-batch."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, optimizer: str = "sgd") -> None:
         torch.manual_seed(0)
         device = get_accelerator().current_device_name()  # the host on the CPU accelerator
         self.module = nn.Sequential(*build_layers(model)).to(device)
         self.loss_fn = loss_fn(model)
-        self.optimizer = torch.optim.SGD(self.module.parameters(), lr=LR, momentum=MOMENTUM)
+        self.optimizer_name = optimizer
+        self.optimizer = optimizers.build(optimizer, self.module)
         self.data = itertools.cycle([(x.to(device), y.to(device)) for x, y in fixed_data(model)])
         self.stats: dict[str, float] = {k: 0.0 for k in COMPUTE_KINDS}
         self.stage_id = 0
@@ -151,6 +154,7 @@ class PlainBP:
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
+        optimizers.clip(self.optimizer_name, self.module.parameters())
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
@@ -176,10 +180,18 @@ class PlainHalves:
     neighbour and receiving one (one ``batch_isend_irecv``, as the engine's tick), and the next tick
     waits for both first (``wait_s``): FDG's exchange and lock-step without its engine. ``"shm"``:
     the same messages through the library's shared-memory link (``pipeline.fdg.transport: "shm"``: no transport
-    thread, one copy each way).
+    thread, one copy each way). ``optimizer``: which one each stage steps (:mod:`benchmarks.common.optimizers`),
+    clipped by the stage's own norm as FDG clips.
     """
 
-    def __init__(self, model: str, parts: list[int], exchange: bool | str = False, recompute: bool = False) -> None:
+    def __init__(
+        self,
+        model: str,
+        parts: list[int],
+        exchange: bool | str = False,
+        recompute: bool = False,
+        optimizer: str = "sgd",
+    ) -> None:
         torch.manual_seed(0)
         device = get_accelerator().current_device_name()
         self.stage_id = dist.get_rank()
@@ -190,7 +202,8 @@ class PlainHalves:
         self.delay = 2 * (STAGES - 1 - self.stage_id)
         self.recompute = recompute
         self.loss_fn = loss_fn(model)
-        self.optimizer = torch.optim.SGD(self.module.parameters(), lr=LR, momentum=MOMENTUM)
+        self.optimizer_name = optimizer
+        self.optimizer = optimizers.build(optimizer, self.module)
         earlier = nn.Sequential(*layers[:start]).to(device)
         with torch.no_grad():  # what this stage receives for each fixed micro-batch
             data = [(earlier(x.to(device)), y.to(device)) for x, y in fixed_data(model)]
@@ -229,6 +242,7 @@ class PlainHalves:
                     self.grad = torch.full_like(out, 1e-4)
                 out.backward(self.grad)
         t2 = time.perf_counter()
+        optimizers.clip(self.optimizer_name, self.module.parameters())
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
@@ -276,9 +290,12 @@ def _same(t: torch.Tensor) -> torch.Tensor:
 
 
 class DeepSpeedVariant:
-    """A DeepSpeed pipeline engine (FDG, 1F1B or one-stage data parallel) on the fixed data."""
+    """A DeepSpeed pipeline engine (FDG, 1F1B or one-stage data parallel) on the fixed data, stepping ``optimizer``
+    (:mod:`benchmarks.common.optimizers`: a client optimizer, or DeepSpeed's own from its config block for Muon)."""
 
-    def __init__(self, spec: dict[str, Any], model: str, parts: list[int], host_memory: str = "retain") -> None:
+    def __init__(
+        self, spec: dict[str, Any], model: str, parts: list[int], host_memory: str = "retain", optimizer: str = "sgd"
+    ) -> None:
         import deepspeed
 
         import fdg_schedule  # noqa: F401  (a "schedule": "fdg" config now builds the FDG engine)
@@ -292,10 +309,12 @@ class DeepSpeedVariant:
             loss_fn=loss_fn(model),
             partition_method=parts_method(parts),
         )
+        # sgd: no clipping (it would add a cross-stage all-reduce to 1F1B); adamw / muon clip at 1.0 as the runs do
+        entries, client = optimizers.deepspeed_entries(optimizer)
         config: dict[str, Any] = {
             "train_micro_batch_size_per_gpu": cfg["micro"],
             "gradient_accumulation_steps": spec["gas"],
-            "gradient_clipping": 0.0,  # clipping would add a cross-stage all-reduce to 1F1B
+            **entries,
             "steps_per_print": 10**9,
         }
         if spec["kind"] == "fdg":
@@ -309,7 +328,7 @@ class DeepSpeedVariant:
         self.engine, *_ = deepspeed.initialize(
             model=module,
             config=config,
-            optimizer=lambda params: torch.optim.SGD(params, lr=LR, momentum=MOMENTUM),
+            optimizer=client,
             model_parameters=module.parameters(),
         )
         self.module = module
@@ -352,14 +371,16 @@ Variant = PlainBP | PlainHalves | DeepSpeedVariant
 
 
 def build_variant(
-    spec: dict[str, Any], model: str, splits: dict[str, list[int]], host_memory: str = "retain"
+    spec: dict[str, Any], model: str, splits: dict[str, list[int]], host_memory: str = "retain", optimizer: str = "sgd"
 ) -> Variant | None:
     """This rank's part of ``spec`` (None: this rank sits the variant out); ``host_memory``: what the benchmark's
-    processes do with freed memory ("retain" or "system"), which FDG's engine is told too."""
+    processes do with freed memory ("retain" or "system"), which FDG's engine is told too; ``optimizer``: the one
+    every variant steps (:mod:`benchmarks.common.optimizers`)."""
     if spec["kind"] == "bp":
-        return PlainBP(model) if dist.get_rank() == 0 else None
+        return PlainBP(model, optimizer) if dist.get_rank() == 0 else None
     if spec["kind"] == "halves":
         recompute = spec.get("activations") == "recomputed"
-        return PlainHalves(model, splits[split_key(spec)], exchange=spec.get("exchange", False), recompute=recompute)
+        exchange = spec.get("exchange", False)
+        return PlainHalves(model, splits[split_key(spec)], exchange=exchange, recompute=recompute, optimizer=optimizer)
     parts = splits[split_key(spec)] if spec["stages"] > 1 else [0, len(model_layers(model))]
-    return DeepSpeedVariant(spec, model, parts, host_memory)
+    return DeepSpeedVariant(spec, model, parts, host_memory, optimizer)

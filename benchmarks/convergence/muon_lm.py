@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import provenance
+from benchmarks.common.optimizers import muon  # also muon_lm.muon to time_to_loss.py and candidates_screen.py
 from benchmarks.common.stats import t_quantile
 from benchmarks.convergence import auto_test
 
@@ -58,28 +59,6 @@ SEEDS = tuple(range(100, 105))
 ARMS = ("bp_muon", "muon_k4", "muon_k2", "adamw_k2_none", "adamw_k2_auto")
 BP_ADAMW_HERE = "bp_adamw_here"  # BP-AdamW run by this queue where the auto test's ran on another processor
 HERE = "_here"  # an arm of this queue rerun on the processor the auto test's BP-AdamW of the seed ran on
-MUON = {"momentum": 0.95, "adam_lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
-
-
-def muon(stage: Any, muon_lr: float) -> Any:
-    """What ``deepspeed.initialize`` builds for a stage from ``{"type": "Muon", "params": {muon_lr, **MUON}}``
-    on the CPU (tests/toy.py's ``ds_optimizer``, with DeepSpeed's own name-and-shape tagging)."""
-    from types import SimpleNamespace
-
-    from deepspeed import set_optimizer_flags
-    from deepspeed.ops.adam import FusedAdam
-    from deepspeed.runtime.engine import DeepSpeedEngine
-    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
-
-    from fdg_schedule.base import optim
-
-    params = {"muon_lr": muon_lr, **MUON}
-    set_optimizer_flags(SimpleNamespace(optimizer_name="muon", optimizer_params=params), stage)
-    groups = DeepSpeedEngine._muon_param_groups(list(stage.parameters()), dict(params))
-    opt = MuonWithAuxAdam(groups, adam_optimizer=FusedAdam, adam_optimizer_kwargs={"adam_w_mode": True},
-                          adam_w_mode=True, fallback_to_inline=True)  # fmt: skip
-    optim.pure_steps(opt)  # one process holds K of them: each steps on its own state (issue 41)
-    return opt
 
 
 def arm_setup(arm: str) -> tuple[int, str, str | None]:

@@ -36,8 +36,9 @@ os.environ["OMP_NUM_THREADS"] = "1"  # before torch is imported
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from benchmarks.common import rank_process  # noqa: E402
+from benchmarks.common.rank_process import prepare_process  # noqa: E402
 from benchmarks.common.throughput_variants import DeepSpeedVariant, PlainHalves  # noqa: E402
-from benchmarks.throughput.throughput_measure import _usage, prepare_process  # noqa: E402
 
 FDG: dict[str, dict[str, str]] = {
     "fdg": {},
@@ -184,14 +185,14 @@ def window(name: str, built: tuple[Any, InstructionClock | None], ticks: int, in
     inner.seconds.clear()
     if clock is not None:
         clock.reset()
-    before, usage, sched = dict(variant.stats), _usage(), thread_schedstat()
+    before, usage, sched = dict(variant.stats), rank_process.usage(), thread_schedstat()
     inner.active = True
     start = time.perf_counter()
     for _ in range(units):
         clock.call(variant.unit) if clock is not None else variant.unit()
     local = time.perf_counter() - start
     inner.active = False
-    after, usage_after, sched_after = dict(variant.stats), _usage(), thread_schedstat()
+    after, usage_after, sched_after = dict(variant.stats), rank_process.usage(), thread_schedstat()
     wall = torch.tensor([local], dtype=torch.float64)
     dist.all_reduce(wall, op=dist.ReduceOp.MAX)
     record: dict[str, Any] = {
@@ -367,7 +368,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.parts:
         parts = [int(p) for p in args.parts.split(",")]
     else:
-        from benchmarks.throughput.throughput import model_profile
+        from benchmarks.common.layer_profile import model_profile
         from fdg_schedule.partitioning.partition import Objective, balanced_partition
 
         parts = balanced_partition(model_profile(args.model), 2, Objective()).parts

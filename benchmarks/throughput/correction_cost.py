@@ -35,8 +35,8 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from benchmarks.common.bench_models import MODELS, build_layers, fixed_data  # noqa: E402
+from benchmarks.common.layer_profile import model_profile  # noqa: E402
 from benchmarks.common.throughput_variants import LR, MOMENTUM, split_objective  # noqa: E402
-from benchmarks.throughput.throughput import model_profile  # noqa: E402
 from fdg_schedule.base.config import FDGConfig  # noqa: E402
 from fdg_schedule.corrections.staleness import Corrections  # noqa: E402
 from fdg_schedule.partitioning.partition import balanced_partition  # noqa: E402

@@ -39,6 +39,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks.common import throughput_variants as variants  # noqa: E402  (its models and optimizer settings)
+from benchmarks.common.provenance import engine_version  # noqa: E402
 from benchmarks.throughput import throughput  # noqa: E402  (benchmarks/throughput/throughput.py: interleaved timing of the variants)
 from fdg_schedule.plan import CLUSTERS, CostModel, LayerCost, ModelProfile, Variant, predict  # noqa: E402
 from fdg_schedule.tools.launch import run  # noqa: E402
@@ -230,7 +231,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     started = time.monotonic()
     date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-    result: dict[str, Any] = {"command": command, "date": date, "engine": throughput.engine_version(),
+    result: dict[str, Any] = {"command": command, "date": date, "engine": engine_version(),
                               "load_start": os.getloadavg()}  # fmt: skip
     # 1. links
     sizes = [4096, 65536, 1 << 20, 4 << 20]

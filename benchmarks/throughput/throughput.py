@@ -8,6 +8,8 @@
         --variants 1f1b_m4,halves,fdg_current_stored_g1,fdg_current_stored_g4,fdg_current_stored_g16,\
 fdg_current_stored_shm_g1,fdg_current_stored_shm_g4,fdg_current_stored_shm_g16
                                                                     # FDG by calls and transport (issue 62)
+    python -m benchmarks.throughput.throughput --models ttl_lm --optimizer muon ...
+                                                                    # every variant steps Muon (issue 63)
 
 Throughput: one process tree of K = 2 gloo ranks (one thread each) builds every variant of a model
 once, warms each up, then runs them interleaved for ``--repeats`` rounds (the order rotates every
@@ -28,6 +30,14 @@ round, so drift on this shared machine falls on all variants alike):
                         the machine's ceiling, only when named: FDG's stages in plain torch, one per rank, both at
                         once, in FDG's stored (recomputed) order on its stored (recomputed) split; every FDG
                         variant is reported against halves, a recomputed one against halves_recomputed too
+
+Optimizer (``--optimizer``, the same for every variant and for the layer profile that balances the splits):
+``sgd`` (the default: SGD with momentum, lr 0.01, no clipping), or ``adamw`` / ``muon`` as the time-to-loss runs
+build them (benchmarks/common/optimizers.py: AdamW lr 1e-3, betas (0.9, 0.95), eps 1e-8, weight decay 0.1;
+DeepSpeed's Muon, ``{"type": "Muon"}`` for the DeepSpeed engines; both clip at 1.0). FDG steps each stage every
+micro-batch and 1F1B m = 4 every fourth, so a ratio holds only for the optimizer it was measured with; the
+report records it. ``python -m benchmarks.throughput.ttl_ratios`` turns such runs into the time-to-loss
+analysis' ratio file.
 
 Every round gives each variant the same number of micro-batches of the same size. Inputs are
 synthetic, fixed tensors (data loading is excluded). Wall time is taken from the outside (the slowest
@@ -75,24 +85,17 @@ os.environ["OMP_NUM_THREADS"] = "1"  # one thread per rank, before torch is impo
 
 import torch  # noqa: E402
 
-from benchmarks.common.bench_models import MODELS, fixed_data, loss_fn, model_layers  # noqa: E402
+from benchmarks.common import optimizers  # noqa: E402
+from benchmarks.common.bench_models import MODELS  # noqa: E402
+from benchmarks.common.layer_profile import model_profile  # noqa: E402
+from benchmarks.common.provenance import engine_version  # noqa: E402
 from benchmarks.common.throughput_report import markdown, summarize  # noqa: E402
-from benchmarks.common.throughput_variants import LR, MOMENTUM, STAGES, split_key, split_objective, variants  # noqa: E402
+from benchmarks.common.throughput_variants import STAGES, split_key, split_objective, variants  # noqa: E402
 from benchmarks.throughput.throughput_measure import memory_worker, throughput_worker  # noqa: E402
 from fdg_schedule.base import host_memory  # noqa: E402
 from fdg_schedule.partitioning.partition import balanced_partition, evaluate_partition, parameter_split  # noqa: E402
-from fdg_schedule.partitioning.profile import ModelProfile, profile_layers  # noqa: E402
+from fdg_schedule.partitioning.profile import ModelProfile  # noqa: E402
 from fdg_schedule.tools.launch import run  # noqa: E402
-
-
-def model_profile(model: str) -> ModelProfile:
-    """Each layer's measured times and sizes on one thread, with the benchmark's optimizer and micro-batch."""
-    import functools
-
-    torch.set_num_threads(1)
-    x, y = fixed_data(model, 1)[0]
-    optimizer = functools.partial(torch.optim.SGD, lr=LR, momentum=MOMENTUM)
-    return profile_layers(model_layers(model), x, y, loss_fn(model), optimizer=optimizer, device="cpu")
 
 
 def model_splits(profile: ModelProfile, specs: list[dict[str, Any]], stage_counts: set[int]) -> dict[str, Any]:
@@ -124,23 +127,6 @@ def measure_memory(plan: dict[str, Any], specs: list[dict[str, Any]], deadline_s
         out[spec["name"]] = sorted(used, key=lambda r: (r["stage_id"], r["rank"]))
         print(f"  memory {spec['name']} K={spec['stages']}: done", flush=True)
     return out
-
-
-def engine_version() -> str:
-    """Where the engine comes from: the commit, and whether fdg_schedule/ differs from it."""
-    import subprocess
-
-    import fdg_schedule
-
-    if Path(fdg_schedule.__file__).resolve().parents[1] != ROOT:
-        return f"fdg_schedule from {Path(fdg_schedule.__file__).parent}"
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-
-    commit = git("rev-parse", "--short", "HEAD") or "unknown"
-    dirty = git("status", "--porcelain", "--", "fdg_schedule")
-    return f"{commit}{' + uncommitted changes in fdg_schedule/' if dirty else ''}"
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -175,6 +161,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         action="store_true",
         help="pin rank r (all its threads) to core r, as deepspeed --bind_cores_to_rank",
     )
+    parser.add_argument(
+        "--optimizer",
+        default="sgd",
+        help="the optimizer every variant steps, and the layer profile times: sgd (SGD with momentum, no clipping), "
+        "adamw or muon (as the time-to-loss runs build them, clipping 1.0; benchmarks/common/optimizers.py)",
+    )
     parser.add_argument("--engine-note", default="", help="text recorded next to the engine version")
     parser.add_argument(
         "--render",
@@ -189,6 +181,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.render:
         return render(Path(args.render))
+    try:
+        optimizer = optimizers.check(args.optimizer)
+    except ValueError as error:
+        parser.error(str(error))
     quick = args.quick
     models = (args.models or ("resnet8_tiny,transformer_tiny" if quick else "resnet32,transformer")).split(",")
     repeats = args.repeats if args.repeats is not None else (2 if quick else 5)
@@ -227,6 +223,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "window": window,
         "warmup": warmup,
         "fdg_gas": fdg_gas,
+        "optimizer": optimizer,
+        "optimizer_settings": optimizers.settings(optimizer),
         "host_memory": host_memory.describe(),
         "bind_cores": args.bind_cores,
         "data": "synthetic fixed tensors, cycled (data loading excluded)",
@@ -234,7 +232,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "memory_by_stages": {},
     }
     for model in models:
-        profile = model_profile(model)
+        profile = model_profile(model, optimizer)
         predicted = model_splits(profile, specs, {STAGES, *rss_stages})
         splits = {key: split["parts"] for key, split in predicted.items()}
         for item in filter(None, args.parts.split(";")):  # "[model:]key=bounds"
@@ -259,6 +257,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             memory_micro_batches=args.memory_micro_batches,
             host_memory=args.freed_memory,
             bind_cores=args.bind_cores,
+            optimizer=optimizer,
         )
         costs_ms = [round((c.forward_s + c.backward_s) * 1e3, 2) for c in profile.layers]
         print(f"{model}: layer forward+backward {costs_ms} ms, splits {splits}", flush=True)

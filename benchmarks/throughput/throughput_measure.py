@@ -12,9 +12,10 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from torch import nn
 
-from benchmarks.common.cores import bind_threads
+from benchmarks.common import rank_process
+from benchmarks.common.optimizers import CLIP
+from benchmarks.common.rank_process import prepare_process
 from benchmarks.common.throughput_variants import DeepSpeedVariant, Variant, build_variant
-from fdg_schedule.base import host_memory
 
 
 def throughput_worker(rank: int, world: int, plan: dict[str, Any]) -> dict[str, Any]:
@@ -24,8 +25,8 @@ def throughput_worker(rank: int, world: int, plan: dict[str, Any]) -> dict[str, 
     """
     cores = prepare_process(rank, plan)
     specs = plan["variants"]
-    freed = plan.get("host_memory", "system")
-    built = {spec["name"]: build_variant(spec, plan["model"], plan["splits"], freed) for spec in specs}
+    freed, optimizer = plan.get("host_memory", "system"), plan.get("optimizer", "sgd")
+    built = {spec["name"]: build_variant(spec, plan["model"], plan["splits"], freed, optimizer) for spec in specs}
     for spec in specs:
         cores.bind(spec.get("bind_cores", False))
         _window(built[spec["name"]], spec, plan["warmup"])
@@ -44,33 +45,17 @@ def throughput_worker(rank: int, world: int, plan: dict[str, Any]) -> dict[str, 
         dist.barrier()
         memory[spec["name"]] = held_or_saved(built[spec["name"]], spec, plan["memory_micro_batches"])
     stage = {name: (v.stage_id if v is not None else None) for name, v in built.items()}
-    return {"rank": rank, "windows": windows, "stage_id": stage, "memory": memory}
+    stepped = {name: stepped_by(v) for name, v in built.items() if v is not None}
+    return {"rank": rank, "windows": windows, "stage_id": stage, "memory": memory, "optimizer": stepped}
 
 
-class Cores:
-    """Where this rank's threads may run: every core it started with, or one of its own (rank r: the r-th)."""
-
-    def __init__(self, rank: int, always_bound: bool) -> None:
-        self.all = sorted(os.sched_getaffinity(0))
-        self.own = {self.all[rank % len(self.all)]}
-        self.always_bound = always_bound
-        self.bound: bool | None = None
-
-    def bind(self, bound: bool) -> None:
-        """Move every thread of the process (gloo's transport threads too) onto its own core, or free it."""
-        bound = bound or self.always_bound
-        if bound != self.bound:
-            bind_threads(self.own if bound else set(self.all))
-            self.bound = bound
-
-
-def prepare_process(rank: int, plan: dict[str, Any]) -> Cores:
-    """This rank's allocator setting, bound to its core if ``bind_cores`` (else per variant, by its spec)."""
-    if plan.get("host_memory", "system") == "retain":
-        host_memory.retain_freed_memory()
-    cores = Cores(rank, bool(plan.get("bind_cores")))
-    cores.bind(False)
-    return cores
+def stepped_by(variant: Variant) -> dict[str, Any]:
+    """What this rank's part of a variant stepped: the optimizer's class (DeepSpeed's unwrapped) and the gradient
+    clipping it ran with."""
+    if isinstance(variant, DeepSpeedVariant):
+        engine = variant.engine
+        return {"class": type(engine.basic_optimizer).__name__, "gradient_clipping": engine.gradient_clipping()}
+    return {"class": type(variant.optimizer).__name__, "gradient_clipping": CLIP[variant.optimizer_name]}
 
 
 def _window(variant: Variant | None, spec: dict[str, Any], micro_batches: int) -> dict[str, Any]:
@@ -79,7 +64,7 @@ def _window(variant: Variant | None, spec: dict[str, Any], micro_batches: int) -
     dist.barrier()
     load_before = os.getloadavg()[0]
     before = dict(variant.stats) if variant is not None else {}
-    usage_before = _usage()
+    usage_before = rank_process.usage()
     get_accelerator().synchronize()  # on a GPU: the window holds exactly its own kernels (no-op on CPU)
     start = time.perf_counter()
     if variant is not None:
@@ -87,7 +72,7 @@ def _window(variant: Variant | None, spec: dict[str, Any], micro_batches: int) -
             variant.unit()
     get_accelerator().synchronize()
     local_wall = time.perf_counter() - start
-    usage = {k: v - usage_before[k] for k, v in _usage().items()}
+    usage = {k: v - usage_before[k] for k, v in rank_process.usage().items()}
     wall = torch.tensor([local_wall], dtype=torch.float64)
     dist.all_reduce(wall, op=dist.ReduceOp.MAX)
     after = dict(variant.stats) if variant is not None else {}
@@ -100,22 +85,6 @@ def _window(variant: Variant | None, spec: dict[str, Any], micro_batches: int) -
         "usage": usage,
         "load_before": load_before,
         "load_after": os.getloadavg()[0],
-    }
-
-
-def _usage() -> dict[str, float]:
-    """Where a rank's CPU time went: user and kernel time, the main thread's share (the rest is
-    other threads: gloo's transport, DeepSpeed's), page faults, and context switches
-    (involuntary: the kernel took the core away)."""
-    process = resource.getrusage(resource.RUSAGE_SELF)
-    thread = resource.getrusage(resource.RUSAGE_THREAD)
-    return {
-        "user_s": process.ru_utime,
-        "sys_s": process.ru_stime,
-        "main_thread_s": thread.ru_utime + thread.ru_stime,
-        "minor_faults": float(process.ru_minflt),
-        "voluntary_switches": float(process.ru_nvcsw),
-        "involuntary_switches": float(process.ru_nivcsw),
     }
 
 
@@ -200,7 +169,9 @@ def memory_worker(rank: int, world: int, plan: dict[str, Any], spec: dict[str, A
     import psutil
 
     prepare_process(rank, plan)
-    variant = build_variant(spec, plan["model"], plan["splits"], plan.get("host_memory", "system"))
+    variant = build_variant(
+        spec, plan["model"], plan["splits"], plan.get("host_memory", "system"), plan.get("optimizer", "sgd")
+    )
     result: dict[str, Any] = {"rank": rank, "stage_id": None, "rss_build": psutil.Process().memory_info().rss}
     if variant is not None:
         result["stage_id"] = variant.stage_id

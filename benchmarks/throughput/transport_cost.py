@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=None, help="a directory for transport_cost.md and .json")
     args = parser.parse_args(argv)
     sizes = [float(s) for s in args.sizes.split(",")]
-    from benchmarks.throughput.throughput import engine_version  # the commit the engine ran at
+    from benchmarks.common.provenance import engine_version  # the commit the engine ran at
     from fdg_schedule.tools.launch import run
 
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
