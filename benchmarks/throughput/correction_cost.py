@@ -65,14 +65,12 @@ class Stage:
         with self.corrections.predicted():
             out = self.module(self.x)
         out.float().square().mean().backward()  # a stand-in for the received gradient: same backward work
-        self.corrections.step(self.optimizer, self.tick, self._step)
+        with self.corrections.stepping(self.optimizer, self.tick) as step:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            step.taken = True
         self.tick += 1
         return time.perf_counter() - start
-
-    def _step(self) -> bool:
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return True
 
     def held_bytes(self) -> int:
         return sum(d.numel() * d.element_size() for d in self.corrections.delta or [])

@@ -45,7 +45,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -192,17 +192,6 @@ class Corrections:
                 moved = torch._foreach_sub(_fp32(_data(self.params)), _fp32(before))
                 torch._foreach_mul_(self.delta, self.gamma)
                 torch._foreach_add_(self.delta, moved, alpha=1.0 - self.gamma)
-
-    def step(self, optimizer: Any, tick: int, take_step: Callable[[], bool]) -> bool:
-        """:meth:`stepping` around ``take_step()`` (one optimizer step; returns whether it was taken).
-
-        Kept for ``benchmarks/throughput/correction_cost.py``, which times a step written as a function; the
-        engine and the torch.distributed.pipelining schedule step inside :meth:`stepping` (Note [one direction]
-        in :mod:`fdg_schedule.corrections.delayed`). Goes once that benchmark steps inside :meth:`stepping`.
-        """
-        with self.stepping(optimizer, tick) as step:
-            step.taken = take_step()
-        return step.taken
 
     def check_optimizer(self, optimizer: Any, where: str) -> None:
         """With ``delay_momentum`` or ``delay_momentum_raise``, every param group must have a momentum to take
