@@ -38,12 +38,14 @@ PACKAGES = {
     "gnu-standards": ("2022.03.23-0.1", "usr/share/doc/gnu-standards/*.text.gz"),
     "jargon-text": ("4.4.7-4.1", "usr/share/doc/jargon-text/jargon.txt.gz"),
     # the kernel's reStructuredText sources (the package also ships them as HTML); EXCLUDE drops the non-English
-    # translations, the device-tree bindings (YAML-like) and the ABI entries (key: value records)
+    # translations, the device-tree bindings (YAML-like), the ABI entries (key: value records) and the GNU FDL's
+    # text (the media API's appendix: gnu-standards holds the same licence)
     "linux-doc-6.1": ("6.1.176-1", "usr/share/doc/linux-doc-6.1/Documentation/**/*.rst.gz"),
 }
 EXCLUDE = {  # corpus files left out, as paths relative to the package folder that start with one of these
     "linux-doc-6.1": tuple(
-        f"usr/share/doc/linux-doc-6.1/Documentation/{d}/" for d in ("translations", "devicetree", "ABI")
+        f"usr/share/doc/linux-doc-6.1/Documentation/{d}"
+        for d in ("translations/", "devicetree/", "ABI/", "userspace-api/media/fdl-appendix.rst.gz")
     ),
 }
 
@@ -196,8 +198,20 @@ def linux_doc_sources(cache: Path = CACHE) -> dict[str, list[str]]:
 
 
 def joined_sources(cache: Path = CACHE) -> dict[str, list[str]]:
-    """The Jargon File, the Debian Reference and the GNU Coding Standards (``JOINED``): one source each."""
-    return {p: package_texts(p, cache) for p in JOINED}
+    """The Jargon File, the Debian Reference and the GNU Coding Standards (``JOINED``): one source each; the two
+    GNU manuals without their last appendix (the GNU FDL's text, which the kernel's media docs hold too) and the
+    index after it."""
+    texts = {p: package_texts(p, cache) for p in JOINED}
+    texts["gnu-standards"] = [strip_fdl_appendix(t) for t in texts["gnu-standards"]]
+    return texts
+
+
+def strip_fdl_appendix(text: str) -> str:
+    """A GNU manual's text up to its ``Appendix X GNU Free Documentation License`` heading (licence and index out)."""
+    found = re.search(r"^Appendix [A-Z] GNU Free Documentation License$", text, flags=re.MULTILINE)
+    if found is None:
+        raise ValueError("no 'Appendix X GNU Free Documentation License' heading in a gnu-standards text")
+    return text[: found.start()]
 
 
 def cut(text: str, fraction: float) -> int:
