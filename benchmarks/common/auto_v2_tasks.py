@@ -81,7 +81,7 @@ class Task:
 
 TASKS = {
     "lm_llama": Task("lm_llama", "lm", "linux-doc", 1024),
-    "lm_gpt2": Task("lm_gpt2", "lm", "jargon+debref+gnu", 1024),
+    "lm_gpt2": Task("lm_gpt2", "lm", "joined", 1024),
     "vgg": Task("vgg", "vision", None, 1024),
 }
 
