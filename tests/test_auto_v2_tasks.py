@@ -170,3 +170,14 @@ def test_the_real_texts_split_and_the_tokenizer_trains_on_train_only() -> None:
         assert len(test) / len(train) == pytest.approx(0.125, rel=0.01)
         built = tasks.build(task, 300, 8, 2, "test")
         assert len(built.evaluation) == tasks.LM_EVAL_BLOCKS // 32
+
+
+def test_the_cost_estimate_counts_every_run_of_the_test() -> None:
+    from benchmarks.convergence import auto_v2_cost
+
+    measured = [{"task": "vgg", "optimizer": "sgd", "stages": k, "cpu_s_per_micro_batch": s, "eval_cpu_s": 2.0}
+                for k, s in ((1, 0.1), (4, 0.2))]  # fmt: skip
+    result = auto_v2_cost.estimate(measured, budget={"vgg": 128}, eval_every=64, cap=2, grid=6, seeds=8)
+    bp, fdg = 128 * 0.1 + 2 * 2.0, 256 * 0.2 + 4 * 2.0  # FDG: twice the micro-batches and the evaluations
+    assert result["per_run_cpu_s"] == {"vgg/sgd/K1": pytest.approx(bp), "vgg/sgd/K4": pytest.approx(fdg)}
+    assert result["total_cpu_hours"] == pytest.approx(14 * (bp + fdg) / 3600)

@@ -2,7 +2,8 @@
 
     export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 PYTHONPATH=$PWD
     python -m benchmarks.convergence.auto_v2_cost --task lm_llama --optimizer adamw --stages 1 --accumulate 4 \
-        --micro-batches 128 [--json out.json]
+        --micro-batches 128 [--json docs/results/auto_v2/cost/lm_llama_adamw_k1.json]
+    python -m benchmarks.convergence.auto_v2_cost --estimate docs/results/auto_v2/cost   # the full test's CPU-hours
 
 A run as issue 63's runner makes one (benchmarks/convergence/time_to_loss.py: its optimizers, schedule, clipping,
 evaluation and FDG settings; ``corrections`` "auto" at K > 1), on a task of benchmarks/common/auto_v2_tasks.py, one
@@ -59,29 +60,41 @@ def measure(task: str, optimizer: str, stages: int, accumulate: int, micro_batch
     }  # fmt: skip
 
 
-def estimate(per_micro: dict[tuple[str, str, int], float], per_eval: dict[str, float], budget: int = 1024,
-             eval_every: int = 64, cap: int = 2, grid: int = 6, seeds: int = 8) -> dict[str, Any]:  # fmt: skip
-    """CPU-hours of the full test: per (task, optimizer), the BP arm and FDG at each K measured, each on the
-    ``grid`` lr x warm-up points of the tuning seed and the ``seeds`` report seeds; FDG runs ``cap`` x the budget."""
+def estimate(measured: list[dict[str, Any]], budget: dict[str, int] | None = None, eval_every: int = 64, cap: int = 2,
+             grid: int = 6, seeds: int = 8) -> dict[str, Any]:  # fmt: skip
+    """CPU-hours of the full test from ``measure``'s results: per (task, optimizer) the BP arm (K = 1) and FDG at
+    each K measured, each run on the ``grid`` lr x warm-up points of the tuning seed and on ``seeds`` report
+    seeds; a baseline runs ``budget`` micro-batches (default each task's), FDG ``cap`` x that; an evaluation every
+    ``eval_every`` micro-batches and one at the end."""
     runs: dict[str, float] = {}
-    for (task, optimizer, k), sec in per_micro.items():
-        n = budget * (cap if k > 1 else 1)
-        one = n * sec + (n // eval_every) * per_eval[task]
-        runs[f"{task}/{optimizer}/K{k}"] = one
+    for m in measured:
+        n = (budget or {}).get(m["task"], tasks.TASKS[m["task"]].budget) * (cap if m["stages"] > 1 else 1)
+        runs[f"{m['task']}/{m['optimizer']}/K{m['stages']}"] = (
+            n * m["cpu_s_per_micro_batch"] + (n // eval_every) * m["eval_cpu_s"]
+        )
     total = sum(one * (grid + seeds) for one in runs.values())
     return {"per_run_cpu_s": runs, "runs_per_arm": grid + seeds, "total_cpu_hours": total / 3600}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    parser.add_argument("--task", choices=sorted(tasks.TASKS), required=True)
-    parser.add_argument("--optimizer", choices=["adamw", "muon", "sgd"], required=True)
+    parser.add_argument("--task", choices=sorted(tasks.TASKS))
+    parser.add_argument("--optimizer", choices=["adamw", "muon", "sgd"])
     parser.add_argument("--stages", type=int, default=1)
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--micro-batches", type=int, default=128)
     parser.add_argument("--lr", type=float, default=None, help="default: the middle of issue 63's grid")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--estimate", type=Path, default=None, help="a folder of measurements: the full test's cost")
     args = parser.parse_args()
+    if args.estimate is not None:
+        result = estimate([json.loads(p.read_text()) for p in sorted(args.estimate.glob("*.json"))])
+        for name, sec in result["per_run_cpu_s"].items():
+            print(f"{name}: {sec / 60:.1f} CPU-min per run")
+        print(f"{result['runs_per_arm']} runs per arm: {result['total_cpu_hours']:.1f} CPU-hours")
+        return
+    if args.task is None or args.optimizer is None:
+        parser.error("--task and --optimizer are needed (or --estimate DIR)")
     lr = args.lr if args.lr is not None else ttl.GRIDS[args.optimizer][1]
     result = measure(args.task, args.optimizer, args.stages, args.accumulate, args.micro_batches, lr)
     print(json.dumps({k: v for k, v in result.items() if k != "machine"}))
