@@ -53,17 +53,19 @@ VISION_VALIDATION = range(52048, 60000)  # MNIST training images (VISION_EVAL of
 VISION_TEST = range(2048, 10000)  # MNIST test images (VISION_EVAL of them, spread evenly)
 TTL_IMAGES = {"train": (range(0, 16384), range(50000, 52048)), "t10k": (range(0, 2048),)}  # issue 63's
 
-LLAMA = {
+LLAMA: dict[str, Any] = {
     "model_type": "llama", "num_hidden_layers": 12, "hidden_size": 96, "intermediate_size": 256,
     "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": BLOCK, "vocab_size": VOCAB,
     "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 0, "rms_norm_eps": 1e-6,
 }  # fmt: skip
-GPT2 = {
+GPT2: dict[str, Any] = {
     "model_type": "gpt2", "n_layer": 8, "n_embd": 128, "n_head": 4, "n_positions": BLOCK, "vocab_size": VOCAB,
     "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 0, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
     "attn_pdrop": 0.0,
 }  # fmt: skip
-VGG = ((1, 32), (32, 32), "pool", (32, 64), (64, 64), "pool", (64, 128), (128, 128), (128, 128), "pool", (128, 256))
+VGG: tuple[tuple[int, int] | str, ...] = (  # (in, out) channels of a 3x3 convolution, or a 2x2 max pooling
+    (1, 32), (32, 32), "pool", (32, 64), (64, 64), "pool", (64, 128), (128, 128), (128, 128), "pool", (128, 256),
+)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +162,7 @@ def vgg_layers() -> list[Any]:
     layers: list[Any] = []
     pool = False
     for item in VGG:
-        if item == "pool":
+        if isinstance(item, str):  # "pool": a max pooling before the next convolution
             pool = True
             continue
         c_in, c_out = item
