@@ -10,7 +10,8 @@ Optimizers, schedules and the FDG settings are the runner's (the pre-registratio
 - ``lm_llama``: LLaMA-style (``LlamaConfig``: RMSNorm, SwiGLU, rotary), **12** decoder layers, width 96, MLP
   256, 4 heads, 2 KV heads, untied: 14 pipeline layers; the kernel's documentation (Debian ``linux-doc-6.1``).
 - ``lm_gpt2``: GPT-2-style (``GPT2Config``: LayerNorm, GELU MLP, learned positions), **8** blocks, width 128,
-  4 heads, untied: 10 pipeline layers; the Jargon File, the Debian Reference and the GNU Coding Standards joined.
+  4 heads, untied: 10 pipeline layers; the Jargon File, the Debian Reference, the GNU Coding Standards and
+  PostgreSQL 15's manual joined (heldout_text.JOINED).
 - ``vgg``: a VGG-style plain conv net (3x3 convolutions, batch norm, ReLU, max pooling, no skips): 9 pipeline
   layers; MNIST images issue 63 does not touch.
 
