@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks.common import heldout_text as ht
 
 WORDS = [f"w{i}" for i in range(40)]
@@ -36,3 +38,57 @@ def test_pod_markup_is_stripped_and_text_kept() -> None:
 
 def test_test_split_is_the_last_tenth() -> None:
     assert ht.test_split(["a" * 90, "b" * 9]) == "\n" + "b" * 9
+
+
+def test_rst_markup_goes_and_prose_stays() -> None:
+    rst = """.. SPDX-License-Identifier: GPL-2.0
+
+.. _howto:
+
+=====
+Title
+=====
+
+The :c:func:`kmalloc` call and ``GFP_KERNEL`` flags, see `the docs <https://x.org>`_ and **bold** *words*.
+An example follows::
+
+    int x = kmalloc(8, GFP_KERNEL);
+
+.. code-block:: c
+
+    free(x);
+
+.. note::
+   Notes stay.
+
+=====  =====
+a      b
+=====  =====
+
+:Author: Someone
+Back to prose.
+"""
+    text = ht.clean_rst(rst)
+    assert "The kmalloc call and GFP_KERNEL flags, see the docs and bold words." in text
+    assert "An example follows:" in text and "Notes stay." in text and "Author: Someone" in text
+    assert "Back to prose." in text and "Title" in text
+    for gone in ("SPDX", "_howto", "=====", "int x", "free(x)", "code-block", "::", "`", "*"):
+        assert gone not in text, gone
+
+
+def test_docbook_pages_lose_navigation_and_entities_are_decoded() -> None:
+    page = (
+        '<html><head><title>2.2. Concepts</title></head><body><div class="navheader"><table><tr><td>Prev</td>'
+        '</tr></table></div><div class="sect1"><h2>2.2. Concepts</h2><p>A <code>table</code> is a set of'
+        "   rows &amp; columns.</p><p>Second&nbsp;para.</p></div>"
+        '<div class="navfooter"><table><tr><td>Next</td></tr></table></div></body></html>'
+    )
+    assert ht.docbook_text(page) == "2.2. Concepts\n\nA table is a set of rows & columns.\n\nSecond para.\n"
+
+
+def test_the_gnu_fdl_appendix_is_cut_at_its_last_heading() -> None:
+    heading = "Appendix A GNU Free Documentation License"
+    text = f"Contents\n{heading}\n\nBody.\n{heading}\nGFDL"
+    assert ht.strip_fdl_appendix(text) == f"Contents\n{heading}\n\nBody.\n"
+    with pytest.raises(ValueError, match="no 'Appendix X GNU Free Documentation License'"):
+        ht.strip_fdl_appendix("no appendix here")

@@ -38,7 +38,6 @@ import json
 import math
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -48,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common.dev_corpora import kjv_texts, shakespeare_texts
 from benchmarks.common.provenance import commit, machine
 from benchmarks.common.stats import t_quantile
 
@@ -134,34 +134,13 @@ def run_resnet(arm: str, seed: int, warmup: bool, smoke: bool) -> dict[str, Any]
     }
 
 
-def kjv_texts(cache: Path) -> list[str]:
-    """The King James Bible as plain text (Debian's bible-kjv): verse numbers and chapter headings dropped."""
-    path = cache / "kjv.txt"
-    if not path.exists():
-        if shutil.which("bible") is None:
-            raise SystemExit("auto_test.py: the llama task needs Debian's bible-kjv: apt-get install bible-kjv")
-        raw = subprocess.run(["bible", "gen1:1-rev22:21"], capture_output=True, text=True, check=True).stdout
-        verses, current = [], ""
-        for line in raw.splitlines():
-            if re.fullmatch(r"\s*\d+ .*", line):  # a verse starts
-                if current:
-                    verses.append(current)
-                current = re.sub(r"^\s*\d+ ", "", line).strip()
-            elif line.strip() and not re.fullmatch(r"[1-3A-Z][\w ]* \d+", line.strip()):  # a wrapped line
-                current += " " + line.strip()
-        verses.append(current)
-        cache.mkdir(parents=True, exist_ok=True)
-        path.write_text("\n".join(verses) + "\n")
-    return [path.read_text()]
-
-
 def lm_data(task: str, smoke: bool) -> tuple[Any, Any, Any]:
     """Train, validation and test blocks of 128 tokens (80 / 10 / 10 % of the token stream, in order); the
     tokenizer (BPE 4,096) is trained on the first 80 % of the text only."""
     from fdg_schedule.zoo import text_data
 
     cache = ROOT / "runs" / "auto_corpora"
-    texts = kjv_texts(cache) if LM[task]["corpus"] == "kjv" else text_data.read_texts("shakespeare")
+    texts = kjv_texts(cache) if LM[task]["corpus"] == "kjv" else shakespeare_texts()
     whole = "\n".join(texts)
     if smoke:
         whole = whole[:200_000]

