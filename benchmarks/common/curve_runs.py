@@ -51,6 +51,20 @@ def pick(results: Sequence[dict[str, Any] | None], target: float | None = None) 
     return min(range(len(results)), key=key)
 
 
+def power(n: int, sd: float, margin: float, draws: int = 20000, seed: int = 0) -> float:
+    """The chance that the one-sided 95 % upper bound of a mean over ``n`` seeds (normal spread ``sd``) falls below
+    the true mean + ``margin``: the power to pass a goal the truth beats by ``margin`` (for log r: a factor
+    exp(margin))."""
+    import random
+    import statistics
+
+    rng, t, hit = random.Random(seed), to.t_quantile(0.95, n - 1), 0
+    for _ in range(draws):
+        xs = [rng.gauss(0, sd) for _ in range(n)]
+        hit += statistics.fmean(xs) + t * statistics.stdev(xs) / math.sqrt(n) < margin
+    return hit / draws
+
+
 def evaluate(modules: Sequence[Any], evaluation: Sequence[tuple[Any, Any]], loss_fn: Any) -> float:
     """Mean loss over the evaluation batches with the stages' weights of the moment, in eval mode."""
     import torch

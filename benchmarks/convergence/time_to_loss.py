@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import curve_runs, ttl_models
-from benchmarks.common.curve_runs import evaluate, read, score, write_result  # noqa: F401 - also ttl.<name>
+from benchmarks.common.curve_runs import evaluate, power, read, score, write_result  # noqa: F401 - also ttl.<name>
 from benchmarks.common.provenance import commit, machine
 from benchmarks.common.ttl_models import LLAMA, LM_BLOCK, LM_MICRO, RESNET_MICRO
 from fdg_schedule.plan import token_overhead as to
@@ -463,19 +463,6 @@ def predict(stages: Sequence[int] = (4, 8)) -> list[dict[str, Any]]:
                     row["over_1f1b"] = best_fdg.samples_per_s / one[0].samples_per_s
                 rows.append(row)
     return rows
-
-
-def power(n: int, sd: float, margin: float, draws: int = 20000, seed: int = 0) -> float:
-    """The chance that the one-sided 95 % upper bound of mean log r (n seeds, normal spread ``sd``) falls below
-    the true mean + ``margin``: the power to pass a goal the truth beats by a factor exp(margin)."""
-    import random
-    import statistics
-
-    rng, t, hit = random.Random(seed), to.t_quantile(0.95, n - 1), 0
-    for _ in range(draws):
-        xs = [rng.gauss(0, sd) for _ in range(n)]
-        hit += statistics.fmean(xs) + t * statistics.stdev(xs) / math.sqrt(n) < margin
-    return hit / draws
 
 
 def analyze(out: Path, throughput: Path | None = None, predicted: Path | None = None) -> dict[str, Any]:
