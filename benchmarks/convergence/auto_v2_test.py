@@ -90,7 +90,8 @@ CONFIGS = (  # (task, optimizer) in queue order: the LMs first, cheapest first (
 ADAMW = {"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 SGD = {"momentum": 0.9, "weight_decay": 5e-4}
 CLIP = {"adamw": 1.0, "muon": 1.0, "sgd": 0.0}  # gradient clipping by norm per stage (0: off)
-MARGINS = {4: {"r": 1.15, "gap": 1.0}, 8: {"r": 1.30, "gap": None}}  # one-sided 95 % bounds at most (gap: %)
+# per K, what the one-sided 95 % upper bounds must not exceed: r, and the gap in % (None: no margin)
+MARGINS: dict[int, dict[str, float | None]] = {4: {"r": 1.15, "gap": 1.0}, 8: {"r": 1.30, "gap": None}}
 FAMILY = {"lm_llama": "llama", "lm_gpt2": "gpt", "vgg": "vgg"}  # token_overhead.Setting's family
 PAUSE_WHILE: Path | None = None  # while this file exists, a run waits between ticks (the machine's quiet periods)
 
@@ -496,19 +497,23 @@ def pooled_sd(groups: dict[str, list[float]]) -> float | None:
     return math.sqrt(sum((len(v) - 1) * statistics.variance(v) for v in groups.values() if len(v) > 1) / df)
 
 
-def power_table(sd_log_r: float, sd_gap: float | None, ns: Sequence[int] = (6, 8, 10, 12, 16)) -> str:
+def power_table(
+    sd_log_r: float, sd_gap: float | None, ns: Sequence[int] = (6, 8, 10, 12, 16), draws: int = 20000
+) -> str:
     """The power to pass each margin when the truth beats it by a headroom: log r (headroom 2.5 / 5 / 10 % of r)
     and the gap (0.25 / 0.5 / 1 point), per number of seeds."""
     lines = [f"sd of log r {sd_log_r:g}: power at headroom 2.5 / 5 / 10 % of r"]
     for n in ns:
-        lines.append(f"  n {n:2d}: " + " / ".join(f"{curve_runs.power(n, sd_log_r, math.log1p(h)):.2f}"
+        lines.append(f"  n {n:2d}: " + " / ".join(f"{curve_runs.power(n, sd_log_r, math.log1p(h), draws):.2f}"
                                                   for h in (0.025, 0.05, 0.1)))  # fmt: skip
     if sd_gap is None:
         lines.append("gap: no spread given (--sd-gap, or --screen with two seeds or more per arm)")
         return "\n".join(lines)
     lines.append(f"sd of the gap {sd_gap:g} points: power at headroom 0.25 / 0.5 / 1 point")
     for n in ns:
-        lines.append(f"  n {n:2d}: " + " / ".join(f"{curve_runs.power(n, sd_gap, h):.2f}" for h in (0.25, 0.5, 1.0)))
+        lines.append(
+            f"  n {n:2d}: " + " / ".join(f"{curve_runs.power(n, sd_gap, h, draws):.2f}" for h in (0.25, 0.5, 1.0))
+        )
     return "\n".join(lines)
 
 
