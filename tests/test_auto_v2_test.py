@@ -70,6 +70,9 @@ def test_run_names_round_trip_and_say_what_runs() -> None:
         v2.Run.parse("lm_llama_sgd/bp_lr0.1_w0_s401")
     with pytest.raises(ValueError, match="fdg_k2"):
         v2.Run.parse("vgg_sgd/fdg_k2_lr0.1_w0_s401")
+    for bad in ("bad_name", "vgg_sgd/bp_lr0.1_s401", "vgg_sgd/bp_lrx_w0_s401"):
+        with pytest.raises(ValueError, match="is not <task>_<optimizer>/<arm>_lr"):
+            v2.Run.parse(bad)
 
 
 def test_the_preregistered_constants() -> None:

@@ -130,11 +130,16 @@ class Run:
 
     @staticmethod
     def parse(name: str) -> Run:
-        folder, _, file = name.partition("/")
-        task, optimizer = folder.rsplit("_", 1)
-        arm, rest = file.split("_lr")
-        lr, rest = rest.split("_w")
-        warmup, seed = rest.split("_s")
+        try:
+            folder, _, file = name.partition("/")
+            task, optimizer = folder.rsplit("_", 1)
+            arm, rest = file.split("_lr")
+            lr, rest = rest.split("_w")
+            warmup, seed = rest.split("_s")
+            float(lr), float(warmup), int(seed)
+        except ValueError:
+            raise ValueError(f"run name {name!r} is not <task>_<optimizer>/<arm>_lr<lr>_w<warm-up>_s<seed> (e.g. "
+                             "lm_llama_adamw/bp_lr0.001_w0_s400; `status` prints the next one)") from None  # fmt: skip
         run = Run(task, optimizer, arm, float(lr), float(warmup), int(seed))
         if (task, optimizer) not in CONFIGS or arm not in ("bp", "bp_a4", *(f"fdg_k{k}" for k in STAGES)):
             known = ", ".join("_".join(c) for c in CONFIGS)
@@ -451,8 +456,12 @@ def markdown(report: dict[str, Any]) -> str:
         for k, rows in e["K"].items():
             for base, row in rows.items():
                 head = f"| {e['task']} | {e['optimizer']} | {k} | {base} |"
+                margin = MARGINS[int(k)]
+                r_margin = f"≤ {margin['r']:g}"
+                gap_margin, gap_pending = ("–", "–") if margin["gap"] is None else (f"≤ +{margin['gap']:g}", "pending")
                 if row is None:
-                    lines.append(head + f" 0 of {len(SEEDS)} | – | – | – | – | pending | – | – | – | – | – |")
+                    lines.append(head + f" 0 of {len(SEEDS)} | – | – | – | {r_margin} | pending | – | – | – | "
+                                 f"{gap_margin} | {gap_pending} |")  # fmt: skip
                     continue
                 if row["r"] is None and row["r_at_least"] is not None:  # a seed beyond the cap
                     r = up = f"> {row['r_at_least']:.3f}"
@@ -461,10 +470,9 @@ def markdown(report: dict[str, Any]) -> str:
                 iv = "–" if row["interval_95"] is None else "–".join(f"{v:.3f}" for v in row["interval_95"])
                 g = row["gap"]
                 giv = "–" if g["interval_95"] is None else " to ".join(f"{v:+.2f}" for v in g["interval_95"])
-                gm = "–" if row["margins"]["gap"] is None else f"≤ +{row['margins']['gap']:g}"
+                gap_cells = f"{_num(g['mean'], 2, '+')} | {_num(g['upper_95'], 2, '+')} | {giv} | {gap_margin}"
                 lines.append(f"{head} {row['n']} ({row['reached']}) of {row['n_planned']} | {r} | {up} | {iv} | "
-                             f"≤ {row['margins']['r']:g} | {row['r_verdict']} | {_num(g['mean'], 2, '+')} | "
-                             f"{_num(g['upper_95'], 2, '+')} | {giv} | {gm} | {row['gap_verdict']} |")  # fmt: skip
+                             f"{r_margin} | {row['r_verdict']} | {gap_cells} | {row['gap_verdict']} |")  # fmt: skip
     failed = report.get("failed_runs") or []
     lines += ["", f"Failed runs: {len(failed)}"] + [f"- `{f['run']}`: {f['failed'].strip().splitlines()[-1]}"
                                                    for f in failed]  # fmt: skip
