@@ -82,6 +82,9 @@ def test_the_preregistered_constants() -> None:
     assert set(v2.BUDGET) == set(tasks.TASKS)
     assert v2.GRIDS == {"adamw": (5e-4, 1e-3, 2e-3), "muon": (0.01, 0.02, 0.04), "sgd": (0.05, 0.1, 0.2)}
     assert v2.MARGINS == {4: {"r": 1.15, "gap": 1.0}, 8: {"r": 1.30, "gap": None}}
+    from benchmarks.common import optimizers  # AdamW as issue 63's runs build it (tests/test_bench_common.py)
+
+    assert {k: v for k, v in optimizers.ADAMW.items() if k != "lr"} == v2.ADAMW and v2.CLIP == optimizers.CLIP
 
 
 @pytest.mark.parametrize("bp_a4", [False, True])
