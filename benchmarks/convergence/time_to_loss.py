@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import fcntl
 import json
 import math
 import os
@@ -47,7 +46,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ttl_models
+from benchmarks.common import curve_runs, ttl_models
+from benchmarks.common.curve_runs import evaluate, power, read, score, write_result  # noqa: F401 - also ttl.<name>
 from benchmarks.common.provenance import commit, machine
 from benchmarks.common.ttl_models import LLAMA, LM_BLOCK, LM_MICRO, RESNET_MICRO
 from fdg_schedule.plan import token_overhead as to
@@ -157,7 +157,6 @@ def mnist() -> dict[str, Any]:
 def setup(run: Run) -> tuple[list[Any], list[Any], list[Any], Any, Any]:
     """Stage modules, optimizers, schedulers, training micro-batches and the evaluation batches of ``run``."""
     import torch
-    from deepspeed.runtime.lr_schedules import WarmupCosineLR
 
     torch.set_num_threads(1)
     batches: list[tuple[Any, Any]] = []
@@ -207,9 +206,7 @@ def setup(run: Run) -> tuple[list[Any], list[Any], list[Any], Any, Any]:
     modules = [torch.nn.Sequential(*layers[bounds[k] : bounds[k + 1]]) for k in range(run.stages)]
     optimizers = [make_optimizer(run, m) for m in modules]
     steps = math.ceil(run.micro_batches / run.accumulate)
-    schedule = {"total_num_steps": steps, "warmup_num_steps": max(1, int(run.warmup * steps)),
-                "warmup_min_ratio": 0.0, "cos_min_ratio": 0.1, "warmup_type": "linear"}  # fmt: skip
-    schedulers = [WarmupCosineLR(o, **schedule) for o in optimizers]
+    schedulers = [curve_runs.warmup_cosine(o, steps, run.warmup) for o in optimizers]
     return modules, optimizers, schedulers, batches, (evaluation, loss_fn, bounds)
 
 
@@ -228,25 +225,6 @@ def make_optimizer(run: Run, module: Any) -> Any:
 
         return muon_lm.muon(module, run.lr)
     return torch.optim.SGD(module.parameters(), lr=run.lr, **SGD)  # type: ignore[arg-type]
-
-
-def evaluate(modules: Sequence[Any], evaluation: Sequence[tuple[Any, Any]], loss_fn: Any) -> float:
-    """Mean loss over the evaluation batches with the stages' weights of the moment, in eval mode."""
-    import torch
-
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for m in modules:
-            m.eval()
-        for x, y in evaluation:
-            out = x
-            for m in modules:
-                out = m(out)
-            total += float(loss_fn(out, y)) * len(x)
-            count += len(x)
-        for m in modules:
-            m.train()
-    return total / count
 
 
 def one_run(run: Run) -> dict[str, Any]:
@@ -270,11 +248,7 @@ def one_run(run: Run) -> dict[str, Any]:
 
     def after_tick(tick: int) -> None:
         nonlocal eval_s, paused_s
-        if PAUSE_WHILE is not None and PAUSE_WHILE.exists():  # the result does not depend on when ticks run
-            t0 = time.time()
-            while PAUSE_WHILE.exists():
-                time.sleep(15)
-            paused_s += time.time() - t0
+        paused_s += curve_runs.wait_while(PAUSE_WHILE)  # the result does not depend on when ticks run
         if (tick + 1) % EVAL_EVERY == 0 and tick + 1 < n:
             t0 = time.time()
             curve.append(((tick + 1) * per_micro, evaluate(modules, evaluation, loss_fn)))
@@ -309,14 +283,6 @@ def one_run(run: Run) -> dict[str, Any]:
 # -- the queue -----------------------------------------------------------------------------------------------
 
 
-def read(path: Path) -> dict[str, Any] | None:
-    return json.loads(path.read_text()) if path.exists() else None
-
-
-def score(result: dict[str, Any] | None) -> float:
-    return math.inf if result is None or "failed" in result else float(result["final"])
-
-
 def grid(task: str, optimizer: str, arm: str, seed: int = TUNING_SEED) -> list[Run]:
     return [Run(task, optimizer, arm, lr, w, seed) for lr in GRIDS[optimizer] for w in WARMUPS]
 
@@ -328,22 +294,12 @@ def choose(out: Path, task: str, optimizer: str, arm: str) -> Run | None:
     if any(r is None for r in results):
         return None
     if not arm.startswith("fdg"):
-        best = min(range(len(points)), key=lambda i: score(results[i]))
-        return points[best]
+        return points[curve_runs.pick(results)]
     base = choose(out, task, optimizer, "bp_a4")
     base_result = read(base.path(out)) if base is not None else None
     if base_result is None or "failed" in base_result:
-        return None if base_result is None else points[min(range(len(points)), key=lambda i: score(results[i]))]
-    target = float(base_result["final"])
-
-    def key(i: int) -> tuple[float, float]:
-        r = results[i]
-        if r is None or "failed" in r:
-            return (math.inf, math.inf)
-        reached = to.tokens_to_reach(r["val"], target)
-        return (reached if reached is not None else math.inf, score(r))
-
-    return points[min(range(len(points)), key=key)]
+        return None if base_result is None else points[curve_runs.pick(results)]
+    return points[curve_runs.pick(results, float(base_result["final"]))]
 
 
 def queue_order(out: Path) -> list[Run | tuple[str, str, str, int]]:
@@ -376,13 +332,6 @@ def next_run(out: Path) -> Run | None:
     return next((i for i in queue_order(out) if isinstance(i, Run) and not i.path(out).exists()), None)
 
 
-def write_result(path: Path, result: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1) + "\n")
-    tmp.rename(path)
-
-
 def run_one(out: Path, run: Run) -> dict[str, Any]:
     """``run`` in this process; its result file is written when it ends (an error is written as a failure)."""
     try:
@@ -403,17 +352,11 @@ def child_command(out: Path, run: Run) -> list[str]:
 def queue(out: Path, limit: int | None = None) -> None:
     """Run every run not done, one at a time in a child process, in queue order; stops when all are done. With
     ``PAUSE_WHILE`` set, waits while that file exists, before a run and between its ticks."""
-    out.mkdir(parents=True, exist_ok=True)
-    lock = open(out / ".queue.lock", "w")  # noqa: SIM115 - held until the process ends
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise SystemExit(f"time_to_loss.py: another queue runs on {out}") from None
+    lock = curve_runs.lock_queue(out, "time_to_loss.py")  # noqa: F841 - held until the process ends
     done = 0
     while (run := next_run(out)) is not None and (limit is None or done < limit):
         command = child_command(out, run)
-        while PAUSE_WHILE is not None and PAUSE_WHILE.exists():
-            time.sleep(15)
+        curve_runs.wait_while(PAUSE_WHILE)
         started = time.time()
         subprocess.run(command, cwd=ROOT, check=False)
         result = read(run.path(out))
@@ -520,19 +463,6 @@ def predict(stages: Sequence[int] = (4, 8)) -> list[dict[str, Any]]:
                     row["over_1f1b"] = best_fdg.samples_per_s / one[0].samples_per_s
                 rows.append(row)
     return rows
-
-
-def power(n: int, sd: float, margin: float, draws: int = 20000, seed: int = 0) -> float:
-    """The chance that the one-sided 95 % upper bound of mean log r (n seeds, normal spread ``sd``) falls below
-    the true mean + ``margin``: the power to pass a goal the truth beats by a factor exp(margin)."""
-    import random
-    import statistics
-
-    rng, t, hit = random.Random(seed), to.t_quantile(0.95, n - 1), 0
-    for _ in range(draws):
-        xs = [rng.gauss(0, sd) for _ in range(n)]
-        hit += statistics.fmean(xs) + t * statistics.stdev(xs) / math.sqrt(n) < margin
-    return hit / draws
 
 
 def analyze(out: Path, throughput: Path | None = None, predicted: Path | None = None) -> dict[str, Any]:
