@@ -1,4 +1,5 @@
 """Per-test times of two pytest junit XML files: the tests that passed in both, summed and per file."""
+
 import collections
 import sys
 import xml.etree.ElementTree as ET
@@ -15,7 +16,8 @@ def read(path):
 old, new = read(sys.argv[1]), read(sys.argv[2])
 common = [k for k in old if k in new and not old[k][1] and not new[k][1]]
 so, sn = sum(old[k][0] for k in common), sum(new[k][0] for k in common)
-print(f"old: {len(old)} tests {sum(v[0] for v in old.values()):.0f} s; new: {len(new)} tests {sum(v[0] for v in new.values()):.0f} s")
+total_old, total_new = sum(v[0] for v in old.values()), sum(v[0] for v in new.values())
+print(f"old: {len(old)} tests {total_old:.0f} s; new: {len(new)} tests {total_new:.0f} s")
 print(f"passed in both: {len(common)} tests, old {so:.0f} s, new {sn:.0f} s, new/old {sn / so:.3f}")
 only_new = [k for k in new if k not in old]
 print(f"new only: {len(only_new)} tests, {sum(new[k][0] for k in only_new):.0f} s")
