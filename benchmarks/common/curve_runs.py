@@ -1,5 +1,6 @@
 """What the loss-curve runners share (issue 63's time_to_loss.py, issue 64's auto_v2_test.py): run files, the
-evaluation, the lr schedule, the grid-point choice, the queue's lock and its pause.
+training loop that records a curve, the evaluation, the lr schedule, the grid-point choice, the queue's lock and its
+pause.
 
 A run file is one JSON per run, written whole or not at all; a run that failed holds a ``"failed"`` key and counts
 as done. A curve (``"val"``) is the list of ``(tokens, loss)`` evaluations, tokens rising; ``"final"`` its last loss.
@@ -11,10 +12,12 @@ import fcntl
 import json
 import math
 import time
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from benchmarks.common.provenance import commit, machine
 from fdg_schedule.plan import token_overhead as to
 
 
@@ -27,6 +30,73 @@ def write_result(path: Path, result: dict[str, Any]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=1) + "\n")
     tmp.rename(path)
+
+
+def failed(fields: dict[str, Any], why: str) -> dict[str, Any]:
+    """The run file of a run that did not finish: its own ``fields``, why, and where it ran."""
+    return {**fields, "failed": why, "machine": machine(), "commit": commit()}
+
+
+def run_recorded(path: Path, fields: dict[str, Any], train: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``train()``'s result written to ``path`` when it ends; an error is written as a failure (the queue goes on)."""
+    try:
+        result = train()
+    except Exception:  # noqa: BLE001 - recorded, and the queue goes on
+        result = failed(fields, traceback.format_exc()[-3000:])
+    write_result(path, result)
+    return result
+
+
+def train_curve(
+    modules: Sequence[Any],
+    optimizers: Sequence[Any],
+    batches: Sequence[Any],
+    loss_fn: Any,
+    fdg: Any,
+    *,
+    schedulers: Sequence[Any],
+    clip: float,
+    evaluation: Sequence[tuple[Any, Any]],
+    per_micro: int,
+    eval_every: int,
+    pause_while: Path | None,
+    start: float,
+) -> dict[str, Any]:
+    """Train the stages on ``fdg_reference`` (``fdg``: its FDGConfig; one stage is backprop) over ``batches``,
+    evaluating every ``eval_every`` micro-batches and after the drain; while ``pause_while`` exists, waits between
+    ticks (the curve does not depend on it). The result's curve part: ``val`` (tokens = micro-batches entered x
+    ``per_micro``), ``final``, the last 64 training losses' mean, wall time since ``start`` less the pauses,
+    evaluation and paused seconds, where it ran, and ``failed`` on a non-finite loss."""
+    from fdg_schedule import fdg_reference
+
+    curve: list[tuple[int, float]] = []
+    n = len(batches)
+    eval_s = paused_s = 0.0
+
+    def after_tick(tick: int) -> None:
+        nonlocal eval_s, paused_s
+        paused_s += wait_while(pause_while)
+        if (tick + 1) % eval_every == 0 and tick + 1 < n:
+            t0 = time.time()
+            curve.append(((tick + 1) * per_micro, evaluate(modules, evaluation, loss_fn)))
+            eval_s += time.time() - t0
+
+    losses = fdg_reference(modules, optimizers, batches, loss_fn, fdg, drain=True, schedulers=schedulers,
+                           clip_grad_norm=clip, after_tick=after_tick)  # fmt: skip
+    curve.append((n * per_micro, evaluate(modules, evaluation, loss_fn)))  # after the drain
+    result: dict[str, Any] = {
+        "val": curve,
+        "final": curve[-1][1],
+        "train_loss_last_64": sum(losses[-64:]) / max(1, len(losses[-64:])),
+        "wall_s": time.time() - start - paused_s,  # paused time excluded
+        "eval_s": eval_s,
+        "paused_s": paused_s,
+        "machine": machine(),
+        "commit": commit(),
+    }
+    if not all(math.isfinite(v) for _, v in curve) or not all(math.isfinite(v) for v in losses):
+        result["failed"] = "non-finite loss"
+    return result
 
 
 def score(result: dict[str, Any] | None) -> float:

@@ -344,17 +344,14 @@ def main() -> None:
                 print(f"  {part}: {p['characters']:,} characters; {p['whole']['shared_with_any']:,} of "
                       f"{p['whole']['ngrams']:,} 13-grams shared ({100 * p['whole']['fraction']:.4f} %) "
                       f"{p['whole']['per_corpus']}")  # fmt: skip
-        if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(result, indent=1) + "\n")
-        return
-    result = check(candidates(), used_corpora())
-    print(f"{N}-gram overlap with {', '.join(result['used'])}:")
-    for name, e in result["candidates"].items():
-        w, t = e["whole"], e["test_split"]
-        print(f"- {name}: {e['characters']:,} characters, {e['words']:,} words; whole {w['shared_with_any']:,} of "
-              f"{w['ngrams']:,} ({100 * w['fraction']:.4f} %) {w['per_corpus']}; test split {t['shared_with_any']:,} "
-              f"of {t['ngrams']:,} ({100 * t['fraction']:.4f} %)")  # fmt: skip
+    else:
+        result = check(candidates(), used_corpora())
+        print(f"{N}-gram overlap with {', '.join(result['used'])}:")
+        for name, e in result["candidates"].items():
+            w, t = e["whole"], e["test_split"]
+            print(f"- {name}: {e['characters']:,} characters, {e['words']:,} words; whole {w['shared_with_any']:,} "
+                  f"of {w['ngrams']:,} ({100 * w['fraction']:.4f} %) {w['per_corpus']}; test split "
+                  f"{t['shared_with_any']:,} of {t['ngrams']:,} ({100 * t['fraction']:.4f} %)")  # fmt: skip
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1) + "\n")

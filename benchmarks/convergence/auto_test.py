@@ -33,7 +33,6 @@ to ``<out>/<task>/discarded/`` and run again whole.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import math
 import os
@@ -47,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import curve_runs
 from benchmarks.common.dev_corpora import kjv_texts, shakespeare_texts
 from benchmarks.common.provenance import commit, machine
 from benchmarks.common.stats import t_quantile
@@ -304,12 +304,7 @@ def run_unit(out: Path, task: str, seed: int, smoke: bool) -> None:
 
 def queue(out: Path, workers: int, smoke: bool, only: Sequence[str]) -> None:
     """Run every unit not done yet, ``workers`` at a time, each in its own process; stops when all are done."""
-    out.mkdir(parents=True, exist_ok=True)
-    lock = open(out / ".queue.lock", "w")  # noqa: SIM115 - held until the process ends
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise SystemExit(f"auto_test.py: another queue runs on {out}") from None
+    lock = curve_runs.lock_queue(out, "auto_test.py")  # noqa: F841 - held until the process ends
     here = machine()
     running: dict[tuple[str, int], subprocess.Popen] = {}
     while True:

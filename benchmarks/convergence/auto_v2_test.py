@@ -54,7 +54,6 @@ import statistics
 import subprocess
 import sys
 import time
-import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -62,7 +61,7 @@ from typing import Any
 from benchmarks.common import auto_v2_tasks as tasks
 from benchmarks.common import curve_runs
 from benchmarks.common.curve_runs import read, write_result
-from benchmarks.common.provenance import commit, machine
+from benchmarks.common.provenance import commit
 from fdg_schedule.plan import token_overhead as to
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -176,7 +175,7 @@ def one_run(run: Run, budget: int | None = None, evals: int = EVALS, cache: Path
     the result with its curve. ``budget`` (default ``BUDGET[task]``) and ``evals`` shrink a run for a check."""
     import torch
 
-    from fdg_schedule import FDGConfig, fdg_reference
+    from fdg_schedule import FDGConfig
     from fdg_schedule.corrections import auto_corrections
 
     budget = BUDGET[run.task] if budget is None else budget
@@ -195,21 +194,10 @@ def one_run(run: Run, budget: int | None = None, evals: int = EVALS, cache: Path
     fdg = FDGConfig(grad_shrink=1.0, weights="stashed", activations="stored", accumulate=run.accumulate,
                     corrections="auto" if run.stages > 1 else "none")  # fmt: skip
     choices = [auto_corrections.resolve(fdg, o, s, run.stages)[1] for o, s in zip(optimizers, schedulers)]
-    curve: list[tuple[int, float]] = []
-    eval_s = paused_s = 0.0
-
-    def after_tick(tick: int) -> None:
-        nonlocal eval_s, paused_s
-        paused_s += curve_runs.wait_while(PAUSE_WHILE)  # the result does not depend on when ticks run
-        if (tick + 1) % eval_every == 0 and tick + 1 < n:
-            t0 = time.time()
-            curve.append(((tick + 1) * built.per_micro, curve_runs.evaluate(modules, built.evaluation, built.loss_fn)))
-            eval_s += time.time() - t0
-
-    losses = fdg_reference(modules, optimizers, built.batches, built.loss_fn, fdg, drain=True, schedulers=schedulers,
-                           clip_grad_norm=CLIP[run.optimizer], after_tick=after_tick)  # fmt: skip
-    curve.append((n * built.per_micro, curve_runs.evaluate(modules, built.evaluation, built.loss_fn)))  # drained
-    result: dict[str, Any] = {
+    trained = curve_runs.train_curve(modules, optimizers, built.batches, built.loss_fn, fdg, schedulers=schedulers,
+                                     clip=CLIP[run.optimizer], evaluation=built.evaluation, per_micro=built.per_micro,
+                                     eval_every=eval_every, pause_while=PAUSE_WHILE, start=start)  # fmt: skip
+    return {
         **dataclasses.asdict(run),
         "name": run.name,
         "stages": run.stages,
@@ -223,29 +211,13 @@ def one_run(run: Run, budget: int | None = None, evals: int = EVALS, cache: Path
         "auto_rule": auto_corrections.RULE if run.stages > 1 else None,
         "auto_choice": None if choices[0] is None else choices[0].line(),  # the line rank 0 logs (stage 0's)
         "auto_keys": [None if c is None else c.keys for c in choices],  # what "auto" resolved, per stage
-        "val": curve,
-        "final": curve[-1][1],
-        "train_loss_last_64": sum(losses[-64:]) / max(1, len(losses[-64:])),
-        "wall_s": time.time() - start - paused_s,  # paused time excluded
-        "eval_s": eval_s,
-        "paused_s": paused_s,
-        "machine": machine(),
-        "commit": commit(),
+        **trained,
     }
-    if not all(math.isfinite(v) for _, v in curve) or not all(math.isfinite(v) for v in losses):
-        result["failed"] = "non-finite loss"
-    return result
 
 
 def run_one(out: Path, run: Run) -> dict[str, Any]:
     """``run`` in this process; its result file is written when it ends (an error is written as a failure)."""
-    try:
-        result = one_run(run)
-    except Exception:  # noqa: BLE001 - recorded, and the queue goes on
-        result = {**dataclasses.asdict(run), "name": run.name, "failed": traceback.format_exc()[-3000:],
-                  "machine": machine(), "commit": commit()}  # fmt: skip
-    write_result(run.path(out), result)
-    return result
+    return curve_runs.run_recorded(run.path(out), {**dataclasses.asdict(run), "name": run.name}, lambda: one_run(run))
 
 
 # -- the queue -----------------------------------------------------------------------------------------------
@@ -310,8 +282,7 @@ def queue(out: Path, limit: int | None = None, bp_a4: bool = False) -> None:
         subprocess.run(child_command(out, run), cwd=ROOT, check=False)
         result = read(run.path(out))
         if result is None:  # the child died before writing: record it so the queue does not loop on it
-            result = {**dataclasses.asdict(run), "name": run.name, "failed": "the run's process died",
-                      "machine": machine(), "commit": commit()}  # fmt: skip
+            result = curve_runs.failed({**dataclasses.asdict(run), "name": run.name}, "the run's process died")
             write_result(run.path(out), result)
         state = "FAILED" if "failed" in result else f"final {result['final']:.4f}"
         print(f"{time.strftime('%F %T')} {run.name}: {state} ({time.time() - started:.0f} s)", flush=True)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import fcntl
 import json
 import math
 import statistics
@@ -41,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import provenance
+from benchmarks.common import curve_runs, provenance
 from benchmarks.common.stats import t_quantile
 from benchmarks.convergence import auto_test, muon_lm
 
@@ -184,18 +183,12 @@ def run_one(run: Run, max_ticks: int | None = None, smoke: bool = False) -> dict
 def queue(out: Path, max_ticks: int | None = None, smoke: bool = False, pause_while: Path | None = None) -> None:
     """Run every planned run not written yet, one after another in this process; before each, wait while the file
     ``pause_while`` exists (a machine's quiet period for timing benchmarks)."""
-    out.mkdir(parents=True, exist_ok=True)
-    lock = open(out / ".queue.lock", "w")  # noqa: SIM115 - held until the process ends
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise SystemExit(f"candidates_screen.py: another queue runs on {out}") from None
+    lock = curve_runs.lock_queue(out, "candidates_screen.py")  # noqa: F841 - held until the process ends
     for run in plan():
         path = run.path(out)
         if path.exists():
             continue
-        while pause_while is not None and pause_while.exists():
-            time.sleep(15)
+        curve_runs.wait_while(pause_while)
         start = time.time()
         result = {**dataclasses.asdict(run), **run_one(run, max_ticks, smoke), "wall_s": 0.0, "smoke": smoke,
                   "max_ticks": max_ticks, "machine": provenance.machine(), "commit": provenance.commit()}  # fmt: skip

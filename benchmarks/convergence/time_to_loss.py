@@ -41,14 +41,13 @@ import os
 import subprocess
 import sys
 import time
-import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from benchmarks.common import curve_runs, ttl_models
 from benchmarks.common.curve_runs import evaluate, power, read, score, write_result  # noqa: F401 - also ttl.<name>
-from benchmarks.common.provenance import commit, machine
+from benchmarks.common.provenance import commit
 from benchmarks.common.ttl_models import LLAMA, LM_BLOCK, LM_MICRO, RESNET_MICRO
 from fdg_schedule.plan import token_overhead as to
 
@@ -229,7 +228,7 @@ def make_optimizer(run: Run, module: Any) -> Any:
 
 def one_run(run: Run) -> dict[str, Any]:
     """Train ``run`` on ``fdg_reference``, evaluating every EVAL_EVERY micro-batches; the result with its curve."""
-    from fdg_schedule import FDGConfig, fdg_reference
+    from fdg_schedule import FDGConfig
 
     start = time.time()
     modules, optimizers, schedulers, batches, (evaluation, loss_fn, bounds) = setup(run)
@@ -242,42 +241,12 @@ def one_run(run: Run) -> dict[str, Any]:
 
         made = auto_corrections.resolve(fdg, optimizers[0], schedulers[0], run.stages)[1]
         choice = made.line() if made is not None else None
-    curve: list[tuple[int, float]] = []
-    n = len(batches)
-    eval_s = paused_s = 0.0
-
-    def after_tick(tick: int) -> None:
-        nonlocal eval_s, paused_s
-        paused_s += curve_runs.wait_while(PAUSE_WHILE)  # the result does not depend on when ticks run
-        if (tick + 1) % EVAL_EVERY == 0 and tick + 1 < n:
-            t0 = time.time()
-            curve.append(((tick + 1) * per_micro, evaluate(modules, evaluation, loss_fn)))
-            eval_s += time.time() - t0
-
-    losses = fdg_reference(modules, optimizers, batches, loss_fn, fdg, drain=True, schedulers=schedulers,
-                           clip_grad_norm=CLIP[run.task], after_tick=after_tick)  # fmt: skip
-    curve.append((n * per_micro, evaluate(modules, evaluation, loss_fn)))  # after the drain
-    result: dict[str, Any] = {
-        **dataclasses.asdict(run),
-        "name": run.name,
-        "stages": run.stages,
-        "accumulate": run.accumulate,
-        "micro_batches": n,
-        "split": run.split,
-        "bounds": bounds,
-        "auto_choice": choice,
-        "val": curve,
-        "final": curve[-1][1],
-        "train_loss_last_64": sum(losses[-64:]) / max(1, len(losses[-64:])),
-        "wall_s": time.time() - start - paused_s,  # paused time excluded
-        "eval_s": eval_s,
-        "paused_s": paused_s,
-        "machine": machine(),
-        "commit": commit(),
-    }
-    if not all(math.isfinite(v) for _, v in curve) or not all(math.isfinite(v) for v in losses):
-        result["failed"] = "non-finite loss"
-    return result
+    trained = curve_runs.train_curve(modules, optimizers, batches, loss_fn, fdg, schedulers=schedulers,
+                                     clip=CLIP[run.task], evaluation=evaluation, per_micro=per_micro,
+                                     eval_every=EVAL_EVERY, pause_while=PAUSE_WHILE, start=start)  # fmt: skip
+    return {**dataclasses.asdict(run), "name": run.name, "stages": run.stages, "accumulate": run.accumulate,
+            "micro_batches": len(batches), "split": run.split, "bounds": bounds, "auto_choice": choice,
+            **trained}  # fmt: skip
 
 
 # -- the queue -----------------------------------------------------------------------------------------------
@@ -334,13 +303,7 @@ def next_run(out: Path) -> Run | None:
 
 def run_one(out: Path, run: Run) -> dict[str, Any]:
     """``run`` in this process; its result file is written when it ends (an error is written as a failure)."""
-    try:
-        result = one_run(run)
-    except Exception:  # noqa: BLE001 - recorded, and the queue goes on
-        result = {**dataclasses.asdict(run), "name": run.name, "failed": traceback.format_exc()[-3000:],
-                  "machine": machine(), "commit": commit()}  # fmt: skip
-    write_result(run.path(out), result)
-    return result
+    return curve_runs.run_recorded(run.path(out), {**dataclasses.asdict(run), "name": run.name}, lambda: one_run(run))
 
 
 def child_command(out: Path, run: Run) -> list[str]:
@@ -361,8 +324,7 @@ def queue(out: Path, limit: int | None = None) -> None:
         subprocess.run(command, cwd=ROOT, check=False)
         result = read(run.path(out))
         if result is None:  # the child died before writing: record it so the queue does not loop on it
-            result = {**dataclasses.asdict(run), "name": run.name, "failed": "the run's process died",
-                      "machine": machine(), "commit": commit()}  # fmt: skip
+            result = curve_runs.failed({**dataclasses.asdict(run), "name": run.name}, "the run's process died")
             write_result(run.path(out), result)
         state = "FAILED" if "failed" in result else f"final {result['final']:.4f}"
         print(f"{time.strftime('%F %T')} {run.name}: {state} ({time.time() - started:.0f} s)", flush=True)
