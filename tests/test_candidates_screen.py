@@ -18,8 +18,26 @@ def test_the_plan_runs_each_run_once_bp_first_and_the_split_at_k4_only() -> None
     assert [r.name for r in first[:3]] == ["adamw_bp", "muon_bp", "muon_k4_none"]
     assert {r.task for r in first} == {"llama"} and {r.seed for r in first} == {200}
     assert all(r.stages == 4 for r in runs if r.arm.endswith("_split"))
-    per_seed_task = 2 + sum(2 * len(a) for a in screen.PLAN.values()) + sum(len(a) for a in screen.SPLIT_ARMS.values())
-    assert len(runs) == len(screen.SEEDS) * len(screen.TASKS) * per_seed_task
+    assert all(r.stages in (1, 4, 8) and r.arm in ("bp", *screen.ARMS, *(a + "_split" for a in screen.ARMS))
+               for r in runs)  # fmt: skip
+
+
+def test_the_first_pass_ran_every_arm_and_the_narrowed_plan_keeps_its_runs() -> None:
+    """The runs already written under the first plan keep their names, so a restarted queue skips them."""
+    cell = {(r.optimizer, r.arm) for r in screen.plan() if (r.seed, r.task, r.stages) == (200, "llama", 4)}
+    for optimizer in screen.PLAN:
+        assert {(optimizer, a) for a in screen.PLAN[optimizer] + screen.SPLIT_ARMS[optimizer]} <= cell
+        assert {(optimizer, a) for a in screen.SEED_200[4][optimizer]} <= cell
+    for seed, cells in ((200, screen.SEED_200), (201, screen.LEADING), (202, screen.LEADING)):
+        for task in screen.TASKS:
+            for k in (4, 8):
+                if (seed, task, k) == (200, "llama", 4):
+                    continue
+                got = {(r.optimizer, r.arm) for r in screen.plan() if (r.seed, r.task, r.stages) == (seed, task, k)}
+                assert got == {(o, a) for o, arms in cells[k].items() for a in arms}
+        bps = [r for r in screen.plan() if r.seed == seed and r.stages == 1]
+        assert len(bps) == 4  # BP-AdamW and BP-Muon on both tasks
+    assert len(screen.plan()) == 75
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
@@ -58,12 +76,12 @@ def _write(out: Path, run: screen.Run, test: float, cpu: str = "x") -> None:
 def test_an_arm_pairs_with_bp_of_its_optimizer_seed_and_machine(tmp_path: Path) -> None:
     for seed, (bp, arm) in zip((200, 201, 202), ((4.0, 4.04), (4.0, 4.08), (5.0, 5.0))):
         _write(tmp_path, screen.Run("llama", "muon", 1, "bp", seed), bp)
-        _write(tmp_path, screen.Run("llama", "muon", 4, "look", seed), arm, cpu="x" if seed < 202 else "other")
+        _write(tmp_path, screen.Run("llama", "muon", 4, "first_p1", seed), arm, cpu="x" if seed < 202 else "other")
     _write(tmp_path, screen.Run("llama", "adamw", 1, "bp", 200), 1.0)  # another optimizer's BP: not a pair
     (row,) = screen.rows(tmp_path)
-    assert (row["optimizer"], row["K"], row["arm"], row["n"]) == ("muon", 4, "look", 2)  # seed 202: other machine
+    assert (row["optimizer"], row["K"], row["arm"], row["n"]) == ("muon", 4, "first_p1", 2)  # seed 202: other machine
     assert row["diffs"] == pytest.approx([1.0, 2.0]) and row["mean"] == pytest.approx(1.5)
-    assert "| llama | muon | 4 | `look` | 2 | +1.50 %" in screen.report(tmp_path)
+    assert "| llama | muon | 4 | `first_p1` | 2 | +1.50 %" in screen.report(tmp_path)
 
 
 def test_the_queue_writes_each_run_when_it_ends_and_continues_where_it_stopped(tmp_path: Path, monkeypatch) -> None:

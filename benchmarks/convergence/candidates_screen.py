@@ -23,6 +23,8 @@ process (K = 1 is plain backprop), ``"weights": "stashed"``, ``grad_shrink`` 1, 
   the run's ticks), for Muon too; ``v1_p05`` and ``v1_look``: v1 with ``predict_scale`` 0.5 or with the look-ahead;
   ``nadam099``: AsyncPP's released recipe (NAdam with decoupled weight decay, beta1 0.99; no key), AdamW only;
   ``<arm>_split``: the arm on the K = 4 split above.
+- Plan (:func:`plan`): seed 200's LLaMA K = 4 ran every arm; the rest is narrowed to the arms the first pass
+  ranked best (:data:`SEED_200` for seed 200's other cells, :data:`LEADING` for seeds 201-202): 75 runs, not 204.
 
 Each run writes ``<out>/<task>/<optimizer>_k<K>_<arm>_s<seed>.json`` (``<optimizer>_bp_s<seed>.json`` for BP)
 when it ends, so a stopped queue continues where it stopped. The report pairs an arm with BP of the same optimizer,
@@ -64,12 +66,26 @@ ARMS: dict[str, dict[str, Any]] = {
     "v1_look": {"v1": True, "predict_momentum": "momentum"},
     "nadam099": {},
 }
-# per optimizer, the arms in the order they run; K = 4 adds the split ones
+# The first pass: seed 200's LLaMA K = 4 ran every arm (per optimizer, in this order; the split ones after).
 PLAN = {
     "adamw": ("none", "v1", "last_p1", "last_p05", "look", "v1_look", "v1_p05", "first_p1", "nadam099"),
     "muon": ("none", "last_p1", "last_p05", "look", "v1", "first_p1"),
 }
 SPLIT_ARMS = {"adamw": ("v1_split",), "muon": ("none_split",)}
+# Narrowed after the first pass (2026-12-07, experiment log "The screen narrowed"): per optimizer, seed 200's other
+# cells keep "none" (the reference), the two best arms of the first pass on the even split and the split ones, with
+# the split joined to the best keys (Muon first_p1_split); seeds 201-202 run the best arm and the best split only.
+SEED_200 = {
+    4: {
+        "muon": ("none", "first_p1", "last_p1", "none_split", "first_p1_split"),
+        "adamw": ("none", "v1", "v1_look", "v1_split"),
+    },  # fmt: skip
+    8: {"muon": ("none", "first_p1", "last_p1"), "adamw": ("none", "v1", "v1_look")},
+}
+LEADING = {
+    4: {"muon": ("first_p1", "first_p1_split"), "adamw": ("v1", "v1_split")},
+    8: {"muon": ("first_p1",), "adamw": ("v1",)},
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +104,14 @@ class Run:
         return out / self.task / f"{self.name}_s{self.seed}.json"
 
 
+def arms_of(seed: int, task: str, stages: int) -> dict[str, tuple[str, ...]]:
+    """Per optimizer, the arms a (seed, task, K) cell runs, in order."""
+    if (seed, task, stages) == (SEEDS[0], TASKS[0], 4):  # the first pass, then what the narrowing added
+        wide = {opt: PLAN[opt] + SPLIT_ARMS[opt] for opt in PLAN}
+        return {opt: wide[opt] + tuple(a for a in SEED_200[4][opt] if a not in wide[opt]) for opt in wide}
+    return (SEED_200 if seed == SEEDS[0] else LEADING)[stages]
+
+
 def plan(seeds: tuple[int, ...] = SEEDS) -> list[Run]:
     """Every run, in order: per seed and task (LLaMA first, the shorter), BP of both optimizers, then K = 4 and
     K = 8 with Muon's arms and AdamW's interleaved."""
@@ -96,7 +120,7 @@ def plan(seeds: tuple[int, ...] = SEEDS) -> list[Run]:
         for task in TASKS:
             runs += [Run(task, opt, 1, "bp", seed) for opt in ("adamw", "muon")]
             for k in (4, 8):
-                arms = {opt: PLAN[opt] + (SPLIT_ARMS[opt] if k == 4 else ()) for opt in PLAN}
+                arms = arms_of(seed, task, k)
                 longest = max(len(a) for a in arms.values())
                 for i in range(longest):
                     runs += [Run(task, opt, k, arms[opt][i], seed) for opt in ("muon", "adamw") if i < len(arms[opt])]
