@@ -11,7 +11,9 @@ finds chooses what a later pre-registered test tries, nothing more. Every arm ru
 process (K = 1 is plain backprop), ``"weights": "stashed"``, ``grad_shrink`` 1, ``accumulate`` 1.
 
 - Optimizers: AdamW lr 1e-3, betas (0.9, 0.95), eps 1e-8, weight decay 0.1; DeepSpeed's Muon as
-  ``muon_lm.muon`` builds it, Muon lr 0.01 (BP-Muon's choice on seed 99 for both tasks, docs/staleness.md).
+  ``muon_lm.muon`` builds it, Muon lr 0.01 (BP-Muon's choice on seed 99 for both tasks, docs/staleness.md);
+  Lion (seed 200's LLaMA only): DeepSpeed's CPU Lion, lr 3e-4, betas (0.9, 0.99), weight decay 0.3 (AdamW's lr / 3
+  and weight decay x 3, the Lion paper's advice; not tuned).
 - K = 4: the decoder blocks spread evenly (``hf_lm.stage_bounds``), or with ``split`` the embedding alone on
   stage 0 (layers 0,1,2,4,8: the most delayed stages short). K = 8: one layer per stage (embedding, six blocks,
   head), the only split of these 8 layers.
@@ -24,7 +26,8 @@ process (K = 1 is plain backprop), ``"weights": "stashed"``, ``grad_shrink`` 1, 
   ``nadam099``: AsyncPP's released recipe (NAdam with decoupled weight decay, beta1 0.99; no key), AdamW only;
   ``<arm>_split``: the arm on the K = 4 split above.
 - Plan (:func:`plan`): seed 200's LLaMA K = 4 ran every arm; the rest is narrowed to the arms the first pass
-  ranked best (:data:`SEED_200` for seed 200's other cells, :data:`LEADING` for seeds 201-202): 75 runs, not 204.
+  ranked best (:data:`SEED_200` for seed 200's other cells, :data:`LEADING` for seeds 201-202), and Lion on seed
+  200's LLaMA K = 4 (:data:`LION_ARMS`): 79 runs, not 204.
 
 Each run writes ``<out>/<task>/<optimizer>_k<K>_<arm>_s<seed>.json`` (``<optimizer>_bp_s<seed>.json`` for BP)
 when it ends, so a stopped queue continues where it stopped. The report pairs an arm with BP of the same optimizer,
@@ -51,7 +54,8 @@ OUT = ROOT / "runs" / "candidates_screen"
 TASKS = ("llama", "gpt2")
 SEEDS = (200, 201, 202)
 MUON_LR = 0.01
-MOMENTUM = {"adamw": 0.9, "muon": 0.95}  # AdamW's first beta; Muon's momentum (muon_lm.MUON)
+MOMENTUM = {"adamw": 0.9, "muon": 0.95, "lion": 0.9}  # the first beta (AdamW, Lion); Muon's momentum (muon_lm.MUON)
+LION = {"lr": 3e-4, "betas": (0.9, 0.99), "weight_decay": 0.3}
 SPLIT_K4 = [0, 1, 2, 4, 8]  # the embedding alone on stage 0
 
 # arm -> the pipeline.fdg keys beyond the base block; "v1" stands for rule v1's AdamW keys (:func:`fdg_keys`)
@@ -82,6 +86,7 @@ SEED_200 = {
     },  # fmt: skip
     8: {"muon": ("none", "first_p1", "last_p1"), "adamw": ("none", "v1", "v1_look")},
 }
+LION_ARMS = ("none", "v1", "first_p1")  # seed 200's LLaMA K = 4 only: which family's keys Lion takes
 LEADING = {
     4: {"muon": ("first_p1", "first_p1_split"), "adamw": ("v1", "v1_split")},
     8: {"muon": ("first_p1",), "adamw": ("v1",)},
@@ -91,7 +96,7 @@ LEADING = {
 @dataclasses.dataclass(frozen=True)
 class Run:
     task: str
-    optimizer: str  # "adamw" | "muon"
+    optimizer: str  # "adamw" | "muon" | "lion"
     stages: int  # 1: BP
     arm: str  # "bp", an ARMS key, or one with "_split"
     seed: int
@@ -108,22 +113,25 @@ def arms_of(seed: int, task: str, stages: int) -> dict[str, tuple[str, ...]]:
     """Per optimizer, the arms a (seed, task, K) cell runs, in order."""
     if (seed, task, stages) == (SEEDS[0], TASKS[0], 4):  # the first pass, then what the narrowing added
         wide = {opt: PLAN[opt] + SPLIT_ARMS[opt] for opt in PLAN}
-        return {opt: wide[opt] + tuple(a for a in SEED_200[4][opt] if a not in wide[opt]) for opt in wide}
+        added = {opt: tuple(a for a in SEED_200[4][opt] if a not in wide[opt]) for opt in wide}
+        return {**{opt: wide[opt] + added[opt] for opt in wide}, "lion": LION_ARMS}
     return (SEED_200 if seed == SEEDS[0] else LEADING)[stages]
 
 
 def plan(seeds: tuple[int, ...] = SEEDS) -> list[Run]:
-    """Every run, in order: per seed and task (LLaMA first, the shorter), BP of both optimizers, then K = 4 and
-    K = 8 with Muon's arms and AdamW's interleaved."""
+    """Every run, in order: per seed and task (LLaMA first, the shorter), BP of each optimizer, then K = 4 and
+    K = 8 with the optimizers' arms interleaved (Muon, AdamW, Lion)."""
     runs: list[Run] = []
     for seed in seeds:
         for task in TASKS:
-            runs += [Run(task, opt, 1, "bp", seed) for opt in ("adamw", "muon")]
+            optimizers = {opt for k in (4, 8) for opt in arms_of(seed, task, k)}
+            runs += [Run(task, opt, 1, "bp", seed) for opt in ("adamw", "muon", "lion") if opt in optimizers]
             for k in (4, 8):
                 arms = arms_of(seed, task, k)
                 longest = max(len(a) for a in arms.values())
                 for i in range(longest):
-                    runs += [Run(task, opt, k, arms[opt][i], seed) for opt in ("muon", "adamw") if i < len(arms[opt])]
+                    runs += [Run(task, opt, k, arms[opt][i], seed) for opt in ("muon", "adamw", "lion")
+                             if i < len(arms.get(opt, ()))]  # fmt: skip
     return runs
 
 
@@ -153,6 +161,10 @@ def make_optimizer(run: Run, module: Any) -> Any:
 
     if run.optimizer == "muon":
         return muon_lm.muon(module, MUON_LR)
+    if run.optimizer == "lion":
+        from deepspeed.ops.lion import DeepSpeedCPULion
+
+        return DeepSpeedCPULion(module.parameters(), **LION)
     if run.arm == "nadam099":  # AsyncPP's released recipe: NAdamW with beta1 0.99
         return torch.optim.NAdam(module.parameters(), lr=1e-3, betas=(0.99, 0.95), eps=1e-8, weight_decay=0.1,
                                  decoupled_weight_decay=True)  # fmt: skip
