@@ -18,9 +18,17 @@ from deepspeed.runtime.lr_schedules import OneCycle, WarmupCosineLR, WarmupDecay
 from dist_harness import run_ranks_calls
 
 from fdg_schedule import FDGConfig, fdg_reference
-from fdg_schedule.base.config import FDGConfigError
+from fdg_schedule.base.config import CORRECTIONS, FDGConfigError
 from fdg_schedule.corrections import auto_corrections
-from fdg_schedule.corrections.auto_corrections import FOREVER, check_resume, choose, recorded, resolve, schedule_of
+from fdg_schedule.corrections.auto_corrections import (
+    FOREVER,
+    Schedule,
+    check_resume,
+    choose,
+    recorded,
+    resolve,
+    schedule_of,
+)
 
 ADAM_KEYS = {"delay_momentum_raise": 1.0, "predict_decay": 0.0, "predict_horizon": "first_stage"}
 
@@ -103,14 +111,71 @@ def test_deepspeeds_fused_adam_is_adam_family() -> None:
         (lambda ps: torch.optim.SGD(ps, lr=0.1), "neither momentum > 0"),
         (lambda ps: torch.optim.Adagrad(ps, lr=0.1), "neither momentum > 0"),
         (lambda ps: torch.optim.SGD([{"params": ps[:1], "momentum": 0.9}, {"params": ps[1:]}], lr=0.1), "neither"),
-        (lambda ps: torch.optim.Muon(ps[:1], lr=0.02), "no correction measured for Muon"),
     ],
-    ids=["sgd-without-momentum", "adagrad", "one-group-without-momentum", "muon"],
+    ids=["sgd-without-momentum", "adagrad", "one-group-without-momentum"],
 )
 def test_an_optimizer_the_rule_does_not_cover_gets_no_correction_and_a_warning(build, why: str) -> None:
-    choice = _choice(build(_params()), 4)
-    assert choice.family == "uncovered" and choice.keys == {}
-    assert why in choice.why and "does not cover" in choice.warning
+    for rule in ("v1", "v2"):
+        choice = choose(build(_params()), 4, 1, "stashed", Schedule(), rule)
+        assert choice.family == "uncovered" and choice.keys == {}
+        assert why in choice.why and "does not cover" in choice.warning and f"(rule {rule})" in choice.line()
+
+
+MUON_KEYS = {"predict_decay": 0.0, "predict_horizon": "first_stage"}
+MUONS = {
+    "deepspeed": lambda: toy.ds_optimizer("Muon", torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))),
+    "torch": lambda: torch.optim.Muon(_params()[:1], lr=0.02),
+}
+
+
+@pytest.mark.parametrize("muon", MUONS)
+def test_rule_v2_predicts_muons_forwards_to_stage_0_at_three_stages_and_more(muon: str) -> None:
+    """DeepSpeed's MuonWithAuxAdam (its Adam half included: one optimizer, one family) and torch's Muon."""
+    opt = MUONS[muon]()
+    for stages in (3, 4, 8):
+        choice = _choice(opt, stages)
+        assert (choice.family, choice.keys, choice.rule, choice.warning) == ("muon", MUON_KEYS, "v2", "")
+        assert "(rule v2) chose predict_decay=0.0, predict_horizon='first_stage'" in choice.line()
+    assert _choice(opt, 2).keys == {} and "within 0.5 % of BP-Muon" in _choice(opt, 2).why
+    assert 'measured with weights "stashed"' in _choice(opt, 4, weights="current").warning
+
+
+def test_rule_v2_gives_lion_the_adam_keys_and_says_they_are_not_measured_on_lion() -> None:
+    lion = toy.ds_optimizer("Lion", torch.nn.Linear(3, 2))
+    adam = torch.optim.AdamW(_params(), lr=1e-3)
+    for stages in (2, 4):
+        choice = _choice(lion, stages)
+        assert choice.family == "lion" and choice.keys == _choice(adam, stages).keys
+        assert "not measured on Lion" in choice.warning and choice.warning in choice.line()
+    v1 = choose(lion, 4, 1, "stashed", Schedule(), "v1")
+    assert v1.family == "betas" and v1.keys == _choice(lion, 4).keys and not v1.warning
+
+
+def test_auto_v1_stays_reachable_and_chooses_what_it_chose() -> None:
+    """ "auto-v1" is rule v1 (Muon uncovered, Lion in the betas family); for every other optimizer v1 and v2 choose
+    the same keys; "auto" is the newest rule and "auto-v2" names it."""
+    assert set(auto_corrections.RULE_OF) == set(CORRECTIONS) - {"none"}
+    assert auto_corrections.RULE_OF["auto"] == auto_corrections.LATEST == "v2"
+    muon = MUONS["deepspeed"]()
+    v1, chose = resolve(FDGConfig(corrections="auto-v1", weights="stashed"), muon, None, 4)
+    assert chose is not None and chose.family == "uncovered" and chose.rule == "v1" and "rule v1 has no" in chose.why
+    assert recorded(v1) == recorded(FDGConfig(corrections="auto-v1", weights="stashed"))  # no key set
+    for name in ("auto", "auto-v2"):
+        v2, chose = resolve(FDGConfig(corrections=name, weights="stashed"), muon, None, 4)
+        assert chose is not None and chose.keys == MUON_KEYS and (v2.predict_decay, v2.predict_horizon) == (
+            0.0, "first_stage")  # fmt: skip
+    for opt in (torch.optim.AdamW(_params(), lr=1e-3), torch.optim.SGD(_params(), lr=0.1, momentum=0.9)):
+        for stages in (2, 4):
+            got = {rule: choose(opt, stages, 1, "stashed", Schedule(0.1, 50), rule).keys for rule in ("v1", "v2")}
+            assert got["v1"] == got["v2"], (opt, stages)
+
+
+def test_a_muon_checkpoint_saved_under_rule_v1_resumes_with_auto_v1_not_auto() -> None:
+    muon = MUONS["torch"]()
+    saved, _ = resolve(FDGConfig(corrections="auto-v1"), muon, None, 4)
+    check_resume(recorded(saved), resolve(FDGConfig(corrections="auto-v1"), muon, None, 4)[0], "stage 0")
+    with pytest.raises(FDGConfigError, match=r'"auto" \(rule v2\) chose .*predict_decay: 0.0.* "auto-v1"'):
+        check_resume(recorded(saved), resolve(FDGConfig(corrections="auto"), muon, None, 4)[0], "stage 0")
 
 
 def test_current_weights_keep_the_keys_and_the_log_line_says_the_tested_form_is_stashed() -> None:
@@ -142,7 +207,8 @@ def test_resolve_fills_the_keys_and_leaves_other_configs_alone() -> None:
     [
         ({"corrections": "auto", "delay_momentum": True}, r"corrections is 'auto' and pipeline.fdg sets \['delay_mom"),
         ({"corrections": "none", "predict_decay": 0.5}, r"corrections is 'none' and pipeline.fdg sets \['predict_d"),
-        ({"corrections": "Auto"}, r"corrections must be one of \['none', 'auto'\], got 'Auto'"),
+        ({"corrections": "Auto"}, r"corrections must be one of \['none', 'auto', 'auto-v1', 'auto-v2'\], got 'Auto'"),
+        ({"corrections": "auto-v1", "predict_decay": 0.0}, r"corrections is 'auto-v1' and pipeline.fdg sets \['pre"),
     ],
 )
 def test_bad_corrections_blocks_name_the_keys_and_the_fix(block: dict[str, Any], message: str) -> None:
@@ -163,11 +229,13 @@ def test_a_resume_that_would_choose_otherwise_is_an_error() -> None:
         check_resume(recorded(before), after, "stage 0")
 
 
-def test_the_reference_resolves_auto_per_stage_as_the_explicit_keys() -> None:
-    """fdg_reference with corrections "auto" trains exactly as with the keys the rule chose, written out."""
+@pytest.mark.parametrize("name", ["auto", "auto-v1"])
+def test_the_reference_resolves_auto_per_stage_as_the_explicit_keys(name: str) -> None:
+    """fdg_reference with corrections "auto" (or a named rule) trains exactly as with the keys the rule chose,
+    written out."""
     finals = []
     for config in (
-        FDGConfig(corrections="auto", weights="stashed"),
+        FDGConfig(corrections=name, weights="stashed"),
         FDGConfig(weights="stashed", delay_momentum=True, delay_momentum_peak_lr=0.1),
         FDGConfig(weights="stashed"),
     ):
@@ -267,6 +335,21 @@ def test_the_no_correction_line_is_for_k3_and_more_without_the_key(config, stage
     if line is not None:
         assert f"K = {stages} job" in line and 'Set "corrections": "auto"' in line and "docs/staleness.md" in line
         assert auto_corrections.measured_costs("none") in line and auto_corrections.measured_costs("auto") in line
+
+
+def test_a_muon_job_without_the_key_hears_muons_measured_cost() -> None:
+    """MUON_NONE_K4 is docs/results/muon/report.json's FDG-Muon K = 4 - BP-Muon (5 seeds each), rounded; the line
+    says that rule v2's Muon keys are not tested on held-out tasks; under K = 3 or with "none" no line."""
+    tasks = json.loads((ROOT / "docs" / "results" / "muon" / "report.json").read_text())["tasks"]
+    for m in auto_corrections.MUON_NONE_K4:
+        (row,) = [v for k, v in tasks[m.task]["comparisons"].items() if k.startswith("FDG-Muon K=4 vs BP-Muon")]
+        assert row["n"] == 5 and round(row["mean"], 2) == m.none, (m, row["mean"])
+    muon = MUONS["torch"]()
+    line = auto_corrections.no_correction_line(FDGConfig(), muon, 4)
+    assert line is not None and "LLaMA-style +2.22 %, GPT-2 +4.20 %" in line and "not yet tested" in line
+    assert auto_corrections.measured_costs("none") not in line  # AdamW's and SGD's numbers are not Muon's
+    assert auto_corrections.no_correction_line(FDGConfig(), muon, 2) is None
+    assert auto_corrections.no_correction_line(FDGConfig(corrections="none"), muon, 4) is None
 
 
 def _notices(ranks: list[list[str]]) -> list[list[str]]:

@@ -321,8 +321,8 @@ def test_a_few_ticks_of_each_task_on_stand_in_data(tmp_path: Path, monkeypatch: 
         assert [t for t, _ in result["val"]] == [per * budget // evals * (i + 1) for i in range(n * evals // budget)]
         assert all(math.isfinite(v) for _, v in result["val"]) and result["final"] == result["val"][-1][1]
         if run.stages > 1:  # "auto" as the code defines it: its rule, its line and the keys per stage
-            assert result["auto_rule"] and 'corrections "auto"' in result["auto_choice"]
-            assert len(result["auto_keys"]) == run.stages and result["fdg"]["corrections"] == "auto"
+            assert result["auto_rule"] == "v2" and 'corrections "auto"' in result["auto_choice"]
+            assert len(result["auto_keys"]) == run.stages and result["fdg"]["corrections"] == "auto-v2"
         else:
             assert result["auto_choice"] is None and result["accumulate"] == 4
     with pytest.raises(ValueError, match="must split into 3 evaluation intervals"):

@@ -406,7 +406,8 @@ def test_three_stages_all_modes_tick_by_tick(tmp_path) -> None:
 
 # corrections "auto" at K = 3 (Note [the auto rule]), against the reference given the keys the rule chooses: SGD
 # with momentum lowers the delayed stages' momentum up to the peak lr (WarmupLR's max, 0.1, reached at tick 5);
-# AdamW predicts to stage 0's update and raises beta1, with T = 2**62 ticks (no run length in WarmupLR or without).
+# AdamW predicts to stage 0's update and raises beta1, with T = 2**62 ticks (no run length in WarmupLR or without);
+# Muon (rule v2) predicts to stage 0's update.
 AUTO_THREE_STAGES = [
     {"stages": 3, "n": 64, "gas": 1, "calls": 9, "drain": True, "corrections": "auto", "weights": "stashed",
      "warmup": 5, "lr": 0.1, "auto_chooses": {"delay_momentum": True, "delay_momentum_peak_lr": 0.1}},
@@ -414,6 +415,10 @@ AUTO_THREE_STAGES = [
      "optimizer": "adamw", "activations": "recomputed",
      "auto_chooses": {"predict_decay": 0.0, "predict_horizon": "first_stage", "delay_momentum_raise": 1.0,
                       "delay_lr_ticks": 2**62}},
+    # rule v2: DeepSpeed's Muon predicts its forwards from its last applied update to stage 0's tick
+    {"stages": 3, "n": 64, "gas": 2, "calls": 4, "drain": True, "corrections": "auto", "weights": "stashed",
+     "ds_optimizer": "Muon", "activations": "stored",
+     "auto_chooses": {"predict_decay": 0.0, "predict_horizon": "first_stage"}},
 ]  # fmt: skip
 
 

@@ -359,7 +359,7 @@ def test_the_k4_accumulate_config_keeps_the_1f1b_batch() -> None:
 
 def test_the_muon_config_is_the_k4_job_with_muon_and_no_correction() -> None:
     """lm_fdg_k4_muon.json is lm_fdg_k4.json with DeepSpeed's Muon (the recipe's --optimizer muon block) and
-    corrections "none": rule v1 of "auto" has no correction measured for Muon (it chooses none, with a warning)."""
+    corrections "none", the measured setting (rule v2's Muon keys are a screened candidate, not tested yet)."""
     k4, muon = (
         json.loads((ROOT / "ds_configs" / f"{name}.json").read_text()) for name in ("lm_fdg_k4", "lm_fdg_k4_muon")
     )

@@ -8,8 +8,9 @@
     python -m benchmarks.convergence.auto_v2_test power [--sd-log-r 0.05] [--sd-gap 0.3 | --screen DIR]
 
 docs/results/auto-v2-preregistration.md fixes everything here before any run; the constants below are what it
-fixes. ``"auto"`` is the rule as the code at the queue's commit defines it: each FDG run file records the rule's
-version, its log line and the keys it resolved per stage.
+fixes. The FDG arms run ``"auto-v2"`` (``"auto"`` names the newest rule, which may change after the test), as the
+code at the queue's commit defines it: each FDG run file records the rule's version, its log line and the keys it
+resolved per stage.
 
 Tasks (benchmarks/common/auto_v2_tasks.py): ``lm_llama`` (LLaMA-style, the kernel's documentation) and ``lm_gpt2``
 (GPT-2-style, a joined text) with AdamW and Muon, ``vgg`` (a VGG-style net on MNIST images no run used) with SGD
@@ -18,7 +19,7 @@ engine tick by tick, tested), one thread.
 
 Arms: ``bp``: backprop, K = 1, one micro-batch per step (FDG's optimizer steps with ``accumulate`` 1); ``fdg_k4``,
 ``fdg_k8``: FDG as a user switching by config gets it (``weights`` "stashed", ``activations`` "stored",
-``grad_shrink`` 1, ``accumulate`` 1, ``corrections`` "auto"); with ``--bp-a4`` also ``bp_a4`` (K = 1, 4
+``grad_shrink`` 1, ``accumulate`` 1, ``corrections`` "auto-v2"); with ``--bp-a4`` also ``bp_a4`` (K = 1, 4
 micro-batches per step: DeepSpeed's 1F1B at GAS 4). A baseline runs ``BUDGET[task]`` micro-batches, FDG ``CAP`` x
 that (its lr schedule spans its own run). Every run evaluates every ``BUDGET[task] / EVALS`` micro-batches and once
 after the last (FDG: after the drain): the validation split on the tuning seed, the test split on report seeds.
@@ -192,7 +193,7 @@ def one_run(run: Run, budget: int | None = None, evals: int = EVALS, cache: Path
     optimizers = [make_optimizer(run, m) for m in modules]
     schedulers = [curve_runs.warmup_cosine(o, math.ceil(n / run.accumulate), run.warmup) for o in optimizers]
     fdg = FDGConfig(grad_shrink=1.0, weights="stashed", activations="stored", accumulate=run.accumulate,
-                    corrections="auto" if run.stages > 1 else "none")  # fmt: skip
+                    corrections="auto-v2" if run.stages > 1 else "none")  # fmt: skip
     choices = [auto_corrections.resolve(fdg, o, s, run.stages)[1] for o, s in zip(optimizers, schedulers)]
     trained = curve_runs.train_curve(modules, optimizers, built.batches, built.loss_fn, fdg, schedulers=schedulers,
                                      clip=CLIP[run.optimizer], evaluation=built.evaluation, per_micro=built.per_micro,
@@ -208,7 +209,7 @@ def one_run(run: Run, budget: int | None = None, evals: int = EVALS, cache: Path
         "split": run.split,
         "bounds": built.bounds,
         "fdg": {k: v for k, v in dataclasses.asdict(fdg).items() if not k.startswith("_")},
-        "auto_rule": auto_corrections.RULE if run.stages > 1 else None,
+        "auto_rule": auto_corrections.RULE_OF["auto-v2"] if run.stages > 1 else None,
         "auto_choice": None if choices[0] is None else choices[0].line(),  # the line rank 0 logs (stage 0's)
         "auto_keys": [None if c is None else c.keys for c in choices],  # what "auto" resolved, per stage
         **trained,

@@ -18,6 +18,7 @@ The public keys::
         "delay_momentum_peak_lr": null,  # rho > 0: mu ** (1 + h_k * min(1, lr / rho)) instead; null = off
         "delay_momentum_raise": null, # c > 0: mu of stage k taken as mu ** (1 / (1 + c * h_k)); null = off
         "corrections": null,          # "auto": the rule's keys above chosen per stage (Note [the auto rule]);
+                                      # "auto-v1" / "auto-v2": a named rule ("auto" is the newest, v2);
                                       # "none": none of the eight keys above; null: the explicit keys
         "staleness_every": 100,       # measure ||w_fwd - w_bwd|| / ||w|| every N ticks; 0 = off
         "nonfinite": "error",         # "error" | "skip": a non-finite loss or gradient on a stage
@@ -43,7 +44,7 @@ from typing import Any, Literal, NoReturn
 
 SCHEDULES = ("1f1b", "fdg")
 TRACE_KEYS = {"start_tick": 0, "ticks": 64, "dir": "fdg_trace"}
-CORRECTIONS = ("none", "auto")
+CORRECTIONS = ("none", "auto", "auto-v1", "auto-v2")  # "auto": the newest rule (auto_corrections.RULE_OF)
 TRANSPORTS = ("auto", "process_group", "shm")  # "auto" and fdg_schedule.exchange.transports.TRANSPORTS' names
 # The staleness-correction keys ``corrections`` decides (Note [the auto rule] in
 # fdg_schedule.corrections.auto_corrections).
@@ -199,8 +200,9 @@ class FDGConfig:
     ``delay_momentum``, ``delay_momentum_peak_lr``, ``delay_momentum_raise``) are chosen at
     ``deepspeed.initialize`` for each stage from its optimizer, K, ``accumulate`` and the LR scheduler (Note
     [the auto rule] in :mod:`fdg_schedule.corrections.auto_corrections`; it leaves ``predict_scale`` and
-    ``predict_momentum`` at their defaults); ``"none"``: none of them (the paper's FDG); None: the keys as given.
-    With ``"auto"`` or ``"none"`` the block sets none of those keys (nor ``predict_scale``, ``predict_momentum``)
+    ``predict_momentum`` at their defaults), by the newest rule (v2); ``"auto-v1"`` / ``"auto-v2"``: by that rule;
+    ``"none"``: none of them (the paper's FDG); None: the keys as given.
+    With ``"auto"``, a named rule or ``"none"`` the block sets none of those keys (nor ``predict_scale``, ``predict_momentum``)
     itself."""
 
     _resolved: bool = dataclasses.field(default=False, repr=False)

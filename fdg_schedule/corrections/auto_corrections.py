@@ -1,16 +1,19 @@
 """``pipeline.fdg.corrections: "auto"``: the staleness corrections a stage gets from what it has.
 
-Note [the auto rule] (rule v1; docs/staleness.md, "The auto rule"; pre-registered in
+Note [the auto rule] (docs/staleness.md, "The auto rule"; rule v1 pre-registered in
 docs/results/auto-preregistration.md)
     Decided once, at ``deepspeed.initialize``, on every stage from its optimizer's class and param
     groups, K, ``accumulate`` and the LR scheduler; each stage's delay then enters the corrections'
     formulas through h_k = 2(K-1-k) / accumulate, as for the explicit keys. Nothing depends on a
-    run length the engine cannot read.
+    run length the engine cannot read. ``"auto"`` is the newest rule (:data:`LATEST`, v2);
+    ``"auto-v1"`` and ``"auto-v2"`` name one, so that a job (and its results) keeps its rule.
 
-    family of the stage optimizer (its param groups):
+    family of the stage optimizer (its class and param groups):
+      muon       the class is a Muon (DeepSpeed's MuonWithAuxAdam, torch's Muon)      [rule v2; v1: uncovered]
+      lion       the class is a Lion (DeepSpeed's Lion, CPU or fused)                 [rule v2; v1: betas]
       momentum   every group has ``momentum`` > 0 and no ``betas`` (SGD with momentum, RMSprop)
-      betas      every group has ``betas`` (Adam, AdamW, DeepSpeed's FusedAdam, Lion, NAdam, ...)
-      uncovered  anything else: no momentum (plain SGD, Adagrad), mixed groups, Muon (no correction measured)
+      betas      every group has ``betas`` (Adam, AdamW, DeepSpeed's FusedAdam, NAdam, ...)
+      uncovered  anything else: no momentum (plain SGD, Adagrad), mixed groups
 
     +-----------+------+------------------------------------------------------------------------+
     | family    | K    | keys                                                                   |
@@ -19,9 +22,18 @@ docs/results/auto-preregistration.md)
     | momentum  | >= 3 | delay_momentum, delay_momentum_peak_lr = rho                           |
     | betas     | 2    | predict_decay 0, predict_horizon "first_stage", delay_momentum_raise 1 |
     | betas     | >= 3 | the K = 2 keys and delay_lr_ticks = T                                  |
+    | lion      | any  | the betas family's keys (v2: not measured on Lion; the log says so)    |
+    | muon      | 2    | none (v2)                                                              |
+    | muon      | >= 3 | predict_decay 0, predict_horizon "first_stage" (v2)                    |
     | uncovered | any  | none, with a warning that names why                                    |
     | any       | 1    | none (nothing is delayed)                                              |
     +-----------+------+------------------------------------------------------------------------+
+
+    Rule v1 is this table without the muon and lion rows (Muon uncovered, Lion in the betas family):
+    for every other optimizer v1 and v2 choose the same keys. v2's Muon row is the candidates screen's
+    (docs/results/staleness/experiment-log.md, "The first pass and the screen narrowed"): the forwards
+    on the weights predicted from the last applied update (Muon's orthogonalised step) to the tick in
+    which stage 0 applies the gradient; at K = 2 FDG-Muon was within 0.5 % of BP-Muon uncorrected.
 
     rho, the peak learning rate: the largest lr the scheduler will give any param group, read from
     it at initialize (DeepSpeed's WarmupLR / WarmupDecayLR max lr, WarmupCosineLR's and torch
@@ -42,7 +54,8 @@ Note [the cost of no correction]
     pre-registered test (docs/results/auto/report.json, at K = 4, the mean paired difference to backprop, and
     what "auto" gave on the same seeds) and the key to set: :data:`MEASURED_K4`, the one place those numbers
     live in code (tests/test_auto_corrections.py checks them against the report and docs/staleness.md).
-    Not for K <= 2 (the test measured K = 4), an explicit ``"none"`` (a choice made), explicit keys, or an
+    A Muon job gets Muon's measured cost instead (:data:`MUON_NONE_K4`, docs/results/muon/report.json) and
+    that rule v2's Muon keys are not tested on held-out tasks yet. Not for K <= 2 (the test measured K = 4), an explicit ``"none"`` (a choice made), explicit keys, or an
     optimizer the rule does not cover ("auto" would choose no correction either).
 
 Why: docs/staleness.md. Delayed SGD-momentum stages overshoot (a delayed gradient already carries
@@ -56,6 +69,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -63,8 +77,9 @@ from fdg_schedule.base.config import CORRECTION_KEYS, FDGConfig, FDGConfigError
 
 logger = logging.getLogger(__name__)
 
-RULE = "v1"
-# The keys rule v1 decides and a checkpoint records (:func:`recorded`): the correction keys older than the rule's
+LATEST = "v2"
+RULE_OF = {"auto": LATEST, "auto-v1": "v1", "auto-v2": "v2"}  # a corrections value -> its rule (config.CORRECTIONS)
+# The keys the rules decide and a checkpoint records (:func:`recorded`): the correction keys older than the rule's
 # first test. The later ones (predict_scale, predict_momentum) stay at their defaults under "auto" and are not
 # recorded, so checkpoints saved before them resume.
 RULE_KEYS = ("delay_lr_ticks", "predict_decay", "predict_horizon", "delay_momentum", "delay_momentum_peak_lr",
@@ -76,15 +91,16 @@ FOREVER = 2**62  # delay_lr_ticks without a run length: the factor stays tau ** 
 class Choice:
     """What ``"auto"`` chose for a stage, and why (Note [the auto rule])."""
 
-    family: str  # "momentum" | "betas" | "uncovered" | "undelayed"
+    family: str  # "momentum" | "betas" | "lion" | "muon" | "uncovered" | "undelayed"
     keys: dict[str, Any]  # the correction keys it sets (explicit-key names and values)
     why: str  # one sentence: the facts it read
     warning: str = ""  # what the user should know (untested weights, an optimizer the rule does not cover)
+    rule: str = LATEST
 
     def line(self) -> str:
         """The log line rank 0 prints."""
         keys = ", ".join(f"{k}={v!r}" for k, v in self.keys.items()) or "no correction"
-        return f'fdg_schedule: corrections "auto" (rule {RULE}) chose {keys}: {self.why}' + (
+        return f'fdg_schedule: corrections "auto" (rule {self.rule}) chose {keys}: {self.why}' + (
             f"; {self.warning}" if self.warning else ""
         )
 
@@ -123,6 +139,10 @@ def measured_costs(arm: str) -> str:
     return ", ".join(f"{m.name} {getattr(m, arm):+.2f} {m.unit}" for m in MEASURED_K4)
 
 
+MUON_NONE_K4 = (Measured("llama", "LLaMA-style", "%", 2.22, math.nan), Measured("gpt2", "GPT-2", "%", 4.20, math.nan))
+"""FDG-Muon at K = 4 with no correction - BP-Muon, test loss in % (docs/results/muon/report.json, seeds 100-104)."""
+
+
 def no_correction_line(config: FDGConfig, optimizer: Any, stages: int) -> str | None:
     """Note [the cost of no correction]: the line rank 0 logs at start, or None when the job needs none."""
     default = FDGConfig()
@@ -130,26 +150,42 @@ def no_correction_line(config: FDGConfig, optimizer: Any, stages: int) -> str | 
         return None
     if any(getattr(config, key) != getattr(default, key) for key in CORRECTION_KEYS):
         return None  # a correction of the user's own
-    if family_of(optimizer)[0] == "uncovered":
+    family = family_of(optimizer)[0]
+    if family == "uncovered":
         return None
-    return (
+    start = (
         f'fdg_schedule: pipeline.fdg has no "corrections" key, so this K = {stages} job trains with no staleness '
-        'correction (the paper\'s FDG). In the pre-registered test (K = 4, "weights": "stashed", grad_shrink 1) '
+        "correction (the paper's FDG)."
+    )
+    if family == "muon":
+        costs = ", ".join(f"{m.name} {m.none:+.2f} {m.unit}" for m in MUON_NONE_K4)
+        return (
+            f"{start} With DeepSpeed's Muon at K = 4 that cost, against backprop with Muon, {costs} of test loss "
+            f'(docs/staleness.md, Muon on the LM tasks). "corrections": "auto" (rule {LATEST}) predicts the '
+            "forwards from Muon's last update: chosen on development tasks, not yet tested on held-out ones. Set "
+            '"corrections": "auto" in pipeline.fdg, or "none" to keep no correction without this line'
+        )
+    return (
+        f'{start} In the pre-registered test (K = 4, "weights": "stashed", grad_shrink 1) '
         f"that cost, against backprop, {measured_costs('none')} (test loss in %, test error in points); "
         f'"corrections": "auto" gave {measured_costs("auto")}. Set "corrections": "auto" in pipeline.fdg '
         '(docs/staleness.md, The pre-registered test), or "none" to keep no correction without this line'
     )
 
 
-def family_of(optimizer: Any) -> tuple[str, str]:
+def family_of(optimizer: Any, rule: str = LATEST) -> tuple[str, str]:
     """The rule's family of an optimizer from its class and param groups, and a phrase saying why."""
     kind = type(optimizer).__name__
     groups = list(optimizer.param_groups)
     if "Muon" in kind:
-        return "uncovered", (
-            f"{kind}: no correction measured for Muon (without one, FDG-Muon at K = 4 was 2.2-4.2 % above BP-Muon's "
-            "loss on the LM tasks, at K = 2 within 0.7 %: docs/staleness.md, Muon on the LM tasks)"
-        )
+        if rule == "v1":
+            return "uncovered", (
+                f"{kind}: rule v1 has no correction for Muon (without one, FDG-Muon at K = 4 was 2.2-4.2 % above "
+                "BP-Muon's loss on the LM tasks, at K = 2 within 0.7 %: docs/staleness.md, Muon on the LM tasks)"
+            )
+        return "muon", kind
+    if "Lion" in kind and rule != "v1":
+        return "lion", f"{kind} with betas {groups[0]['betas']!r}" if groups and "betas" in groups[0] else kind
     if groups and all("betas" in g for g in groups):
         return "betas", f"{kind} with betas {groups[0]['betas']!r}"
     momenta = [g.get("momentum") for g in groups]
@@ -183,27 +219,36 @@ def schedule_of(scheduler: Any, optimizer: Any) -> Schedule:
     return Schedule(max(peaks or lrs, default=None), total, name)
 
 
-def choose(optimizer: Any, stages: int, accumulate: int, weights: str, schedule: Schedule) -> Choice:
-    """Note [the auto rule]: the correction keys for a stage with ``optimizer`` in a pipeline of ``stages``."""
+def choose(
+    optimizer: Any, stages: int, accumulate: int, weights: str, schedule: Schedule, rule: str = LATEST
+) -> Choice:
+    """Note [the auto rule]: the correction keys rule ``rule`` gives a stage with ``optimizer`` in a pipeline of
+    ``stages``."""
     if stages == 1:
-        return Choice("undelayed", {}, "K = 1: nothing is delayed")
-    family, found = family_of(optimizer)
+        return Choice("undelayed", {}, "K = 1: nothing is delayed", rule=rule)
+    family, found = family_of(optimizer, rule)
     at = f"K = {stages}, accumulate {accumulate}"
     untested = (
         f'the rule was measured with weights "stashed"; this job has "{weights}" (pipeline.fdg.weights is yours: '
         '"stashed" keeps one copy of the stage weights per micro-batch in flight)'
-        if weights != "stashed" and (stages >= 3 or family == "betas")
+        if weights != "stashed" and (stages >= 3 or family in ("betas", "lion"))
         else ""
     )
     if family == "uncovered":
-        return Choice(family, {}, f"{found}, {at}", "the rule does not cover this optimizer: no correction")
+        return Choice(family, {}, f"{found}, {at}", "the rule does not cover this optimizer: no correction", rule)
+    if family == "muon":
+        if stages == 2:
+            why = f"{found}, {at}: FDG-Muon at K = 2 was within 0.5 % of BP-Muon uncorrected (docs/staleness.md)"
+            return Choice(family, {}, why, rule=rule)
+        keys: dict[str, Any] = {"predict_decay": 0.0, "predict_horizon": "first_stage"}
+        return Choice(family, keys, f"{found}, {at}: the forwards predicted from Muon's last update", untested, rule)
     if family == "momentum":
         if stages == 2:
-            return Choice(family, {}, f"{found}, {at}: SGD-momentum at K = 2 trains at BP level uncorrected")
+            return Choice(family, {}, f"{found}, {at}: SGD-momentum at K = 2 trains at BP level uncorrected", rule=rule)
         rho = schedule.peak_lr
         why = f"{found}, {at}, peak lr {rho!r} ({schedule.name})"
-        return Choice(family, {"delay_momentum": True, "delay_momentum_peak_lr": rho}, why, untested)
-    keys: dict[str, Any] = {"predict_decay": 0.0, "predict_horizon": "first_stage", "delay_momentum_raise": 1.0}
+        return Choice(family, {"delay_momentum": True, "delay_momentum_peak_lr": rho}, why, untested, rule)
+    keys = {"predict_decay": 0.0, "predict_horizon": "first_stage", "delay_momentum_raise": 1.0}
     why = f"{found}, {at}"
     if stages >= 3:
         if schedule.total_steps is not None:
@@ -212,20 +257,24 @@ def choose(optimizer: Any, stages: int, accumulate: int, weights: str, schedule:
         else:
             keys["delay_lr_ticks"] = FOREVER
             why += f", no run length in {schedule.name}: T = 2**62 (a constant tau ** -1)"
-    return Choice(family, dict(sorted(keys.items())), why, untested)
+    if family == "lion":
+        lion = "rule v2 gives Lion the Adam family's keys, not measured on Lion (docs/staleness.md, The auto rule)"
+        untested = f"{lion}; {untested}" if untested else lion
+    return Choice(family, dict(sorted(keys.items())), why, untested, rule)
 
 
 def resolve(config: FDGConfig, optimizer: Any, scheduler: Any, stages: int) -> tuple[FDGConfig, Choice | None]:
-    """``config`` with the keys ``"auto"`` chose for a stage with ``optimizer`` (unchanged unless it asks for it and
-    has not been resolved yet: the choice is made once, at initialize, and kept)."""
-    if config.corrections != "auto" or config._resolved:
+    """``config`` with the keys its ``"auto"`` rule chose for a stage with ``optimizer`` (unchanged unless it asks
+    for it and has not been resolved yet: the choice is made once, at initialize, and kept)."""
+    if config.corrections not in RULE_OF or config._resolved:
         return config, None
     if optimizer is None:
         raise FDGConfigError(
-            'pipeline.fdg.corrections is "auto" but the stage has no optimizer to read; pass one to '
+            f'pipeline.fdg.corrections is "{config.corrections}" but the stage has no optimizer to read; pass one to '
             'deepspeed.initialize (or an "optimizer" block), or set corrections to "none"'
         )
-    choice = choose(optimizer, stages, config.accumulate, config.weights, schedule_of(scheduler, optimizer))
+    schedule = schedule_of(scheduler, optimizer)
+    choice = choose(optimizer, stages, config.accumulate, config.weights, schedule, RULE_OF[config.corrections])
     return dataclasses.replace(config, _resolved=True, **choice.keys), choice
 
 
@@ -243,8 +292,9 @@ def for_engine(config: FDGConfig, engine: Any) -> FDGConfig:
 
 
 def recorded(config: FDGConfig) -> dict[str, Any] | None:
-    """What a checkpoint keeps of ``"auto"``'s choice: the correction keys' values (None without ``"auto"``)."""
-    if config.corrections != "auto":
+    """What a checkpoint keeps of ``"auto"``'s choice: the correction keys' values (None without an ``"auto"``
+    rule). The rule's name is not kept: a checkpoint resumes under any rule that chooses the same keys."""
+    if config.corrections not in RULE_OF:
         return None
     return {key: getattr(config, key) for key in RULE_KEYS}
 
@@ -256,9 +306,11 @@ def check_resume(saved: Mapping[str, Any] | None, config: FDGConfig, where: str)
         return
     changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
     raise FDGConfigError(
-        f'{where}: pipeline.fdg.corrections "auto" chose {_pairs(now, changed)} for this job but the checkpoint '
-        f"was trained with {_pairs(saved, changed)}: its optimizer, scheduler, K or accumulate differ. Resume with "
-        "the job that saved it, or set the keys explicitly (remove corrections) to continue with new ones"
+        f'{where}: pipeline.fdg.corrections "{config.corrections}" (rule {RULE_OF[str(config.corrections)]}) chose '
+        f"{_pairs(now, changed)} for this job but the checkpoint was trained with {_pairs(saved, changed)}: its "
+        "optimizer, scheduler, K or accumulate differ, or it was saved under another rule (a Muon or Lion job saved "
+        'under rule v1 resumes with "corrections": "auto-v1"). Resume with the job that saved it, or set the keys '
+        "explicitly (remove corrections) to continue with new ones"
     )
 
 

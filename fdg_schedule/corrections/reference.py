@@ -251,7 +251,7 @@ def fdg_reference(
     # corrections "auto": each stage's keys from its optimizer and scheduler, decided at the first call as the
     # engine decides at initialize (Note [the auto rule]); a config resolved before keeps its keys
     configs = [config] * K
-    if config.corrections == "auto" and not config._resolved:
+    if config.corrections in auto_corrections.RULE_OF and not config._resolved:
         if state.configs is None:
             per_stage = schedulers if len(schedulers) == K else [schedulers[0] if schedulers else None] * K
             state.configs = [auto_corrections.resolve(config, optimizers[k], per_stage[k], K)[0] for k in range(K)]
