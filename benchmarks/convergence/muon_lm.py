@@ -17,10 +17,10 @@ settings (recipes/train_lm.py ``--optimizer muon``): momentum 0.95, the Adam hal
 Order, fixed before any run:
 1. BP-Muon's Muon lr, chosen per task on seed 99 among 0.01, 0.02, 0.04 (validation loss), then frozen.
 2. Seeds 100-104 (the auto test's seeds, so the AdamW rows of its queue pair with these by seed), per seed:
-   ``bp_muon`` (K = 1), ``muon_k4`` and ``muon_k2`` (FDG, ``corrections: "auto"``, rule v1, now ``"auto-v1"``:
-   for Muon it chooses no correction, so these are also the ``"none"`` arms; each run file records the rule's line), and the
-   AdamW K = 2 arms ``adamw_k2_none`` / ``adamw_k2_auto``. BP-AdamW and AdamW K = 4 (``none``, ``auto``)
-   are the auto test's run files of the same seed (docs/results/auto/runs).
+   ``bp_muon`` (K = 1), ``muon_k4`` and ``muon_k2`` (FDG, ``corrections: "auto"``, rule v1, now ``"auto-v1"``: for
+   Muon it chooses no correction, so these are also the ``"none"`` arms; each run file records the rule's line), and
+   the AdamW K = 2 arms ``adamw_k2_none`` / ``adamw_k2_auto``. BP-AdamW and AdamW K = 4 (``none``, ``auto``) are the
+   auto test's run files of the same seed (docs/results/auto/runs).
    Added after the runs began (2026-12-06; no run was chosen or dropped by it): where the auto test's BP-AdamW
    of a seed ran on another processor than the seed's Muon arms (so no arm of this queue pairs with it) and this
    machine is the Muon arms' processor, this queue runs BP-AdamW itself (``bp_adamw_here``: ``auto_test.one_run``

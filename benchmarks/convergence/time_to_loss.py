@@ -12,11 +12,11 @@ budgets, caps, the evaluation interval, the selection rules and the analysis.
 Every run is one process on ``fdg_reference`` (equal to the DeepSpeed engine tick by tick, tested): the
 baselines as K = 1 with ``accumulate`` 4 (``bp_a4``: one step per 4 micro-batches, what DeepSpeed's 1F1B
 with GAS 4 computes) or 1 (``bp_a1``), FDG as K stages with ``accumulate`` 1, ``weights`` "stashed",
-``activations`` "stored", ``grad_shrink`` 1, ``corrections`` "auto" (the product's defaults for a user
-switching a job; rule v1 then, so ``"auto-v1"`` since rule v2 became "auto"). A baseline runs ``BUDGET`` micro-batches; FDG runs ``CAP`` x that (its learning-rate
-schedule spans its own run). Every run evaluates every ``EVAL_EVERY`` micro-batches on a fixed evaluation
-subset: the validation split on the tuning seed, the test split on the report seeds; tokens (LM) or
-images (ResNet) counted are the micro-batches entered so far.
+``activations`` "stored", ``grad_shrink`` 1, ``corrections`` "auto" (the product's defaults for a user switching a
+job; rule v1 then, so ``"auto-v1"`` since rule v2 became "auto"). A baseline runs ``BUDGET`` micro-batches; FDG runs
+``CAP`` x that (its learning-rate schedule spans its own run). Every run evaluates every ``EVAL_EVERY``
+micro-batches on a fixed evaluation subset: the validation split on the tuning seed, the test split on the report
+seeds; tokens (LM) or images (ResNet) counted are the micro-batches entered so far.
 
 Order (the queue): per configuration in ``CONFIGS`` (K = 2 LM AdamW first), the grid on the tuning seed
 (both baselines, then FDG), then the report seeds (``bp_a4``, ``bp_a1``, FDG per seed). The baselines do
@@ -233,8 +233,9 @@ def one_run(run: Run) -> dict[str, Any]:
     start = time.time()
     modules, optimizers, schedulers, batches, (evaluation, loss_fn, bounds) = setup(run)
     per_micro = LM_MICRO * LM_BLOCK if run.task == "lm" else RESNET_MICRO  # tokens or images
+    rule = "auto-v1" if run.stages > 1 else "none"  # the pre-registered rule: v1 ("auto" at the queue's commit)
     fdg = FDGConfig(grad_shrink=1.0, weights="stashed", activations="stored", accumulate=run.accumulate,
-                    corrections="auto-v1" if run.stages > 1 else "none")  # fmt: skip  (the pre-registered rule)
+                    corrections=rule)  # fmt: skip
     choice = None
     if run.stages > 1:  # what "auto" chooses (fdg_reference decides per stage, as the engine; logged from stage 0)
         from fdg_schedule.corrections import auto_corrections

@@ -201,9 +201,8 @@ class FDGConfig:
     ``deepspeed.initialize`` for each stage from its optimizer, K, ``accumulate`` and the LR scheduler (Note
     [the auto rule] in :mod:`fdg_schedule.corrections.auto_corrections`; it leaves ``predict_scale`` and
     ``predict_momentum`` at their defaults), by the newest rule (v2); ``"auto-v1"`` / ``"auto-v2"``: by that rule;
-    ``"none"``: none of them (the paper's FDG); None: the keys as given.
-    With ``"auto"``, a named rule or ``"none"`` the block sets none of those keys (nor ``predict_scale``, ``predict_momentum``)
-    itself."""
+    ``"none"``: none of them (the paper's FDG); None: the keys as given. With ``"auto"``, a named rule or ``"none"``
+    the block sets none of those keys (nor ``predict_scale``, ``predict_momentum``) itself."""
 
     _resolved: bool = dataclasses.field(default=False, repr=False)
     """Internal: ``corrections: "auto"`` has filled in its keys

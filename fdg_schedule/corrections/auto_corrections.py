@@ -55,8 +55,9 @@ Note [the cost of no correction]
     what "auto" gave on the same seeds) and the key to set: :data:`MEASURED_K4`, the one place those numbers
     live in code (tests/test_auto_corrections.py checks them against the report and docs/staleness.md).
     A Muon job gets Muon's measured cost instead (:data:`MUON_NONE_K4`, docs/results/muon/report.json) and
-    that rule v2's Muon keys are not tested on held-out tasks yet. Not for K <= 2 (the test measured K = 4), an explicit ``"none"`` (a choice made), explicit keys, or an
-    optimizer the rule does not cover ("auto" would choose no correction either).
+    that rule v2's Muon keys are not tested on held-out tasks yet. Not for K <= 2 (the test measured K = 4), an
+    explicit ``"none"`` (a choice made), explicit keys, or an optimizer the rule does not cover ("auto" would choose
+    no correction either).
 
 Why: docs/staleness.md. Delayed SGD-momentum stages overshoot (a delayed gradient already carries
 h_k steps of the trajectory; lower momentum keeps less of it, fully at the peak lr and returning to
