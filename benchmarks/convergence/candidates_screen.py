@@ -110,28 +110,27 @@ class Run:
 
 
 def arms_of(seed: int, task: str, stages: int) -> dict[str, tuple[str, ...]]:
-    """Per optimizer, the arms a (seed, task, K) cell runs, in order."""
+    """Per optimizer (AdamW, Muon), the arms a (seed, task, K) cell runs, in order."""
     if (seed, task, stages) == (SEEDS[0], TASKS[0], 4):  # the first pass, then what the narrowing added
         wide = {opt: PLAN[opt] + SPLIT_ARMS[opt] for opt in PLAN}
-        added = {opt: tuple(a for a in SEED_200[4][opt] if a not in wide[opt]) for opt in wide}
-        return {**{opt: wide[opt] + added[opt] for opt in wide}, "lion": LION_ARMS}
+        return {opt: wide[opt] + tuple(a for a in SEED_200[4][opt] if a not in wide[opt]) for opt in wide}
     return (SEED_200 if seed == SEEDS[0] else LEADING)[stages]
 
 
 def plan(seeds: tuple[int, ...] = SEEDS) -> list[Run]:
-    """Every run, in order: per seed and task (LLaMA first, the shorter), BP of each optimizer, then K = 4 and
-    K = 8 with the optimizers' arms interleaved (Muon, AdamW, Lion)."""
+    """Every run, in order: per seed and task (LLaMA first, the shorter), BP of both optimizers, then K = 4 and
+    K = 8 with Muon's arms and AdamW's interleaved; after seed 200's LLaMA K = 8, Lion's cell (BP and K = 4)."""
     runs: list[Run] = []
     for seed in seeds:
         for task in TASKS:
-            optimizers = {opt for k in (4, 8) for opt in arms_of(seed, task, k)}
-            runs += [Run(task, opt, 1, "bp", seed) for opt in ("adamw", "muon", "lion") if opt in optimizers]
+            runs += [Run(task, opt, 1, "bp", seed) for opt in ("adamw", "muon")]
             for k in (4, 8):
                 arms = arms_of(seed, task, k)
                 longest = max(len(a) for a in arms.values())
                 for i in range(longest):
-                    runs += [Run(task, opt, k, arms[opt][i], seed) for opt in ("muon", "adamw", "lion")
-                             if i < len(arms.get(opt, ()))]  # fmt: skip
+                    runs += [Run(task, opt, k, arms[opt][i], seed) for opt in ("muon", "adamw") if i < len(arms[opt])]
+            if (seed, task) == (SEEDS[0], TASKS[0]):
+                runs += [Run(task, "lion", 1, "bp", seed), *(Run(task, "lion", 4, arm, seed) for arm in LION_ARMS)]
     return runs
 
 
