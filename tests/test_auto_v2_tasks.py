@@ -177,7 +177,11 @@ def test_the_cost_estimate_counts_every_run_of_the_test() -> None:
 
     measured = [{"task": "vgg", "optimizer": "sgd", "stages": k, "cpu_s_per_micro_batch": s, "eval_cpu_s": 2.0}
                 for k, s in ((1, 0.1), (4, 0.2))]  # fmt: skip
-    result = auto_v2_cost.estimate(measured, budget={"vgg": 128}, eval_every=64, cap=2, grid=6, seeds=8)
+    result = auto_v2_cost.estimate(measured, budget={"vgg": 128}, eval_every=64, cap=2, grid=6, seeds=8, equal=())
     bp, fdg = 128 * 0.1 + 2 * 2.0, 256 * 0.2 + 4 * 2.0  # FDG: twice the micro-batches and the evaluations
     assert result["per_run_cpu_s"] == {"vgg/sgd/K1": pytest.approx(bp), "vgg/sgd/K4": pytest.approx(fdg)}
     assert result["total_cpu_hours"] == pytest.approx(14 * (bp + fdg) / 3600)
+    eq = 128 * 0.2 + 2 * 2.0  # the gap's fdg_k4_eq arm: FDG's rate over the baseline's budget
+    result = auto_v2_cost.estimate(measured, budget={"vgg": 128}, eval_every=64, cap=2, grid=6, seeds=8)
+    assert result["per_run_cpu_s"]["vgg/sgd/K4_eq"] == pytest.approx(eq)
+    assert result["total_cpu_hours"] == pytest.approx(14 * (bp + fdg + eq) / 3600)

@@ -45,13 +45,19 @@ def put(out: Path, run: v2.Run, curve: list[list[float]], failed: bool = False) 
     write_result(run.path(out), result)
 
 
+EQ_BEST = (5e-4, 0.0)  # fdg_k4_eq's lowest final validation loss in fill_grids
+
+
 def fill_grids(out: Path, best_bp: tuple[float, float], fdg_r: dict[tuple[float, float], float]) -> None:
-    """The lm_llama/adamw tuning grids: bp best at ``best_bp`` (final 2.0); FDG's r per point (default: beyond)."""
+    """The lm_llama/adamw tuning grids: bp best at ``best_bp`` (final 2.0); FDG's r per point (default: beyond);
+    fdg_k4_eq (the baseline's budget) best at EQ_BEST."""
     for run in v2.grid(TASK, OPT, "bp"):
         put(out, run, bp_curve(2.0 if (run.lr, run.warmup) == best_bp else 2.2 + run.lr))
     for k in v2.STAGES:
         for run in v2.grid(TASK, OPT, f"fdg_k{k}"):
             put(out, run, fdg_curve(2.0, fdg_r.get((run.lr, run.warmup), 3.0)))
+    for run in v2.grid(TASK, OPT, "fdg_k4_eq"):
+        put(out, run, bp_curve(2.01 if (run.lr, run.warmup) == EQ_BEST else 2.3))
 
 
 # -- the plan ------------------------------------------------------------------------------------------------
@@ -63,6 +69,11 @@ def test_run_names_round_trip_and_say_what_runs() -> None:
         assert v2.Run.parse(run.name) == run
     fdg = v2.Run("lm_gpt2", "muon", "fdg_k8", 0.02, 0.0, 401)
     assert (fdg.stages, fdg.accumulate, fdg.micro_batches, fdg.split) == (8, 1, 2 * v2.BUDGET["lm_gpt2"], "test")
+    eq = v2.Run("lm_gpt2", "muon", "fdg_k4_eq", 0.02, 0.0, 401)
+    assert v2.Run.parse(eq.name) == eq and (eq.stages, eq.capped, eq.micro_batches) == (4, False, v2.BUDGET["lm_gpt2"])
+    assert v2.equal_arms() == ("fdg_k4_eq",)  # K = 8 has no gap margin
+    with pytest.raises(ValueError, match="fdg_k8_eq"):
+        v2.Run.parse("vgg_sgd/fdg_k8_eq_lr0.1_w0_s401")
     bp = v2.Run("vgg", "sgd", "bp", 0.1, 0.1, v2.TUNING_SEED)
     assert (bp.stages, bp.accumulate, bp.micro_batches, bp.split) == (1, 1, v2.BUDGET["vgg"], "validation")
     assert v2.Run("vgg", "sgd", "bp_a4", 0.1, 0.1, 401).accumulate == 4
@@ -90,15 +101,15 @@ def test_the_preregistered_constants() -> None:
 @pytest.mark.parametrize("bp_a4", [False, True])
 def test_the_queue_tunes_everything_first_then_the_report_seeds_config_by_config(tmp_path: Path, bp_a4: bool) -> None:
     order = v2.queue_order(tmp_path, bp_a4)
-    arms = 2 + len(v2.STAGES) if bp_a4 else 1 + len(v2.STAGES)
+    arms = (2 if bp_a4 else 1) + len(v2.STAGES) + 1  # the baselines, FDG K = 4 and 8, fdg_k4_eq
     tuning, seeds = len(v2.CONFIGS) * arms * POINTS, len(v2.CONFIGS) * arms * len(v2.SEEDS)
-    assert len(order) == tuning + seeds == (280 if bp_a4 else 210)
+    assert len(order) == tuning + seeds == (350 if bp_a4 else 280)
     first = order[:tuning]
     assert all(isinstance(r, v2.Run) and r.seed == v2.TUNING_SEED for r in first)
     names = [r.name for r in first if isinstance(r, v2.Run)]
     assert len(set(names)) == len(names)
     # per configuration, the LMs first: the baselines' grids, then FDG K = 4's, then K = 8's
-    expected_arms = ["bp"] + (["bp_a4"] if bp_a4 else []) + ["fdg_k4", "fdg_k8"]
+    expected_arms = ["bp"] + (["bp_a4"] if bp_a4 else []) + ["fdg_k4", "fdg_k8", "fdg_k4_eq"]
     configs = [(r.task, r.optimizer) for r in first if isinstance(r, v2.Run)][:: POINTS * arms]
     assert configs == list(v2.CONFIGS) and configs[-1] == ("vgg", "sgd")
     assert [r.arm for r in first[: arms * POINTS] if isinstance(r, v2.Run)][::POINTS] == expected_arms
@@ -121,11 +132,11 @@ def test_the_queue_restarts_where_it_stopped_and_a_failed_run_counts_as_done(
         calls.append(run.name)
         if run.arm == "fdg_k8" and run.lr == 5e-4:
             raise RuntimeError("diverged")
-        curve = bp_curve(2.0) if run.stages == 1 else fdg_curve(2.0, 1.2)
+        curve = fdg_curve(2.0, 1.2) if run.capped else bp_curve(2.0)
         return {**dataclasses.asdict(run), "name": run.name, "val": curve, "final": curve[-1][1]}
 
     monkeypatch.setattr(v2, "one_run", fake)
-    first = [r for r in v2.queue_order(tmp_path) if isinstance(r, v2.Run)][: 3 * POINTS]
+    first = [r for r in v2.queue_order(tmp_path) if isinstance(r, v2.Run)][: 4 * POINTS]
     v2.run_one(tmp_path, first[0])
     assert v2.next_run(tmp_path) == first[1]
     for run in first[1:]:
@@ -137,9 +148,9 @@ def test_the_queue_restarts_where_it_stopped_and_a_failed_run_counts_as_done(
     assert nxt is not None and (nxt.task, nxt.optimizer, nxt.seed) == ("lm_gpt2", "adamw", v2.TUNING_SEED)
     # lm_llama's choices are made: its report runs are known now
     report = [i for i in v2.queue_order(tmp_path) if isinstance(i, v2.Run) and i.seed == v2.SEEDS[0]]
-    assert [r.arm for r in report] == ["bp", "fdg_k4", "fdg_k8"] and report[0].task == TASK
-    waiting = len(v2.CONFIGS[1:]) * 3 * len(v2.SEEDS)  # the other configurations' report runs
-    assert f"18 of 210 runs done ({waiting} wait" in v2.status(tmp_path) and "2 failed" in v2.status(tmp_path)
+    assert [r.arm for r in report] == ["bp", "fdg_k4", "fdg_k8", "fdg_k4_eq"] and report[0].task == TASK
+    waiting = len(v2.CONFIGS[1:]) * 4 * len(v2.SEEDS)  # the other configurations' report runs
+    assert f"24 of 280 runs done ({waiting} wait" in v2.status(tmp_path) and "2 failed" in v2.status(tmp_path)
 
 
 def test_the_child_command_parses_to_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -189,15 +200,18 @@ def test_fdg_waits_for_bps_grid(tmp_path: Path) -> None:
 
 
 def fill_seeds(out: Path, rs: list[float], gaps: list[float], k: int = 4) -> None:
-    """Report runs with FDG crossing each seed's bp final at r x N and at N tokens a given % above it (r above
-    1 + 1 / EVALS: the crossing lies past the segment the hand-set point at N touches)."""
+    """Report runs: FDG's CAP x run crossing each seed's bp final at r x N, and at N tokens 1 point more than the
+    gap above it (r above 1 + 1 / EVALS: the crossing lies past the segment the hand-set point at N touches); the
+    fdg_k4_eq run ending the gap (%) above bp's final."""
     for seed, r, g in zip(v2.SEEDS, rs, gaps):
         final = 2.0 - 0.01 * (seed % 3)  # the targets differ by seed: r and the gap are per pair
         put(out, v2.Run(TASK, OPT, "bp", 1e-3, 0.1, seed), bp_curve(final))
         curve = fdg_curve(final, r)
         at_n = next(i for i, (t, _) in enumerate(curve) if t == N)
-        curve[at_n][1] = final * (1 + g / 100)  # the equal-token point (an evaluation), set by hand
+        curve[at_n][1] = final * (1 + (g + 1) / 100)  # the equal-token point (an evaluation), set by hand
         put(out, v2.Run(TASK, OPT, f"fdg_k{k}", 2e-3, 0.1, seed), curve)
+        if k == 4:
+            put(out, v2.Run(TASK, OPT, "fdg_k4_eq", *EQ_BEST, seed), bp_curve(final * (1 + g / 100)))
 
 
 def hand_bounds(xs: list[float]) -> tuple[float, float, tuple[float, float]]:
@@ -222,7 +236,8 @@ def test_r_and_the_gap_with_their_bounds_and_verdicts(tmp_path: Path) -> None:
     g_mean, g_upper, g_interval = hand_bounds(gaps)
     assert row["gap"]["per_seed"] == pytest.approx(gaps, rel=1e-9)
     assert row["gap"]["mean"] == pytest.approx(g_mean) and row["gap"]["upper_95"] == pytest.approx(g_upper)
-    assert row["gap"]["interval_95"] == pytest.approx(list(g_interval))
+    assert row["gap"]["interval_95"] == pytest.approx(list(g_interval)) and row["gap"]["arm"] == "fdg_k4_eq"
+    assert row["gap_at_tokens"]["per_seed"] == pytest.approx([g + 1 for g in gaps], rel=1e-9)  # reported only
     assert math.exp(upper) < 1.15 and g_upper < 1.0 and (row["r_verdict"], row["gap_verdict"]) == ("pass", "pass")
     assert (
         f"| {TASK} | {OPT} | 4 | bp | 8 (8) of 8 | {math.exp(mean):.3f} | {math.exp(upper):.3f} |"
@@ -259,8 +274,16 @@ def test_failed_runs_are_listed_a_failed_fdg_fails_a_missing_seed_pends(tmp_path
     put(tmp_path, bad, fdg_curve(2.0, 1.08), failed=True)
     report = v2.analyze(tmp_path)
     row = report["configs"][0]["K"]["4"]["bp"]
-    assert (row["r_verdict"], row["gap_verdict"]) == ("fail", "fail") and row["failed"][0]["run"] == bad.name
+    assert (row["r_verdict"], row["gap_verdict"]) == ("fail", "pass") and row["failed"][0]["run"] == bad.name
     assert [f["run"] for f in report["failed_runs"]] == [bad.name] and f"`{bad.name}`" in report["markdown"]
+    # the gap's own runs: a missing one pends, a failed one fails the gap
+    eq = v2.Run(TASK, OPT, "fdg_k4_eq", *EQ_BEST, v2.SEEDS[0])
+    eq.path(tmp_path).unlink()
+    row = v2.analyze(tmp_path)["configs"][0]["K"]["4"]["bp"]
+    assert row["gap"]["missing_seeds"] == [v2.SEEDS[0]] and row["gap_verdict"] == "pending"
+    put(tmp_path, eq, bp_curve(2.0), failed=True)
+    row = v2.analyze(tmp_path)["configs"][0]["K"]["4"]["bp"]
+    assert row["gap_verdict"] == "fail" and row["gap"]["failed"][0]["run"] == eq.name and row["gap"]["n"] == 7
 
 
 def test_power_and_the_screens_paired_spread(tmp_path: Path) -> None:
@@ -313,9 +336,10 @@ def test_a_few_ticks_of_each_task_on_stand_in_data(tmp_path: Path, monkeypatch: 
     for run, budget in ((v2.Run("lm_llama", "adamw", "fdg_k4", 1e-3, 0.1, v2.TUNING_SEED), 4),
                         (v2.Run("lm_gpt2", "muon", "fdg_k8", 0.02, 0.0, 401), 4),
                         (v2.Run("vgg", "sgd", "fdg_k4", 0.1, 0.0, 401), 4),
+                        (v2.Run("vgg", "sgd", "fdg_k4_eq", 0.1, 0.0, 401), 4),
                         (v2.Run("vgg", "sgd", "bp_a4", 0.1, 0.0, 401), 8)):  # fmt: skip
         result = v2.one_run(run, budget=budget, evals=evals, cache=tmp_path)
-        n = budget * (v2.CAP if run.stages > 1 else 1)
+        n = budget * (v2.CAP if run.capped else 1)
         per = tasks.TASKS[run.task].per_micro
         assert "failed" not in result and result["micro_batches"] == n and result["split"] == run.split
         assert [t for t, _ in result["val"]] == [per * budget // evals * (i + 1) for i in range(n * evals // budget)]

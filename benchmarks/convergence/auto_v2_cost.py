@@ -61,17 +61,22 @@ def measure(task: str, optimizer: str, stages: int, accumulate: int, micro_batch
 
 
 def estimate(measured: list[dict[str, Any]], budget: dict[str, int] | None = None, eval_every: int = 64, cap: int = 2,
-             grid: int = 6, seeds: int = 8) -> dict[str, Any]:  # fmt: skip
-    """CPU-hours of the full test from ``measure``'s results: per (task, optimizer) the BP arm (K = 1) and FDG at
-    each K measured, each run on the ``grid`` lr x warm-up points of the tuning seed and on ``seeds`` report
-    seeds; a baseline runs ``budget`` micro-batches (default each task's), FDG ``cap`` x that; an evaluation every
-    ``eval_every`` micro-batches and one at the end."""
+             grid: int = 6, seeds: int = 8, equal: tuple[int, ...] = (4,)) -> dict[str, Any]:  # fmt: skip
+    """CPU-hours of the full test from ``measure``'s results: per (task, optimizer) the BP arm (K = 1), FDG at each
+    K measured and, at each K in ``equal``, FDG at the baseline's budget (the gap's ``_eq`` arm), each run on the
+    ``grid`` lr x warm-up points of the tuning seed and on ``seeds`` report seeds; a baseline (and an ``_eq`` run)
+    runs ``budget`` micro-batches (default each task's), FDG ``cap`` x that; an evaluation every ``eval_every``
+    micro-batches and one at the end."""
     runs: dict[str, float] = {}
     for m in measured:
-        n = (budget or {}).get(m["task"], tasks.TASKS[m["task"]].budget) * (cap if m["stages"] > 1 else 1)
-        runs[f"{m['task']}/{m['optimizer']}/K{m['stages']}"] = (
-            n * m["cpu_s_per_micro_batch"] + (n // eval_every) * m["eval_cpu_s"]
-        )
+        base = (budget or {}).get(m["task"], tasks.TASKS[m["task"]].budget)
+        lengths = {"": base * (cap if m["stages"] > 1 else 1)}
+        if m["stages"] in equal:
+            lengths["_eq"] = base
+        for suffix, n in lengths.items():
+            runs[f"{m['task']}/{m['optimizer']}/K{m['stages']}{suffix}"] = (
+                n * m["cpu_s_per_micro_batch"] + (n // eval_every) * m["eval_cpu_s"]
+            )
     total = sum(one * (grid + seeds) for one in runs.values())
     return {"per_run_cpu_s": runs, "runs_per_arm": grid + seeds, "total_cpu_hours": total / 3600}
 

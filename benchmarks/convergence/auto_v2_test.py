@@ -20,27 +20,32 @@ engine tick by tick, tested), one thread.
 Arms: ``bp``: backprop, K = 1, one micro-batch per step (FDG's optimizer steps with ``accumulate`` 1); ``fdg_k4``,
 ``fdg_k8``: FDG as a user switching by config gets it (``weights`` "stashed", ``activations`` "stored",
 ``grad_shrink`` 1, ``accumulate`` 1, ``corrections`` "auto-v2"); with ``--bp-a4`` also ``bp_a4`` (K = 1, 4
-micro-batches per step: DeepSpeed's 1F1B at GAS 4). A baseline runs ``BUDGET[task]`` micro-batches, FDG ``CAP`` x
-that (its lr schedule spans its own run). Every run evaluates every ``BUDGET[task] / EVALS`` micro-batches and once
+micro-batches per step: DeepSpeed's 1F1B at GAS 4); ``fdg_k4_eq``: FDG at K = 4 (each K with a gap margin) run
+as ``fdg_k4`` for the baseline's budget, for the final-loss gap. A baseline and an ``_eq`` arm run ``BUDGET[task]``
+micro-batches, FDG ``CAP`` x that (each run's lr schedule spans its own run, so an ``_eq`` run anneals where the
+baseline does). Every run evaluates every ``BUDGET[task] / EVALS`` micro-batches and once
 after the last (FDG: after the drain): the validation split on the tuning seed, the test split on report seeds.
 Tokens (LM) or images (vgg) counted are the micro-batches entered so far.
 
 Tuning (``TUNING_SEED``, validation split): every arm on the same lr x warm-up grid (``GRIDS`` x ``WARMUPS``). A
 baseline takes the point with the lowest final validation loss; FDG the point that first reaches the chosen
-``bp``'s final validation loss in the fewest tokens (none reaching: the lowest final loss). Ties: grid order.
+``bp``'s final validation loss in the fewest tokens (none reaching: the lowest final loss); an ``_eq`` arm, as a
+baseline, the lowest final validation loss. Ties: grid order.
 
-Order (the queue): first every configuration's tuning grid (per configuration in ``CONFIGS``: the baselines'
-grids, then FDG K = 4's and K = 8's), then the report seeds ``SEEDS`` configuration by configuration (per seed:
-the baselines, then FDG K = 4 and K = 8 at their chosen points). ``run`` takes the first run without a file, runs
-it in a child process (``one``), writes ``<out>/<task>_<optimizer>/<arm>_lr<lr>_w<warm-up>_s<seed>.json`` when it
-ends (a failed run writes its error and counts as done) and goes on; stopped and started again it continues.
+Order (the queue): first every configuration's tuning grid (per configuration in ``CONFIGS``: the baselines' grids,
+then FDG K = 4's and K = 8's, then ``fdg_k4_eq``'s), then the report seeds ``SEEDS`` configuration by configuration
+(per seed: the baselines, then FDG K = 4, K = 8 and ``fdg_k4_eq`` at their chosen points). ``run`` takes the first
+run without a file, runs it in a child process (``one``), writes
+``<out>/<task>_<optimizer>/<arm>_lr<lr>_w<warm-up>_s<seed>.json`` when it ends (a failed run writes its error and
+counts as done) and goes on; stopped and started again it continues.
 
 Analysis (paired by seed, report seeds, test split), per configuration, K and baseline: r at the baseline's final
 test loss (fdg_schedule.plan.token_overhead's measure; a seed not reaching it within the cap enters as "> CAP",
 never dropped), its geometric mean, one-sided 95 % upper bound and two-sided 95 % interval (Student t on log r);
-the final-loss gap at equal tokens, FDG's test loss at the baseline's last micro-batch (an evaluation point of
-FDG's curve) minus the baseline's final, in % of the baseline's, with its mean, one-sided 95 % upper bound and
-two-sided 95 % interval; each against ``MARGINS``. A failed FDG run fails its row; a failed or missing baseline
+the final-loss gap at equal tokens, the ``_eq`` run's final test loss minus the baseline's, in % of the
+baseline's, with its mean, one-sided 95 % upper bound and two-sided 95 % interval; each against ``MARGINS``. Also
+reported, not judged: FDG's test loss at the baseline's last micro-batch in its ``CAP`` x run (its lr not annealed
+there), minus the baseline's final. A failed FDG run fails its row; a failed or missing baseline
 leaves it pending; failed runs are listed.
 """
 
@@ -93,6 +98,7 @@ CLIP = {"adamw": 1.0, "muon": 1.0, "sgd": 0.0}  # gradient clipping by norm per 
 # per K, what the one-sided 95 % upper bounds must not exceed: r, and the gap in % (None: no margin)
 MARGINS: dict[int, dict[str, float | None]] = {4: {"r": 1.15, "gap": 1.0}, 8: {"r": 1.30, "gap": None}}
 FAMILY = {"lm_llama": "llama", "lm_gpt2": "gpt", "vgg": "vgg"}  # token_overhead.Setting's family
+EQUAL = "_eq"  # the suffix of FDG's arm at the baseline's budget: fdg_k4_eq
 PAUSE_WHILE: Path | None = None  # while this file exists, a run waits between ticks (the machine's quiet periods)
 
 
@@ -107,7 +113,12 @@ class Run:
 
     @property
     def stages(self) -> int:
-        return int(self.arm[5:]) if self.arm.startswith("fdg_k") else 1
+        return int(self.arm[5:].removesuffix(EQUAL)) if self.arm.startswith("fdg_k") else 1
+
+    @property
+    def capped(self) -> bool:
+        """FDG's long run (CAP x the budget, for r); an ``_eq`` run has the baseline's budget (for the gap)."""
+        return self.stages > 1 and not self.arm.endswith(EQUAL)
 
     @property
     def accumulate(self) -> int:
@@ -115,7 +126,7 @@ class Run:
 
     @property
     def micro_batches(self) -> int:
-        return BUDGET[self.task] * (CAP if self.stages > 1 else 1)
+        return BUDGET[self.task] * (CAP if self.capped else 1)
 
     @property
     def split(self) -> str:
@@ -141,7 +152,7 @@ class Run:
             raise ValueError(f"run name {name!r} is not <task>_<optimizer>/<arm>_lr<lr>_w<warm-up>_s<seed> (e.g. "
                              "lm_llama_adamw/bp_lr0.001_w0_s400; `status` prints the next one)") from None  # fmt: skip
         run = Run(task, optimizer, arm, float(lr), float(warmup), int(seed))
-        if (task, optimizer) not in CONFIGS or arm not in ("bp", "bp_a4", *(f"fdg_k{k}" for k in STAGES)):
+        if (task, optimizer) not in CONFIGS or arm not in arms(True):
             known = ", ".join("_".join(c) for c in CONFIGS)
             raise ValueError(f"run name {name!r}: no configuration {task}_{optimizer} with arm {arm!r} (configurations "
                              f"{known}; arms {', '.join(arms(True))})")  # fmt: skip
@@ -152,8 +163,13 @@ def baselines(bp_a4: bool = False) -> tuple[str, ...]:
     return ("bp", "bp_a4") if bp_a4 else ("bp",)
 
 
+def equal_arms() -> tuple[str, ...]:
+    """FDG at the baseline's budget, for the K with a gap margin (the gap's runs)."""
+    return tuple(f"fdg_k{k}{EQUAL}" for k in STAGES if MARGINS[k]["gap"] is not None)
+
+
 def arms(bp_a4: bool = False) -> tuple[str, ...]:
-    return baselines(bp_a4) + tuple(f"fdg_k{k}" for k in STAGES)
+    return baselines(bp_a4) + tuple(f"fdg_k{k}" for k in STAGES) + equal_arms()
 
 
 # -- one run -------------------------------------------------------------------------------------------------
@@ -187,7 +203,7 @@ def one_run(run: Run, budget: int | None = None, evals: int = EVALS, cache: Path
     eval_every = budget // evals
     start = time.time()
     torch.set_num_threads(1)
-    n = budget * (CAP if run.stages > 1 else 1)
+    n = budget * (CAP if run.capped else 1)
     built = tasks.build(run.task, run.seed, run.stages, n, run.split, cache)
     modules = built.modules
     optimizers = [make_optimizer(run, m) for m in modules]
@@ -236,7 +252,7 @@ def choose(out: Path, task: str, optimizer: str, arm: str) -> Run | None:
     results = [read(r.path(out)) for r in points]
     if any(r is None for r in results):
         return None
-    if not arm.startswith("fdg"):
+    if not arm.startswith("fdg") or arm.endswith(EQUAL):
         return points[curve_runs.pick(results)]
     base = choose(out, task, optimizer, "bp")
     base_result = read(base.path(out)) if base is not None else None
@@ -323,10 +339,17 @@ def bounds(values: Sequence[float]) -> dict[str, Any]:
     return {"n": n, "mean": mean, "sd": sd, "upper_95": mean + one, "interval_95": [mean - two, mean + two]}
 
 
-def gap(baseline: dict[str, Any], fdg: dict[str, Any]) -> float:
-    """FDG's loss at the baseline's last evaluated tokens minus the baseline's final loss, in % of the latter."""
+def gap_at_tokens(baseline: dict[str, Any], fdg: dict[str, Any]) -> float:
+    """FDG's loss at the baseline's last evaluated tokens minus the baseline's final loss, in % of the latter (from
+    FDG's CAP x run, whose lr has not annealed there: reported, not judged)."""
     tokens, final = baseline["val"][-1][0], float(baseline["final"])
     return (to.value_at(fdg["val"], tokens) - final) / final * 100
+
+
+def final_gap(baseline: dict[str, Any], fdg: dict[str, Any]) -> float:
+    """FDG's final loss minus the baseline's, in % of the latter: both runs of the same budget (the ``_eq`` arm)."""
+    final = float(baseline["final"])
+    return (float(fdg["final"]) - final) / final * 100
 
 
 def verdict(bound: float | None, margin: float | None, complete: bool, fdg_failed: bool) -> str:
@@ -340,31 +363,52 @@ def verdict(bound: float | None, margin: float | None, complete: bool, fdg_faile
     return "pass" if bound <= margin else "fail"
 
 
+def _pair(
+    out: Path, base: Run, other: Run, seed: int
+) -> tuple[dict[str, Any], dict[str, Any]] | list[dict[str, str]] | None:
+    """The two runs of a seed; None if one is missing, the failures if one failed."""
+    runs = (dataclasses.replace(base, seed=seed), dataclasses.replace(other, seed=seed))
+    results = [read(r.path(out)) for r in runs]
+    if results[0] is None or results[1] is None:
+        return None
+    bad = [{"run": r.name, "failed": str(x["failed"])[-300:]} for r, x in zip(runs, results) if "failed" in x]
+    return bad or (results[0], results[1])
+
+
 def compare(out: Path, task: str, optimizer: str, k: int, base: str) -> dict[str, Any] | None:
-    """FDG at K against one baseline over the report seeds (paired by seed); None until both choices are made."""
+    """FDG at K against one baseline over the report seeds (paired by seed): r from the CAP x runs and, where K has
+    a gap margin, the final-loss gap from the ``_eq`` runs; None until the baseline's and FDG's choices are made."""
     b, d = choose(out, task, optimizer, base), choose(out, task, optimizer, f"fdg_k{k}")
     if b is None or d is None:
         return None
-    pairs, labels, gaps, failed, missing = [], [], [], [], []
+    equal = f"fdg_k{k}{EQUAL}" if f"fdg_k{k}{EQUAL}" in equal_arms() else None
+    e = choose(out, task, optimizer, equal) if equal else None
+    pairs, labels, at_tokens, failed, missing = [], [], [], [], []
+    gaps, gap_failed, gap_missing = [], [], []
     for seed in SEEDS:
-        rb_run, rd_run = dataclasses.replace(b, seed=seed), dataclasses.replace(d, seed=seed)
-        rb, rd = read(rb_run.path(out)), read(rd_run.path(out))
-        if rb is None or rd is None:
+        got = _pair(out, b, d, seed)
+        if got is None:
             missing.append(seed)
-            continue
-        bad = [(r.name, x["failed"]) for r, x in ((rb_run, rb), (rd_run, rd)) if "failed" in x]
-        if bad:
-            failed += [{"run": name, "failed": why[-300:]} for name, why in bad]
-            continue
-        pairs.append((rb["val"], rd["val"]))
-        labels.append((rb_run.name, rd_run.name))
-        gaps.append(gap(rb, rd))
+        elif isinstance(got, list):
+            failed += got
+        else:
+            pairs.append((got[0]["val"], got[1]["val"]))
+            labels.append((dataclasses.replace(b, seed=seed).name, dataclasses.replace(d, seed=seed).name))
+            at_tokens.append(gap_at_tokens(*got))
+        if equal:
+            eq = None if e is None else _pair(out, b, e, seed)
+            if eq is None:
+                gap_missing.append(seed)
+            elif isinstance(eq, list):
+                gap_failed += eq
+            else:
+                gaps.append(final_gap(*eq))
     fdg_failed = any(f["run"].split("/")[1].startswith("fdg") for f in failed)
     complete = not missing and not failed
     row: dict[str, Any] = {"baseline": base, "n_planned": len(SEEDS), "missing_seeds": missing, "failed": failed}
     margin = MARGINS[k]
     if pairs:
-        m = to.measure(pairs, labels, to.Setting(FAMILY[task], optimizer, k, "auto", 1, BP_A4_GAS if base ==
+        m = to.measure(pairs, labels, to.Setting(FAMILY[task], optimizer, k, "auto-v2", 1, BP_A4_GAS if base ==
                                                  "bp_a4" else 1))  # fmt: skip
         row.update(m.to_dict())
         up = m.final.upper if m.final.r is not None else None
@@ -373,8 +417,21 @@ def compare(out: Path, task: str, optimizer: str, k: int, base: str) -> dict[str
     else:
         row.update({"n": 0, "reached": 0, "r": None, "r_at_least": None, "upper_95": None, "interval_95": None})
         row["r_verdict"] = verdict(None, margin["r"], False, fdg_failed)
-    row["gap"] = {"per_seed": gaps, **bounds(gaps)}
-    row["gap_verdict"] = verdict(row["gap"]["upper_95"], margin["gap"], complete, fdg_failed)
+    row["gap_at_tokens"] = {"per_seed": at_tokens, **bounds(at_tokens)}  # reported, not judged
+    if equal:
+        eq_failed = any(f["run"].split("/")[1].startswith("fdg") for f in gap_failed)
+        row["gap"] = {
+            "arm": equal,
+            "per_seed": gaps,
+            "missing_seeds": gap_missing,
+            "failed": gap_failed,
+            **bounds(gaps),
+        }
+        row["gap_verdict"] = verdict(row["gap"]["upper_95"], margin["gap"], not gap_missing and not gap_failed,
+                                     eq_failed)  # fmt: skip
+    else:
+        row["gap"] = {"arm": None, "per_seed": [], "missing_seeds": [], "failed": [], **bounds([])}
+        row["gap_verdict"] = verdict(None, margin["gap"], True, False)
     row["margins"] = margin
     return row
 
@@ -421,8 +478,9 @@ def _num(value: float | None, digits: int = 3, sign: str = "") -> str:
 def markdown(report: dict[str, Any]) -> str:
     lines = [
         "| task | optimizer | K | baseline | n (reached) of planned | r | r one-sided 95 % upper | r two-sided 95 % | "
-        "r margin | r | gap % | gap one-sided 95 % upper | gap two-sided 95 % | gap margin | gap |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "r margin | r | gap % | gap one-sided 95 % upper | gap two-sided 95 % | gap margin | gap | "
+        "gap at the baseline's tokens in FDG's 2x run (not judged) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for e in report["configs"]:
         for k, rows in e["K"].items():
@@ -433,7 +491,7 @@ def markdown(report: dict[str, Any]) -> str:
                 gap_margin, gap_pending = ("–", "–") if margin["gap"] is None else (f"≤ +{margin['gap']:g}", "pending")
                 if row is None:
                     lines.append(head + f" 0 of {len(SEEDS)} | – | – | – | {r_margin} | pending | – | – | – | "
-                                 f"{gap_margin} | {gap_pending} |")  # fmt: skip
+                                 f"{gap_margin} | {gap_pending} | – |")  # fmt: skip
                     continue
                 if row["r"] is None and row["r_at_least"] is not None:  # a seed beyond the cap
                     r = up = f"> {row['r_at_least']:.3f}"
@@ -443,8 +501,10 @@ def markdown(report: dict[str, Any]) -> str:
                 g = row["gap"]
                 giv = "–" if g["interval_95"] is None else " to ".join(f"{v:+.2f}" for v in g["interval_95"])
                 gap_cells = f"{_num(g['mean'], 2, '+')} | {_num(g['upper_95'], 2, '+')} | {giv} | {gap_margin}"
+                at = _num(row["gap_at_tokens"]["mean"], 2, "+")
                 lines.append(f"{head} {row['n']} ({row['reached']}) of {row['n_planned']} | {r} | {up} | {iv} | "
-                             f"{r_margin} | {row['r_verdict']} | {gap_cells} | {row['gap_verdict']} |")  # fmt: skip
+                             f"{r_margin} | {row['r_verdict']} | {gap_cells} | {row['gap_verdict']} | "
+                             f"{at} |")  # fmt: skip
     failed = report.get("failed_runs") or []
     lines += ["", f"Failed runs: {len(failed)}"] + [f"- `{f['run']}`: {f['failed'].strip().splitlines()[-1]}"
                                                    for f in failed]  # fmt: skip
