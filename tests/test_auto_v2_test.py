@@ -276,6 +276,13 @@ def test_failed_runs_are_listed_a_failed_fdg_fails_a_missing_seed_pends(tmp_path
     row = report["configs"][0]["K"]["4"]["bp"]
     assert (row["r_verdict"], row["gap_verdict"]) == ("fail", "pass") and row["failed"][0]["run"] == bad.name
     assert [f["run"] for f in report["failed_runs"]] == [bad.name] and f"`{bad.name}`" in report["markdown"]
+    # a pair is two runs on one processor: an FDG run from another one leaves its seed missing
+    other = v2.Run(TASK, OPT, "fdg_k4", 2e-3, 0.1, v2.SEEDS[1])
+    result = read(other.path(tmp_path))
+    assert result is not None
+    write_result(other.path(tmp_path), {**result, "machine": {"cpu": "another"}})
+    row = v2.analyze(tmp_path)["configs"][0]["K"]["4"]["bp"]
+    assert row["missing_seeds"] == [v2.SEEDS[1]] and row["n"] == 6 and row["r_verdict"] == "fail"  # the failed one
     # the gap's own runs: a missing one pends, a failed one fails the gap
     eq = v2.Run(TASK, OPT, "fdg_k4_eq", *EQ_BEST, v2.SEEDS[0])
     eq.path(tmp_path).unlink()

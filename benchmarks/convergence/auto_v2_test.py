@@ -45,8 +45,10 @@ never dropped), its geometric mean, one-sided 95 % upper bound and two-sided 95 
 the final-loss gap at equal tokens, the ``_eq`` run's final test loss minus the baseline's, in % of the
 baseline's, with its mean, one-sided 95 % upper bound and two-sided 95 % interval; each against ``MARGINS``. Also
 reported, not judged: FDG's test loss at the baseline's last micro-batch in its ``CAP`` x run (its lr not annealed
-there), minus the baseline's final. A failed FDG run fails its row; a failed or missing baseline
-leaves it pending; failed runs are listed.
+there), minus the baseline's final. A failed FDG run fails its row; a failed or missing baseline leaves it
+pending; failed runs are listed. A pair is two runs on one processor (``provenance.machine``): a seed whose FDG
+run ran elsewhere than its baseline counts as missing until that FDG run is deleted and run again where the
+baseline ran.
 """
 
 from __future__ import annotations
@@ -363,13 +365,15 @@ def verdict(bound: float | None, margin: float | None, complete: bool, fdg_faile
     return "pass" if bound <= margin else "fail"
 
 
-def _pair(
-    out: Path, base: Run, other: Run, seed: int
-) -> tuple[dict[str, Any], dict[str, Any]] | list[dict[str, str]] | None:
-    """The two runs of a seed; None if one is missing, the failures if one failed."""
+Pair = tuple[dict[str, Any], dict[str, Any]]
+
+
+def _pair(out: Path, base: Run, other: Run, seed: int) -> Pair | list[dict[str, str]] | None:
+    """The two runs of a seed; None if one is missing or the two ran on different processors (not a pair: rerun
+    the FDG run where the baseline ran), the failures if one failed."""
     runs = (dataclasses.replace(base, seed=seed), dataclasses.replace(other, seed=seed))
     results = [read(r.path(out)) for r in runs]
-    if results[0] is None or results[1] is None:
+    if results[0] is None or results[1] is None or results[0].get("machine") != results[1].get("machine"):
         return None
     bad = [{"run": r.name, "failed": str(x["failed"])[-300:]} for r, x in zip(runs, results) if "failed" in x]
     return bad or (results[0], results[1])
@@ -387,7 +391,7 @@ def compare(out: Path, task: str, optimizer: str, k: int, base: str) -> dict[str
     gaps, gap_failed, gap_missing = [], [], []
     for seed in SEEDS:
         got = _pair(out, b, d, seed)
-        if got is None:
+        if got is None:  # not run yet, or not on the baseline's processor
             missing.append(seed)
         elif isinstance(got, list):
             failed += got
