@@ -8,6 +8,7 @@ fast per step, so its break-even r is 1.1875.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -106,6 +107,22 @@ def test_the_shipped_table_gives_r_where_the_setting_was_measured() -> None:
     assert one.known and one.source.startswith("measured on a small GPT-2") and 0.8 < (one.r or 0) < 0.9
     assert not acc.known and "accumulate 4, baseline_batch 4" in acc.source
     assert "FDG's token overhead r (against backprop at the job's batch):" in table(result)
+
+
+def test_a_named_auto_rule_finds_the_rows_of_the_rule_that_chose_the_same_keys() -> None:
+    """The shipped "auto" rows were measured under rule v1 with AdamW, where v1 and v2 choose the same keys: "auto",
+    "auto-v1" and "auto-v2" find them; for Muon (the rules differ) "auto" is v2 and "auto-v1" another setting."""
+    from fdg_schedule.corrections import auto_corrections
+    from fdg_schedule.plan import overheads
+
+    assert f"auto-{auto_corrections.LATEST}" == overheads.LATEST_AUTO and set(auto_corrections.RULE_OF) == {
+        "auto", "auto-v1", "auto-v2"}  # fmt: skip
+    row = next(m.setting for m in overheads.measured() if m.setting.corrections == "auto")
+    found = [overheads.lookup(dataclasses.replace(row, corrections=n)) for n in ("auto", "auto-v1", "auto-v2")]
+    assert found[0] is not None and found[0].setting == row and found[1] == found[2] == found[0]
+    muon = Setting("llama", "muon", 4, "auto", 1, 1)
+    assert overheads.same_keys(muon).corrections == "auto-v2"
+    assert overheads.same_keys(dataclasses.replace(muon, corrections="auto-v1")).corrections == "auto-v1"
 
 
 def test_the_command_line_takes_r_or_the_measures_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -95,8 +95,8 @@ def parser() -> argparse.ArgumentParser:
     loss.add_argument(
         "--corrections",
         default="auto",
-        help="FDG's corrections, for the shipped measurements: auto, none, or the keys joined by + "
-        "(default: %(default)s, docs/staleness.md's recommendation)",
+        help="FDG's corrections, for the shipped measurements: auto (rule v2), auto-v1, auto-v2, none, or the keys "
+        "joined by + (default: %(default)s, docs/staleness.md's recommendation)",
     )
     out = p.add_argument_group("output")
     out.add_argument("--json", help="write every prediction and the recommendation to this JSON")

@@ -17,6 +17,20 @@ from fdg_schedule.plan.measured_overheads import ENTRIES
 from fdg_schedule.plan.token_overhead import Recorded, Setting, read
 
 SETTING_KEYS = ("family", "optimizer", "stages", "corrections", "accumulate", "baseline_batch")
+# "auto" names the newest rule, v2 (fdg_schedule.corrections.auto_corrections.RULE_OF); v1 and v2 choose the same keys
+# for every optimizer but these, so a measurement under either rule stands for both of them elsewhere.
+LATEST_AUTO = "auto-v2"
+RULES_DIFFER_FOR = ("muon", "lion")
+
+
+def same_keys(setting: Setting) -> Setting:
+    """``setting`` with its corrections as the keys it sets: "auto" is rule v2; where rules v1 and v2 choose the same
+    keys (every optimizer but Muon and Lion), "auto-v1", "auto-v2" and "auto" are one setting, "auto". The shipped
+    table's "auto" rows were measured under rule v1 with AdamW."""
+    rule = LATEST_AUTO if setting.corrections == "auto" else setting.corrections
+    if rule in ("auto-v1", "auto-v2") and setting.optimizer not in RULES_DIFFER_FOR:
+        rule = "auto"
+    return dataclasses.replace(setting, corrections=rule)
 
 
 def measured() -> list[Recorded]:
@@ -31,8 +45,9 @@ def measured() -> list[Recorded]:
 
 
 def lookup(setting: Setting) -> Recorded | None:
-    """The shipped measurement of exactly ``setting`` (every field equal), or None: unknown."""
-    return next((m for m in measured() if m.setting == setting), None)
+    """The shipped measurement of exactly ``setting`` (every field equal, the corrections compared as the keys they
+    set: :func:`same_keys`), or None: unknown."""
+    return next((m for m in measured() if same_keys(m.setting) == same_keys(setting)), None)
 
 
 @dataclasses.dataclass(frozen=True)
