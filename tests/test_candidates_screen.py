@@ -18,8 +18,8 @@ def test_the_plan_runs_each_run_once_bp_first_and_the_split_at_k4_only() -> None
     assert [r.name for r in first[:3]] == ["adamw_bp", "muon_bp", "muon_k4_none"]
     assert {r.task for r in first} == {"llama"} and {r.seed for r in first} == {200}
     assert all(r.stages == 4 for r in runs if r.arm.endswith("_split"))
-    assert all(r.stages in (1, 4, 8) and r.arm in ("bp", *screen.ARMS, *(a + "_split" for a in screen.ARMS))
-               for r in runs)  # fmt: skip
+    arms = ("bp", "bp_a2", *screen.ARMS, *(a + "_split" for a in screen.ARMS), *(a + "_a2" for a in screen.ARMS))
+    assert all(r.stages in (1, 4, 8) and r.arm in arms for r in runs)
 
 
 def test_the_first_pass_ran_every_arm_and_the_narrowed_plan_keeps_its_runs() -> None:
@@ -34,15 +34,21 @@ def test_the_first_pass_ran_every_arm_and_the_narrowed_plan_keeps_its_runs() -> 
             for k in (4, 8):
                 if (seed, task, k) == (200, "llama", 4):
                     continue
-                got = {(r.optimizer, r.arm) for r in screen.plan() if (r.seed, r.task, r.stages) == (seed, task, k)}
+                got = {(r.optimizer, r.arm) for r in screen.plan()
+                       if (r.seed, r.task, r.stages, r.accumulate) == (seed, task, k, 1)}  # fmt: skip
                 assert got == {(o, a) for o, arms in cells[k].items() for a in arms}
-        bps = [r for r in screen.plan() if r.seed == seed and r.stages == 1]
+        bps = [r for r in screen.plan() if r.seed == seed and r.stages == 1 and r.accumulate == 1]
         assert len(bps) == 4 + (seed == 200)  # BP-AdamW and BP-Muon on both tasks, BP-Lion on seed 200's LLaMA
     lion = [i for i, r in enumerate(screen.plan()) if r.optimizer == "lion"]
     assert [screen.plan()[i].name for i in lion] == ["lion_bp", *(f"lion_k4_{arm}" for arm in screen.LION_ARMS)]
-    k8 = [i for i, r in enumerate(screen.plan()) if (r.seed, r.task, r.stages) == (200, "llama", 8)]
+    k8 = [i for i, r in enumerate(screen.plan()) if (r.seed, r.task, r.stages, r.accumulate) == (200, "llama", 8, 1)]
     assert lion == list(range(max(k8) + 1, max(k8) + 5))  # after seed 200's LLaMA K = 8, before GPT-2
-    assert len(screen.plan()) == 79
+    accumulated = [r for r in screen.plan() if r.accumulate == 2]
+    assert [r.name for r in accumulated] == ["adamw_bp_a2", "muon_bp_a2", "muon_k4_first_p1_a2", "adamw_k4_v1_a2",
+                                             "muon_k8_first_p1_a2", "adamw_k8_v1_a2"]  # fmt: skip
+    assert all(r.baseline.name == f"{r.optimizer}_bp_a2" for r in accumulated)
+    assert screen.plan().index(accumulated[0]) == max(lion) + 1
+    assert len(screen.plan()) == 85
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon", "lion"])
@@ -53,6 +59,10 @@ def test_every_arm_is_a_valid_fdg_block(optimizer: str) -> None:
         assert config.weights == "stashed" and config.grad_shrink == 1.0
     look = FDGConfig(**screen.fdg_keys("look", optimizer, 1000))
     assert look.predict_momentum == screen.MOMENTUM[optimizer] and look.predict_decay == 0.0
+    acc = FDGConfig(**screen.fdg_keys("v1_a2", optimizer, 1000))
+    assert (acc.accumulate, acc.delay_lr_ticks) == (2, 2000) and FDGConfig(
+        **screen.fdg_keys("v1", optimizer, 10)
+    ).accumulate == 1
     v1 = FDGConfig(**screen.fdg_keys("v1_p05", optimizer, 1000))
     assert (v1.delay_lr_ticks, v1.predict_horizon, v1.delay_momentum_raise, v1.predict_scale) == (
         2000, "first_stage", 1.0, 0.5)  # fmt: skip

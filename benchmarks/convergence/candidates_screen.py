@@ -27,7 +27,8 @@ process (K = 1 is plain backprop), ``"weights": "stashed"``, ``grad_shrink`` 1, 
   ``<arm>_split``: the arm on the K = 4 split above.
 - Plan (:func:`plan`): seed 200's LLaMA K = 4 ran every arm; the rest is narrowed to the arms the first pass
   ranked best (:data:`SEED_200` for seed 200's other cells, :data:`LEADING` for seeds 201-202), and Lion on seed
-  200's LLaMA K = 4 (:data:`LION_ARMS`): 79 runs, not 204.
+  200's LLaMA K = 4 (:data:`LION_ARMS`), then ``accumulate`` 2 as a version bound (:data:`ACCUMULATE_ARMS`: the best
+  keys at K = 4 and 8 with 2 micro-batches per step, paired with BP at 2 per step, ``bp_a2``): 85 runs, not 204.
 
 Each run writes ``<out>/<task>/<optimizer>_k<K>_<arm>_s<seed>.json`` (``<optimizer>_bp_s<seed>.json`` for BP)
 when it ends, so a stopped queue continues where it stopped. The report pairs an arm with BP of the same optimizer,
@@ -87,6 +88,10 @@ SEED_200 = {
     8: {"muon": ("none", "first_p1", "last_p1"), "adamw": ("none", "v1", "v1_look")},
 }
 LION_ARMS = ("none", "v1", "first_p1")  # seed 200's LLaMA K = 4 only: which family's keys Lion takes
+# accumulate as a version bound (issue 64): the best keys with 2 micro-batches per step at K = 4 and 8, against BP
+# at 2 per step (``bp_a2``), seed 200's LLaMA only, after Lion's cell
+ACCUMULATE = 2
+ACCUMULATE_ARMS = {"muon": ("first_p1_a2",), "adamw": ("v1_a2",)}
 LEADING = {
     4: {"muon": ("first_p1", "first_p1_split"), "adamw": ("v1", "v1_split")},
     8: {"muon": ("first_p1",), "adamw": ("v1",)},
@@ -98,12 +103,22 @@ class Run:
     task: str
     optimizer: str  # "adamw" | "muon" | "lion"
     stages: int  # 1: BP
-    arm: str  # "bp", an ARMS key, or one with "_split"
+    arm: str  # "bp" or "bp_a2", an ARMS key, or one with "_split" or "_a2"
     seed: int
 
     @property
     def name(self) -> str:
-        return f"{self.optimizer}_bp" if self.stages == 1 else f"{self.optimizer}_k{self.stages}_{self.arm}"
+        return f"{self.optimizer}_{self.arm}" if self.stages == 1 else f"{self.optimizer}_k{self.stages}_{self.arm}"
+
+    @property
+    def accumulate(self) -> int:
+        """Micro-batches per optimizer step: ACCUMULATE for an ``_a2`` arm, else 1."""
+        return ACCUMULATE if self.arm.endswith(f"_a{ACCUMULATE}") else 1
+
+    @property
+    def baseline(self) -> Run:
+        """The BP run this run pairs with: the same optimizer, seed and micro-batches per step."""
+        return Run(self.task, self.optimizer, 1, "bp" if self.accumulate == 1 else f"bp_a{ACCUMULATE}", self.seed)
 
     def path(self, out: Path) -> Path:
         return out / self.task / f"{self.name}_s{self.seed}.json"
@@ -131,18 +146,27 @@ def plan(seeds: tuple[int, ...] = SEEDS) -> list[Run]:
                     runs += [Run(task, opt, k, arms[opt][i], seed) for opt in ("muon", "adamw") if i < len(arms[opt])]
             if (seed, task) == (SEEDS[0], TASKS[0]):
                 runs += [Run(task, "lion", 1, "bp", seed), *(Run(task, "lion", 4, arm, seed) for arm in LION_ARMS)]
+                runs += [Run(task, opt, 1, f"bp_a{ACCUMULATE}", seed) for opt in ("adamw", "muon")]
+                runs += [Run(task, opt, k, arm, seed) for k in (4, 8) for opt in ("muon", "adamw")
+                         for arm in ACCUMULATE_ARMS[opt]]  # fmt: skip
     return runs
 
 
 def fdg_keys(arm: str, optimizer: str, ticks: int) -> dict[str, Any]:
     """The pipeline.fdg block of an arm (``ticks``: the run's training ticks, for v1's T)."""
-    keys = dict(ARMS[arm.removesuffix("_split")])
+    keys = dict(ARMS[arm.removesuffix("_split").removesuffix(f"_a{ACCUMULATE}")])
     if keys.pop("v1", False):  # rule v1's AdamW choice with a cosine schedule: T = twice the run's ticks
-        keys = {"predict_decay": 0.0, "predict_horizon": "first_stage", "delay_momentum_raise": 1.0,
-                "delay_lr_ticks": 2 * ticks, **keys}  # fmt: skip
+        keys = {
+            "predict_decay": 0.0,
+            "predict_horizon": "first_stage",
+            "delay_momentum_raise": 1.0,
+            "delay_lr_ticks": 2 * ticks,
+            **keys,
+        }  # fmt: skip  (T: ticks, whatever the accumulation)
     if keys.get("predict_momentum") == "momentum":
         keys["predict_momentum"] = MOMENTUM[optimizer]
-    return {"grad_shrink": 1.0, "weights": "stashed", "activations": "stored", "accumulate": 1, **keys}
+    accumulate = ACCUMULATE if arm.endswith(f"_a{ACCUMULATE}") else 1
+    return {"grad_shrink": 1.0, "weights": "stashed", "activations": "stored", "accumulate": accumulate, **keys}
 
 
 def bounds_for(layers: list[Any], run: Run) -> list[int]:
@@ -196,15 +220,16 @@ def run_one(run: Run, max_ticks: int | None = None, smoke: bool = False) -> dict
             block = torch.stack([train[j][0] for j in order[i * 8 : i * 8 + 8]])
             batches.append((block, block))
     batches = batches[:max_ticks]
-    steps = len(batches)
+    ticks = len(batches)
+    steps = math.ceil(ticks / run.accumulate)  # optimizer (and scheduler) steps
     schedule = {"total_num_steps": steps, "warmup_num_steps": max(1, steps // 10), "warmup_min_ratio": 0.0,
                 "cos_min_ratio": 0.1, "warmup_type": "linear"}  # fmt: skip
     schedulers = [WarmupCosineLR(o, **schedule) for o in optimizers]
-    keys = fdg_keys(run.arm, run.optimizer, steps) if run.stages > 1 else {}
+    keys = fdg_keys(run.arm, run.optimizer, ticks) if run.stages > 1 else {"accumulate": run.accumulate}
     start = time.time()
     losses = fdg_reference(modules, optimizers, batches, hf_lm.lm_loss, FDGConfig(**keys), drain=True,
                            schedulers=schedulers, clip_grad_norm=1.0)  # fmt: skip
-    out: dict[str, Any] = {"fdg": keys, "bounds": bounds, "train_ticks": steps, "train_s": time.time() - start}
+    out: dict[str, Any] = {"fdg": keys, "bounds": bounds, "train_ticks": ticks, "train_s": time.time() - start}
     if not all(math.isfinite(v) for v in losses):
         return {**out, "failed": "non-finite training loss"}
     return {
@@ -247,7 +272,7 @@ def rows(out: Path) -> list[dict[str, Any]]:
     for run in plan():
         if run.stages == 1:
             continue
-        mine, bp = read(run.path(out)), read(Run(run.task, run.optimizer, 1, "bp", run.seed).path(out))
+        mine, bp = read(run.path(out)), read(run.baseline.path(out))
         if mine is None or bp is None or mine["machine"] != bp["machine"]:
             continue
         diff = math.inf if "failed" in mine else (mine["test"] - bp["test"]) / bp["test"] * 100
