@@ -48,7 +48,7 @@ def test_the_first_pass_ran_every_arm_and_the_narrowed_plan_keeps_its_runs() -> 
                                              "muon_k8_first_p1_a2", "adamw_k8_v1_a2"]  # fmt: skip
     assert all(r.baseline.name == f"{r.optimizer}_bp_a2" for r in accumulated)
     assert screen.plan().index(accumulated[0]) == max(lion) + 1
-    assert len(screen.plan()) == 85
+    assert len(screen.plan()) == 89
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon", "lion"])

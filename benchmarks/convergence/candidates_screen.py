@@ -23,12 +23,13 @@ process (K = 1 is plain backprop), ``"weights": "stashed"``, ``grad_shrink`` 1, 
   look-ahead (``predict_momentum`` = the optimizer's momentum: AdamW's first beta 0.9, Muon's 0.95); ``v1``: rule
   v1's AdamW keys (``predict_decay`` 0, ``"first_stage"``, ``delay_momentum_raise`` 1, ``delay_lr_ticks`` twice
   the run's ticks), for Muon too; ``v1_p05`` and ``v1_look``: v1 with ``predict_scale`` 0.5 or with the look-ahead;
-  ``nadam099``: AsyncPP's released recipe (NAdam with decoupled weight decay, beta1 0.99; no key), AdamW only;
-  ``<arm>_split``: the arm on the K = 4 split above.
+  ``v1_nolr``: v1 without ``delay_lr_ticks`` (its K = 2 keys; added for AdamW at K = 8, where v1 closed a fifth
+  of the gap on seed 200's LLaMA); ``nadam099``: AsyncPP's released recipe (NAdam with decoupled weight decay,
+  beta1 0.99; no key), AdamW only; ``<arm>_split``: the arm on the K = 4 split above.
 - Plan (:func:`plan`): seed 200's LLaMA K = 4 ran every arm; the rest is narrowed to the arms the first pass
   ranked best (:data:`SEED_200` for seed 200's other cells, :data:`LEADING` for seeds 201-202), and Lion on seed
   200's LLaMA K = 4 (:data:`LION_ARMS`), then ``accumulate`` 2 as a version bound (:data:`ACCUMULATE_ARMS`: the best
-  keys at K = 4 and 8 with 2 micro-batches per step, paired with BP at 2 per step, ``bp_a2``): 85 runs, not 204.
+  keys at K = 4 and 8 with 2 micro-batches per step, paired with BP at 2 per step, ``bp_a2``): 89 runs, not 204.
 
 Each run writes ``<out>/<task>/<optimizer>_k<K>_<arm>_s<seed>.json`` (``<optimizer>_bp_s<seed>.json`` for BP)
 when it ends, so a stopped queue continues where it stopped. The report pairs an arm with BP of the same optimizer,
@@ -69,6 +70,7 @@ ARMS: dict[str, dict[str, Any]] = {
     "v1": {"v1": True},
     "v1_p05": {"v1": True, "predict_scale": 0.5},
     "v1_look": {"v1": True, "predict_momentum": "momentum"},
+    "v1_nolr": {"predict_decay": 0.0, "predict_horizon": "first_stage", "delay_momentum_raise": 1.0},  # v1 at K = 2
     "nadam099": {},
 }
 # The first pass: seed 200's LLaMA K = 4 ran every arm (per optimizer, in this order; the split ones after).
@@ -85,7 +87,7 @@ SEED_200 = {
         "muon": ("none", "first_p1", "last_p1", "none_split", "first_p1_split"),
         "adamw": ("none", "v1", "v1_look", "v1_split"),
     },  # fmt: skip
-    8: {"muon": ("none", "first_p1", "last_p1"), "adamw": ("none", "v1", "v1_look")},
+    8: {"muon": ("none", "first_p1", "last_p1"), "adamw": ("none", "v1", "v1_look", "first_p1", "v1_nolr")},
 }
 LION_ARMS = ("none", "v1", "first_p1")  # seed 200's LLaMA K = 4 only: which family's keys Lion takes
 # accumulate as a version bound (issue 64): the best keys with 2 micro-batches per step at K = 4 and 8, against BP
