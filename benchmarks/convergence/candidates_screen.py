@@ -101,6 +101,11 @@ LEADING = {
 }
 
 
+def accumulate_of(arm: str) -> int:
+    """Micro-batches per optimizer step: ACCUMULATE for an ``_a2`` arm (``bp_a2`` too), else 1."""
+    return ACCUMULATE if arm.endswith(f"_a{ACCUMULATE}") else 1
+
+
 @dataclasses.dataclass(frozen=True)
 class Run:
     task: str
@@ -115,8 +120,7 @@ class Run:
 
     @property
     def accumulate(self) -> int:
-        """Micro-batches per optimizer step: ACCUMULATE for an ``_a2`` arm, else 1."""
-        return ACCUMULATE if self.arm.endswith(f"_a{ACCUMULATE}") else 1
+        return accumulate_of(self.arm)
 
     @property
     def baseline(self) -> Run:
@@ -169,8 +173,7 @@ def fdg_keys(arm: str, optimizer: str, ticks: int) -> dict[str, Any]:
         }  # fmt: skip  (T: ticks, whatever the accumulation)
     if keys.get("predict_momentum") == "momentum":
         keys["predict_momentum"] = MOMENTUM[optimizer]
-    accumulate = ACCUMULATE if arm.endswith(f"_a{ACCUMULATE}") else 1
-    return {"grad_shrink": 1.0, "weights": "stashed", "activations": "stored", "accumulate": accumulate, **keys}
+    return {"grad_shrink": 1.0, "weights": "stashed", "activations": "stored", "accumulate": accumulate_of(arm), **keys}
 
 
 def bounds_for(layers: list[Any], run: Run) -> list[int]:

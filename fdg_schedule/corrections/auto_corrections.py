@@ -73,7 +73,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -88,6 +87,8 @@ RULE_OF = {"auto": LATEST, "auto-v1": "v1", "auto-v2": "v2"}  # a corrections va
 # recorded, so checkpoints saved before them resume.
 RULE_KEYS = ("delay_lr_ticks", "predict_decay", "predict_horizon", "delay_momentum", "delay_momentum_peak_lr",
              "delay_momentum_raise")  # fmt: skip
+# the forwards predicted from the last applied update to the tick in which stage 0 applies the gradient
+PREDICTION: dict[str, Any] = {"predict_decay": 0.0, "predict_horizon": "first_stage"}
 FOREVER = 2**62  # delay_lr_ticks without a run length: the factor stays tau ** -1 (Note [the auto rule])
 
 
@@ -120,14 +121,14 @@ class Schedule:
 
 @dataclasses.dataclass(frozen=True)
 class Measured:
-    """One task of the pre-registered test at K = 4: mean paired difference to backprop of each arm (Note [the cost
-    of no correction]), rounded as docs/staleness.md states it."""
+    """One task measured at K = 4: mean paired difference to backprop of each arm (Note [the cost of no correction]),
+    rounded as docs/staleness.md states it."""
 
     task: str  # the key in docs/results/auto/report.json
     name: str  # the task in the log line
     unit: str  # "%" of BP's test loss, or "points" of test error
     none: float  # no correction (what a block without "corrections" runs) - BP
-    auto: float  # "corrections": "auto" - BP
+    auto: float | None = None  # "corrections": "auto" - BP (None: not measured in a test)
 
 
 MEASURED_K4 = (
@@ -143,7 +144,7 @@ def measured_costs(arm: str) -> str:
     return ", ".join(f"{m.name} {getattr(m, arm):+.2f} {m.unit}" for m in MEASURED_K4)
 
 
-MUON_NONE_K4 = (Measured("llama", "LLaMA-style", "%", 2.22, math.nan), Measured("gpt2", "GPT-2", "%", 4.20, math.nan))
+MUON_NONE_K4 = (Measured("llama", "LLaMA-style", "%", 2.22), Measured("gpt2", "GPT-2", "%", 4.20))
 """FDG-Muon at K = 4 with no correction - BP-Muon, test loss in % (docs/results/muon/report.json, seeds 100-104)."""
 
 
@@ -242,7 +243,7 @@ def choose(
     if family == "uncovered":
         return Choice(family, {}, f"{found}, {at}", "the rule does not cover this optimizer: no correction", rule)
     if family == "lion":
-        keys = {"predict_decay": 0.0, "predict_horizon": "first_stage"}
+        keys = dict(PREDICTION)
         lion = ("rule v2's Lion keys were measured on one seed of a development task at K = 4 only (+7.5 % above "
                 "BP-Lion's loss against +8.2 % uncorrected; docs/staleness.md, The auto rule)")  # fmt: skip
         return Choice(family, keys, f"{found}, {at}", f"{lion}; {untested}" if untested else lion, rule)
@@ -250,7 +251,7 @@ def choose(
         if stages == 2:
             why = f"{found}, {at}: FDG-Muon at K = 2 uncorrected was +0.24-0.51 % from BP-Muon (docs/staleness.md)"
             return Choice(family, {}, why, rule=rule)
-        keys = {"predict_decay": 0.0, "predict_horizon": "first_stage"}
+        keys = dict(PREDICTION)
         return Choice(family, keys, f"{found}, {at}: the forwards predicted from Muon's last update", untested, rule)
     if family == "momentum":
         if stages == 2:
@@ -258,7 +259,7 @@ def choose(
         rho = schedule.peak_lr
         why = f"{found}, {at}, peak lr {rho!r} ({schedule.name})"
         return Choice(family, {"delay_momentum": True, "delay_momentum_peak_lr": rho}, why, untested, rule)
-    keys = {"predict_decay": 0.0, "predict_horizon": "first_stage", "delay_momentum_raise": 1.0}  # the betas family
+    keys = {**PREDICTION, "delay_momentum_raise": 1.0}  # the betas family
     why = f"{found}, {at}"
     if stages >= 3:
         if schedule.total_steps is not None:
