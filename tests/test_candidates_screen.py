@@ -96,7 +96,9 @@ def test_an_arm_pairs_with_bp_of_its_optimizer_seed_and_machine(tmp_path: Path) 
     (row,) = screen.rows(tmp_path)
     assert (row["optimizer"], row["K"], row["arm"], row["n"]) == ("muon", 4, "first_p1", 2)  # seed 202: other machine
     assert row["diffs"] == pytest.approx([1.0, 2.0]) and row["mean"] == pytest.approx(1.5)
-    assert "| llama | muon | 4 | `first_p1` | 2 | +1.50 %" in screen.report(tmp_path)
+    assert "| llama | muon | 4 | `first_p1` | 2 | +1.50 % (0.71), +4.66 % |" in screen.report(tmp_path)
+    _write(tmp_path, screen.Run("llama", "adamw", 4, "v1", 200), 1.1)
+    assert "| llama | adamw | 4 | `v1` | 1 | +10.00 % (one seed: no spread, no bound) |" in screen.report(tmp_path)
 
 
 def test_the_queue_writes_each_run_when_it_ends_and_continues_where_it_stopped(tmp_path: Path, monkeypatch) -> None:

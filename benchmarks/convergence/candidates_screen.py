@@ -299,8 +299,9 @@ def report(out: Path) -> str:
     lines = ["| task | optimizer | K | arm | n | test loss − BP: mean % (sd), one-sided 95 % bound |",
              "|---|---|---|---|---:|---|"]  # fmt: skip
     for r in rows(out):
+        spread = f" ({r['sd']:.2f}), {r['bound']:+.2f} %" if r["n"] > 1 else " (one seed: no spread, no bound)"
         lines.append(f"| {r['task']} | {r['optimizer']} | {r['K']} | `{r['arm']}` | {r['n']} | "
-                     f"{r['mean']:+.2f} % ({r['sd']:.2f}), {r['bound']:+.2f} % |")  # fmt: skip
+                     f"{r['mean']:+.2f} %{spread} |")  # fmt: skip
     return "\n".join(lines)
 
 
