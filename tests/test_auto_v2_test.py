@@ -49,15 +49,16 @@ EQ_BEST = (5e-4, 0.0)  # fdg_k4_eq's lowest final validation loss in fill_grids
 
 
 def fill_grids(out: Path, best_bp: tuple[float, float], fdg_r: dict[tuple[float, float], float]) -> None:
-    """The lm_llama/adamw tuning grids: bp best at ``best_bp`` (final 2.0); FDG's r per point (default: beyond);
-    fdg_k4_eq (the baseline's budget) best at EQ_BEST."""
-    for run in v2.grid(TASK, OPT, "bp"):
-        put(out, run, bp_curve(2.0 if (run.lr, run.warmup) == best_bp else 2.2 + run.lr))
-    for k in v2.STAGES:
-        for run in v2.grid(TASK, OPT, f"fdg_k{k}"):
-            put(out, run, fdg_curve(2.0, fdg_r.get((run.lr, run.warmup), 3.0)))
-    for run in v2.grid(TASK, OPT, "fdg_k4_eq"):
-        put(out, run, bp_curve(2.01 if (run.lr, run.warmup) == EQ_BEST else 2.3))
+    """The lm_llama/adamw tuning grids, with the points amendment 1 adds: bp best at ``best_bp`` (final 2.0); FDG's
+    r per point (default: beyond); fdg_k4_eq (the baseline's budget) best at EQ_BEST."""
+    while missing := [r for arm in v2.arms() for r in v2.grid(TASK, OPT, arm, out) if not r.path(out).exists()]:
+        for run in missing:
+            if run.arm == "bp":
+                put(out, run, bp_curve(2.0 if (run.lr, run.warmup) == best_bp else 2.2 + run.lr))
+            elif run.arm == "fdg_k4_eq":
+                put(out, run, bp_curve(2.01 if (run.lr, run.warmup) == EQ_BEST else 2.3))
+            else:
+                put(out, run, fdg_curve(2.0, fdg_r.get((run.lr, run.warmup), 3.0)))
 
 
 # -- the plan ------------------------------------------------------------------------------------------------
@@ -132,7 +133,8 @@ def test_the_queue_restarts_where_it_stopped_and_a_failed_run_counts_as_done(
         calls.append(run.name)
         if run.arm == "fdg_k8" and run.lr == 5e-4:
             raise RuntimeError("diverged")
-        curve = fdg_curve(2.0, 1.2) if run.capped else bp_curve(2.0)
+        best = run.lr == 1e-3  # inside the grid: amendment 1 adds nothing
+        curve = fdg_curve(2.0, 1.2 if best else 1.4) if run.capped else bp_curve(2.0 if best else 2.1)
         return {**dataclasses.asdict(run), "name": run.name, "val": curve, "final": curve[-1][1]}
 
     monkeypatch.setattr(v2, "one_run", fake)
@@ -179,12 +181,53 @@ def test_fdg_none_reaching_takes_the_lowest_final_loss_and_ties_go_to_grid_order
     fdg = v2.grid(TASK, OPT, "fdg_k4")
     put(tmp_path, fdg[3], fdg_curve(2.0, 2.1))  # ends lower than the others (2.1 > the cap, still the lowest)
     assert v2.choose(tmp_path, TASK, OPT, "fdg_k4") == fdg[3]
-    for run in fdg:  # all equal: the first point
-        put(tmp_path, run, fdg_curve(2.0, 1.3))
-    assert v2.choose(tmp_path, TASK, OPT, "fdg_k4") == fdg[0]
-    for run in v2.grid(TASK, OPT, "bp"):  # all bp points equal: the first
+    for run in v2.grid(TASK, OPT, "fdg_k4", tmp_path):  # all equal, the points amendment 1 added too: ties go to
+        put(tmp_path, run, fdg_curve(2.0, 1.3))  # grid order, whose base points come first
+    assert v2.choose(tmp_path, TASK, OPT, "fdg_k4") == fdg[0] and not v2.at_edge(tmp_path, TASK, OPT, "fdg_k4")
+    assert [r.lr for r in v2.grid(TASK, OPT, "fdg_k4", tmp_path)[len(fdg) :]] == [2.5e-4, 2.5e-4]
+    for run in v2.grid(TASK, OPT, "bp"):  # all bp points equal: the first (lowest lr: half of it added, equal)
+        put(tmp_path, run, bp_curve(2.0))
+    for run in v2.grid(TASK, OPT, "bp", tmp_path):
         put(tmp_path, run, bp_curve(2.0))
     assert v2.choose(tmp_path, TASK, OPT, "bp") == v2.grid(TASK, OPT, "bp")[0]
+
+
+def test_amendment_1_extends_an_arms_grid_where_its_edge_wins_at_most_twice_each_way(tmp_path: Path) -> None:
+    base = v2.grid(TASK, OPT, "bp")
+    assert v2.grid(TASK, OPT, "bp", tmp_path) == base  # nothing run yet: the pre-registered grid
+    for run in base:  # the top lr wins
+        put(tmp_path, run, bp_curve(5.0 - 1000 * run.lr))
+    assert v2.choose(tmp_path, TASK, OPT, "bp") is None
+    grown = v2.grid(TASK, OPT, "bp", tmp_path)
+    assert grown[: len(base)] == base and [(r.lr, r.warmup) for r in grown[len(base) :]] == [(4e-3, 0.0), (4e-3, 0.1)]
+    assert grown[-1].name == "lm_llama_adamw/bp_lr0.004_w0.1_s400"
+    for _ in range(3):  # the top keeps winning: 4e-3, then 8e-3, then no further (EXTEND)
+        for run in v2.grid(TASK, OPT, "bp", tmp_path):
+            if not run.path(tmp_path).exists():
+                put(tmp_path, run, bp_curve(5.0 - 1000 * run.lr))
+    lrs = sorted({r.lr for r in v2.grid(TASK, OPT, "bp", tmp_path)})
+    assert lrs == [5e-4, 1e-3, 2e-3, 4e-3, 8e-3] and v2.EXTEND == 2
+    assert v2.choose(tmp_path, TASK, OPT, "bp") == v2.Run(TASK, OPT, "bp", 8e-3, 0.0, v2.TUNING_SEED)
+    assert v2.at_edge(tmp_path, TASK, OPT, "bp")
+    # the queue runs an arm's added points right after its grid, before the next arm's
+    order = [i for i in v2.queue_order(tmp_path) if isinstance(i, v2.Run)]
+    assert [r.arm for r in order[: len(lrs) * len(v2.WARMUPS) + 1]] == ["bp"] * len(lrs) * len(v2.WARMUPS) + ["fdg_k4"]
+    assert "lm_llama adamw `bp`" in v2.markdown(v2.analyze(tmp_path))
+
+
+def test_an_interior_choice_adds_nothing_and_fdg_extends_only_once_bps_choice_is_final(tmp_path: Path) -> None:
+    fdg = v2.grid(TASK, OPT, "fdg_k4")
+    for run in fdg:  # the top lr reaches a target 2.0 first
+        put(tmp_path, run, fdg_curve(2.0, 1.1 if run.lr == 2e-3 else 1.5))
+    assert v2.grid(TASK, OPT, "fdg_k4", tmp_path) == fdg  # bp's choice not known: nothing added yet
+    for run in v2.grid(TASK, OPT, "bp"):
+        put(tmp_path, run, bp_curve(2.0 if (run.lr, run.warmup) == (1e-3, 0.1) else 2.2))
+    assert v2.grid(TASK, OPT, "bp", tmp_path) == v2.grid(TASK, OPT, "bp") and not v2.at_edge(tmp_path, TASK, OPT, "bp")
+    added = v2.grid(TASK, OPT, "fdg_k4", tmp_path)[len(fdg) :]
+    assert [(r.lr, r.warmup) for r in added] == [(4e-3, w) for w in v2.WARMUPS]
+    for run in added:  # twice the lr does worse: the choice stays, now inside the grid
+        put(tmp_path, run, fdg_curve(2.0, 1.8))
+    assert v2.choose(tmp_path, TASK, OPT, "fdg_k4") == fdg[4] and not v2.at_edge(tmp_path, TASK, OPT, "fdg_k4")
 
 
 def test_fdg_waits_for_bps_grid(tmp_path: Path) -> None:

@@ -30,7 +30,10 @@ Tokens (LM) or images (vgg) counted are the micro-batches entered so far.
 Tuning (``TUNING_SEED``, validation split): every arm on the same lr x warm-up grid (``GRIDS`` x ``WARMUPS``). A
 baseline takes the point with the lowest final validation loss; FDG the point that first reaches the chosen
 ``bp``'s final validation loss in the fewest tokens (none reaching: the lowest final loss); an ``_eq`` arm, as a
-baseline, the lowest final validation loss. Ties: grid order.
+baseline, the lowest final validation loss. Ties: grid order. Amendment 1 (the pre-registration's): where the
+chosen point has the grid's highest lr, the arm's grid gains twice that lr (both warm-ups), where it has the lowest,
+half of it, and the choice is made again, up to ``EXTEND`` times each way (:func:`grid`); a choice still at an edge
+then is reported as such.
 
 Order (the queue): first every configuration's tuning grid (per configuration in ``CONFIGS``: the baselines' grids,
 then FDG K = 4's and K = 8's, then ``fdg_k4_eq``'s), then the report seeds ``SEEDS`` configuration by configuration
@@ -87,6 +90,7 @@ GRIDS = {  # the lr grid per optimizer, the same for every arm
     "muon": (0.01, 0.02, 0.04),  # Muon's lr (its Adam half at 1e-3: optimizers.MUON)
     "sgd": (0.05, 0.1, 0.2),
 }
+EXTEND = 2  # amendment 1: at most this many doublings (halvings) of an arm's grid where its top (bottom) lr wins
 CONFIGS = (  # (task, optimizer) in queue order: the LMs first, cheapest first (docs/results/auto_v2/README.md)
     ("lm_llama", "adamw"),
     ("lm_gpt2", "adamw"),
@@ -244,25 +248,56 @@ def run_one(out: Path, run: Run) -> dict[str, Any]:
 Pending = tuple[str, str, str, int]  # (task, optimizer, arm, seed): the arm's chosen point at a seed, not known yet
 
 
-def grid(task: str, optimizer: str, arm: str, seed: int = TUNING_SEED) -> list[Run]:
-    return [Run(task, optimizer, arm, lr, w, seed) for lr in GRIDS[optimizer] for w in WARMUPS]
+def grid(task: str, optimizer: str, arm: str, out: Path | None = None, seed: int = TUNING_SEED) -> list[Run]:
+    """The arm's tuning points: ``GRIDS`` x ``WARMUPS`` in grid order, then (amendment 1, with ``out``) the points
+    the results in ``out`` have added so far: while the chosen point has the highest lr in the grid, twice that lr;
+    while it has the lowest, half of it; each with both warm-ups, at most ``EXTEND`` times each way."""
+    lrs, points = list(GRIDS[optimizer]), list[Run]()
+    up = down = 0
+    while True:
+        points += [Run(task, optimizer, arm, lr, w, seed) for lr in lrs if lr not in {p.lr for p in points}
+                   for w in WARMUPS]  # fmt: skip
+        index = None if out is None else _pick(out, task, optimizer, arm, points)
+        if index is None:
+            return points
+        lr = points[index].lr
+        if lr == max(lrs) and up < EXTEND:
+            lrs, up = [*lrs, 2 * lr], up + 1
+        elif lr == min(lrs) and down < EXTEND:
+            lrs, down = [lr / 2, *lrs], down + 1
+        else:
+            return points
 
 
 def choose(out: Path, task: str, optimizer: str, arm: str) -> Run | None:
-    """The arm's grid point (the module docstring's rule); None until its grid (and, for FDG, bp's) is in."""
-    points = grid(task, optimizer, arm)
+    """The arm's grid point (the module docstring's rule); None until its grid, with the points amendment 1 adds
+    (and, for FDG, bp's choice), is in."""
+    points = grid(task, optimizer, arm, out)
+    index = _pick(out, task, optimizer, arm, points)
+    return None if index is None else points[index]
+
+
+def at_edge(out: Path, task: str, optimizer: str, arm: str) -> bool:
+    """The arm's choice has its grid's highest or lowest lr after amendment 1's extensions: its best lr may lie
+    beyond what was tried (reported)."""
+    points, chosen = grid(task, optimizer, arm, out), choose(out, task, optimizer, arm)
+    return chosen is not None and chosen.lr in (max(p.lr for p in points), min(p.lr for p in points))
+
+
+def _pick(out: Path, task: str, optimizer: str, arm: str, points: list[Run]) -> int | None:
+    """The index of the chosen point among ``points``; None until each has a result (and, for FDG, bp's choice)."""
     results = [read(r.path(out)) for r in points]
     if any(r is None for r in results):
         return None
     if not arm.startswith("fdg") or arm.endswith(EQUAL):
-        return points[curve_runs.pick(results)]
+        return curve_runs.pick(results)
     base = choose(out, task, optimizer, "bp")
     base_result = read(base.path(out)) if base is not None else None
     if base_result is None:
         return None
     if "failed" in base_result:
-        return points[curve_runs.pick(results)]
-    return points[curve_runs.pick(results, float(base_result["final"]))]
+        return curve_runs.pick(results)
+    return curve_runs.pick(results, float(base_result["final"]))
 
 
 def queue_order(out: Path, bp_a4: bool = False) -> list[Run | Pending]:
@@ -270,7 +305,7 @@ def queue_order(out: Path, bp_a4: bool = False) -> list[Run | Pending]:
     order: list[Run | Pending] = []
     for task, optimizer in CONFIGS:
         for arm in arms(bp_a4):
-            order += grid(task, optimizer, arm)
+            order += grid(task, optimizer, arm, out)
     for task, optimizer in CONFIGS:
         chosen = {arm: choose(out, task, optimizer, arm) for arm in arms(bp_a4)}
         for seed in SEEDS:
@@ -444,7 +479,7 @@ def auto_choices(out: Path, task: str, optimizer: str) -> list[str]:
     """The distinct lines "auto" logged in the configuration's FDG tuning runs (the rule at the queue's commit)."""
     lines = set()
     for k in STAGES:
-        for run in grid(task, optimizer, f"fdg_k{k}"):
+        for run in grid(task, optimizer, f"fdg_k{k}", out):
             result = read(run.path(out))
             if result is not None and result.get("auto_choice"):
                 lines.add(str(result["auto_choice"]))
@@ -461,7 +496,8 @@ def analyze(out: Path, bp_a4: bool = False) -> dict[str, Any]:
             "optimizer": optimizer,
             "chosen": {a: None if c is None else {"lr": c.lr, "warmup": c.warmup} for a, c in chosen.items()},
             "grid": {arm: [{"lr": r.lr, "warmup": r.warmup, "final": curve_runs.score(read(r.path(out)))}
-                           for r in grid(task, optimizer, arm) if r.path(out).exists()] for arm in arms(bp_a4)},
+                           for r in grid(task, optimizer, arm, out) if r.path(out).exists()] for arm in arms(bp_a4)},
+            "at_edge": [arm for arm in arms(bp_a4) if at_edge(out, task, optimizer, arm)],
             "auto_choices": auto_choices(out, task, optimizer),
             "K": {},
         }  # fmt: skip
@@ -509,6 +545,9 @@ def markdown(report: dict[str, Any]) -> str:
                 lines.append(f"{head} {row['n']} ({row['reached']}) of {row['n_planned']} | {r} | {up} | {iv} | "
                              f"{r_margin} | {row['r_verdict']} | {gap_cells} | {row['gap_verdict']} | "
                              f"{at} |")  # fmt: skip
+    edges = [f"{e['task']} {e['optimizer']} `{arm}`" for e in report["configs"] for arm in e.get("at_edge", [])]
+    lines += ["", "Choices at an edge of the grid after amendment 1's extensions (the best lr may lie beyond): "
+              + (", ".join(edges) if edges else "none")]  # fmt: skip
     failed = report.get("failed_runs") or []
     lines += ["", f"Failed runs: {len(failed)}"] + [f"- `{f['run']}`: {f['failed'].strip().splitlines()[-1]}"
                                                    for f in failed]  # fmt: skip
