@@ -7,14 +7,15 @@ it does not list is unknown to the planner.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from pathlib import Path
 
 import pytest
 
-from benchmarks.studies.token_overheads import SETTINGS, TABLE, derive, markdown, module_text, table
+from benchmarks.studies.token_overheads import SETTINGS, TABLE, TTL, derive, markdown, module_text, table
 from fdg_schedule.plan.measured_overheads import ENTRIES
-from fdg_schedule.plan.overheads import Overheads, lookup, measured
+from fdg_schedule.plan.overheads import SETTING_KEYS, Overheads, lookup, measured
 from fdg_schedule.plan.token_overhead import Setting
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +40,8 @@ def test_every_entry_states_its_bound_seeds_cap_and_evidence() -> None:
     assert len(set(keys)) == len(keys) == len(SETTINGS)
     for e in ENTRIES:
         assert e["n"] == len(e["seeds"]) >= 2 and 0 <= e["reached"] <= e["n"]
-        assert e["cap"] == 1.0  # every recorded FDG run stopped at BP's tokens
+        # the staleness log's FDG runs stopped at BP's tokens; the time-to-loss test's ran on to twice them
+        assert e["cap"] == (2.0 if e["evidence"][0].startswith(TTL) else 1.0)
         if e["reached"] == e["n"]:
             assert e["r"] is not None and e["upper_95"] >= e["r"] and e["r_at_least"] is None
         else:  # a seed that did not reach: r is only bounded below, never dropped
@@ -82,3 +84,19 @@ def test_a_new_measurement_enters_through_curve_paths_and_gives_the_same_r() -> 
     shipped = next(e for e in ENTRIES if tuple(e[k] for k in ("stages", "accumulate", "baseline_batch")) == (4, 1, 4))
     assert entry["seeds"] == shipped["seeds"][:2] and entry["evidence"] == sorted([long, split])
     assert entry["n"] == 2 and entry["baseline"] == f"{long}:bp_a4"
+
+
+def test_the_time_to_loss_rows_equal_the_pre_registered_analysis() -> None:
+    # the shipped rows of the time-to-loss test against its analysis (docs/results/time_to_loss/analysis.json,
+    # written by the test's own runner at its frozen commit): same r, bounds and seeds
+    analysis = json.loads((ROOT / "docs/results/time_to_loss/analysis.json").read_text())
+    ttl = [e for e in ENTRIES if e["evidence"][0].startswith(TTL)]
+    assert ttl, "no time-to-loss row shipped"
+    for e in ttl:
+        (config,) = [c for c in analysis["configs"] if (c["optimizer"], c["K"]) == (e["optimizer"], e["stages"])
+                     and c["task"] == ("lm" if e["family"] == "llama" else e["family"])]  # fmt: skip
+        row = config[f"against_bp_a{e['baseline_batch']}"]
+        assert (e["n"], e["reached"], e["cap"]) == (row["n"], row["reached"], 2.0) == (6, 6, 2.0)
+        assert e["r"] == pytest.approx(row["r"], abs=1e-4) and e["upper_95"] == pytest.approx(row["upper_95"], abs=1e-4)
+        assert [s[1] for s in e["seeds"]] == pytest.approx([s["r"] for s in row["seeds"]], abs=1e-4)
+        assert lookup(Setting(**{k: e[k] for k in SETTING_KEYS})) is not None

@@ -4,10 +4,11 @@
     python -m benchmarks.studies.token_overheads --write  # rewrites fdg_schedule/plan/measured_overheads.py
 
 No training here: reads the GPT-2 validation curves of the staleness experiment log
-(docs/results/staleness/staleness_gpt2_*.json, through benchmarks/studies/staleness_gpt2_gaps.py's reader) and
-measures r (fdg_schedule.plan.token_overhead, docs/token-overhead.md) of each setting below against BP with the
-same seed. Every run of a setting was capped at the baseline's tokens (the cap is 1): where FDG ended above BP,
-r is "> 1", a lower bound. tests/test_token_overhead_table.py checks that the shipped table equals what this
+(docs/results/staleness/staleness_gpt2_*.json, through benchmarks/studies/staleness_gpt2_gaps.py's reader) and the
+time-to-loss test's run files (docs/results/time_to_loss/runs/), and measures r (fdg_schedule.plan.token_overhead,
+docs/token-overhead.md) of each setting below against BP with the same seed. The staleness log's runs were capped
+at the baseline's tokens (the cap is 1): where FDG ended above BP, r is "> 1", a lower bound. The time-to-loss
+test's FDG runs are capped at 2x. tests/test_token_overhead_table.py checks that the shipped table equals what this
 script computes. A new measurement enters the same way: its curves under docs/results/, a row in SETTINGS.
 
 One row per key (family, optimizer, K, corrections, accumulate, BP's micro-batches per step); where the log
@@ -66,6 +67,39 @@ class Row:
 K4_LONG_0124 = "ref_k4_b1.0_stashed_dlr2800_p0.0_first_r1_parts0-1-2-4-8"
 AUTO = "auto"  # rule v1's keys for AdamW (docs/staleness.md#the-auto-rule)
 AUTO_T = "delay_lr_ticks T = twice the run: what rule v1 sets when the scheduler states the run's length"
+
+# The time-to-loss test (docs/results/time-to-loss-preregistration.md): a configuration enters once every report
+# seed of it has landed, with the lr and warm-up each arm was frozen at on the tuning seed (in the run files' names)
+TTL = "docs/results/time_to_loss/runs"
+TTL_SEEDS = tuple(range(301, 307))
+TTL_MODEL = "a LLaMA-style decoder (8 blocks, width 128, 4 heads, 2 KV heads, vocabulary 4,096)"
+TTL_DATA = ("Perl 5.36's core documentation (held out), test split, micro-batches of 8 x 128 tokens "
+            "(docs/results/time-to-loss-preregistration.md)")  # fmt: skip
+TTL_PROTOCOL = ("lr and warm-up chosen per arm on seed 300 from one grid, WarmupCosineLR over each run's own steps; "
+                "every run on fdg_reference; FDG capped at 2x the baseline's tokens with its schedule spanning the 2x "
+                "run (r an upper bound on that of an FDG job scheduled to end at the crossing)")  # fmt: skip
+
+
+def ttl_curves(config: str, baseline: str, delayed: str) -> tuple[tuple[int, str, str], ...]:
+    """Per report seed, (seed, the baseline's run file, FDG's): ``baseline`` and ``delayed`` are run names without
+    the seed, e.g. ``bp_a4_lr0.002_w0.1`` and ``fdg_k2_lr0.002_w0.1``."""
+    return tuple((s, f"{TTL}/{config}/{baseline}_s{s}.json", f"{TTL}/{config}/{delayed}_s{s}.json") for s in TTL_SEEDS)
+
+
+def ttl_row(setting: Setting, config: str, baseline: str, delayed: str, split: str) -> Row:
+    """One configuration of the time-to-loss test against one of its baselines."""
+    return Row(setting, delayed, TTL_SEEDS, baseline, False, split, "stashed",
+               "corrections as rule v1 set them (the test's pinned rule)", ttl_curves(config, baseline, delayed),
+               TTL_MODEL, TTL_DATA, TTL_PROTOCOL)  # fmt: skip
+
+
+TTL_SETTINGS: tuple[Row, ...] = (
+    ttl_row(Setting("llama", "adamw", 2, AUTO, 1, 4), "lm_adamw", "bp_a4_lr0.002_w0.1", "fdg_k2_lr0.002_w0.1",
+            "blocks evenly (0,5,10)"),
+    ttl_row(Setting("llama", "adamw", 2, AUTO, 1, 1), "lm_adamw", "bp_a1_lr0.002_w0.1", "fdg_k2_lr0.002_w0.1",
+            "blocks evenly (0,5,10)"),
+)  # fmt: skip
+
 SETTINGS: tuple[Row, ...] = (
     Row(Setting("gpt", "adamw", 2, AUTO, 1, 1), "ref_k2_b1.0_stashed_p0.0_first_r1", TEN, None, False,
         "blocks evenly (0,4,8)", "stashed"),
@@ -85,6 +119,7 @@ SETTINGS: tuple[Row, ...] = (
         "current"),
     Row(Setting("gpt", "adamw", 4, "none", 1, 1), "ref_k4_b1.0", (1, 2), None, False, "blocks evenly (0,3,5,6,8)",
         "current"),
+    *TTL_SETTINGS,
 )  # fmt: skip
 
 
