@@ -252,21 +252,20 @@ def grid(task: str, optimizer: str, arm: str, out: Path | None = None, seed: int
     """The arm's tuning points: ``GRIDS`` x ``WARMUPS`` in grid order, then (amendment 1, with ``out``) the points
     the results in ``out`` have added so far: while the chosen point has the highest lr in the grid, twice that lr;
     while it has the lowest, half of it; each with both warm-ups, at most ``EXTEND`` times each way."""
-    lrs, points = list(GRIDS[optimizer]), list[Run]()
+    lrs = list(GRIDS[optimizer])
+    points = [Run(task, optimizer, arm, lr, w, seed) for lr in lrs for w in WARMUPS]
     up = down = 0
-    while True:
-        points += [Run(task, optimizer, arm, lr, w, seed) for lr in lrs if lr not in {p.lr for p in points}
-                   for w in WARMUPS]  # fmt: skip
-        index = None if out is None else _pick(out, task, optimizer, arm, points)
-        if index is None:
-            return points
+    while out is not None and (index := _pick(out, task, optimizer, arm, points)) is not None:
         lr = points[index].lr
         if lr == max(lrs) and up < EXTEND:
-            lrs, up = [*lrs, 2 * lr], up + 1
+            added, up = 2 * lr, up + 1
         elif lr == min(lrs) and down < EXTEND:
-            lrs, down = [lr / 2, *lrs], down + 1
+            added, down = lr / 2, down + 1
         else:
-            return points
+            break
+        lrs.append(added)
+        points += [Run(task, optimizer, arm, added, w, seed) for w in WARMUPS]
+    return points
 
 
 def choose(out: Path, task: str, optimizer: str, arm: str) -> Run | None:
