@@ -77,6 +77,7 @@ epochs = 1
 max_steps = 0  # train_batch calls in all; 0 = epochs × steps per epoch
 eval_interval = 0  # also evaluate every N steps (0: only at epoch ends)
 eval_sequences = 0  # validation sequences per evaluation (0: the whole split), same for every config
+target_loss = 0.0  # stop at the first evaluation at or below this validation loss (0: never; time-to-loss runs)
 log_interval = 10
 partition = "balanced"  # measured layer times; or a PipelineModule partition_method ("type:BlockPipe", "parameters")
 profile_dir = "runs/profiles"  # layer profiles for "balanced", measured once per model / micro-batch / machine
@@ -259,9 +260,11 @@ def evaluate() -> float:
 staleness_log = StalenessLog(engine) if hasattr(engine, "fdg_stats") else None
 say(f"training {total_steps} steps × {tokens_per_step} tokens ({steps_per_epoch} steps per epoch)")
 train_start = time.time()
+eval_s = 0.0  # time spent evaluating: metrics.jsonl's train_s leaves it out (time to a loss counts training only)
 # A bar on the logging rank when it writes to a terminal (tokens/s, ETA); plain log lines otherwise.
 bar = tqdm(total=total_steps * tokens_per_step, unit="tok", unit_scale=True, disable=None if rank == 0 else True,
            mininterval=1.0, dynamic_ncols=True)  # fmt: skip
+step = 0
 for step in range(1, total_steps + 1):
     loss = float(engine.train_batch())
     if staleness_log:
@@ -270,7 +273,7 @@ for step in range(1, total_steps + 1):
     if not math.isnan(loss):  # FDG: NaN until the first loss travels back to this stage
         bar.set_postfix(step=step, epoch=f"{step / steps_per_epoch:.2f}", loss=f"{loss:.3f}", refresh=False)
     elapsed = time.time() - train_start
-    record(step=step, tokens=step * tokens_per_step, train_loss=loss, time=elapsed)
+    record(step=step, tokens=step * tokens_per_step, train_loss=loss, time=elapsed, train_s=elapsed - eval_s)
     if step % args.log_interval == 0 or step == 1:
         say(f"step {step:5d} | tokens {step * tokens_per_step:9d} | loss {loss:.4f} | {elapsed:7.1f} s")
     epoch_end = step % steps_per_epoch == 0 or step == total_steps
@@ -279,16 +282,25 @@ for step in range(1, total_steps + 1):
         if staleness_log:
             staleness_log.collect()
     if epoch_end or (args.eval_interval and step % args.eval_interval == 0):
-        val = evaluate()
-        record(step=step, tokens=step * tokens_per_step, val_loss=val, time=time.time() - train_start)
+        dist.barrier()  # every stage has finished its ticks: the clock below reads training time, not a lead
+        eval_start = time.time()
+        train_s = eval_start - train_start - eval_s  # the training time so far, evaluations left out
+        val = evaluate()  # every rank gets the same loss (eval_batch broadcasts it)
+        eval_s += time.time() - eval_start
+        record(step=step, tokens=step * tokens_per_step, val_loss=val, time=time.time() - train_start, train_s=train_s)
         epoch = step / steps_per_epoch
         say(f"step {step:5d} | epoch {epoch:.2f} | val loss {val:.4f} | ppl {math.exp(val):.2f}")
         staleness = staleness_log.line() if staleness_log else None  # every rank: a gather
         if staleness:
             say(staleness)
+        if args.target_loss and val <= args.target_loss:
+            say(f"validation loss {val:.4f} reached --target_loss {args.target_loss:g}: stopping at step {step}")
+            if hasattr(engine, "drain") and step < total_steps:  # (at the last step it drained above)
+                engine.drain()  # FDG: finish the in-flight backward passes before the export
+            break
 bar.close()
 train_time = time.time() - train_start
-say(f"trained {total_steps * tokens_per_step} tokens in {train_time:.1f} s")
+say(f"trained {step * tokens_per_step} tokens in {train_time:.1f} s ({eval_s:.1f} s of it evaluating)")
 say(stage_report(engine, clock))
 
 # --- export a plain HF checkpoint on rank 0, reload it and generate

@@ -433,6 +433,29 @@ def test_recipe_reduces_loss_on_shakespeare(
     assert reloaded.config.tie_word_embeddings is tie and hf_lm.is_tied(reloaded) is tie
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_recipe_stops_at_the_target_loss_on_every_rank_and_clocks_training_apart(
+    tmp_path: Path, text_cache: Path
+) -> None:
+    """--target_loss ends the run at the first evaluation at or below it, on both ranks (else rank 1 would wait
+    for a tick that never comes and the deadline would fail the test); metrics.jsonl's train_s leaves the
+    evaluations out (time to a loss, docs/token-overhead.md)."""
+    command = [sys.executable, str(ROOT / "recipes" / "train_lm.py"), "--deepspeed_config",
+               str(ROOT / "ds_configs" / "lm_fdg_k2.json"), "--untie", "--vocab_size=512", "--block_size=64",
+               "--max_steps=12", "--eval_interval=3", "--eval_sequences=64", "--sample_tokens=8",
+               "--target_loss=100", f"--out_dir={tmp_path / 'out'}"]  # fmt: skip
+    logs = run_two_ranks(command, tmp_path, deadline=240, cache=text_cache)
+    assert "reached --target_loss 100: stopping at step 3" in logs[0], logs[0][-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "train_loss" in r] == [1, 2, 3] and [
+        r["step"] for r in rows if "val_loss" in r
+    ] == [3]
+    assert all(0 <= r["train_s"] <= r["time"] for r in rows)
+    val = next(r for r in rows if "val_loss" in r)
+    assert val["time"] - val["train_s"] > 0  # the evaluation's own time is what train_s leaves out
+
+
 PADDED_WORKER = """
 import sys, torch, deepspeed
 import fdg_schedule  # noqa: F401

@@ -1,0 +1,254 @@
+"""Wall-clock time to the 1F1B job's loss at K = 2, end to end: DeepSpeed jobs of recipes/train_lm.py (issue 63).
+
+    export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 PYTHONPATH=$PWD
+    python -m benchmarks.convergence.ttl_wallclock run --out OUT [--seeds 301,302,303,304,305]   # a quiet machine
+    python -m benchmarks.convergence.ttl_wallclock analyze --out OUT [--json report.json]
+    python -m benchmarks.convergence.ttl_wallclock run --out /tmp/smoke --seeds 300 --budget 64 --eval-every 16  # check
+
+The time-to-loss test (docs/results/time-to-loss-preregistration.md) composes its K = 2 net speed-up from two
+measurements made apart: r from `fdg_reference` curves, and the samples/s ratio of the two DeepSpeed jobs. This
+benchmark measures the product directly, as a user would see it: per seed, two DeepSpeed jobs of the LM recipe on
+two gloo ranks, one after the other, with the test's LLaMA-style model, text and chosen settings:
+
+    1f1b   DeepSpeed's own engine: 8 blocks of 128 tokens per micro-batch, 4 micro-batches per step, 256 steps
+           (the test's baseline budget, 1,048,576 tokens)
+    fdg    the FDG engine by config (``"schedule": "fdg"``, the test's FDG block: β 1, ``"stashed"``,
+           ``"stored"``, ``accumulate`` 1, ``"corrections": "auto"``), a step per micro-batch, for up to twice the
+           tokens; it stops at its first evaluation at or below the 1f1b job's final validation loss
+           (``--target_loss``: what comes after the crossing does not change the time to it)
+
+Both: AdamW (β 0.9 / 0.95, weight decay 0.1), lr 2e-3 with 10 % linear warm-up then cosine to a tenth over the job's
+own optimizer steps (DeepSpeed's ``WarmupCosineLR``): the choice the test's grid made for both arms. Gradient
+clipping 1.0. The decoder blocks spread evenly over the stages (``type:BlockPipe``, the test's split). Text: Perl's
+core documentation (the test's); the recipe's split (the last 10 % of tokens validate), its BPE, its shuffle seeded
+by the run's seed. Evaluation every 64 micro-batches on the first 256 validation blocks.
+
+The time of a run is metrics.jsonl's ``train_s``: wall-clock seconds of training with the evaluations left out
+(both ranks meet at a barrier before each one). Time to loss is read off the (train_s, validation loss) curves
+with the token-overhead measure itself (``fdg_schedule.plan.token_overhead``, linear between evaluations), so
+time ratio = FDG's seconds to the 1f1b job's final loss ÷ the 1f1b job's seconds, and **net speed-up = 1 ÷ time
+ratio**, over seeds with the same one-sided and two-sided 95 % bounds (Student t on the log). The token overhead r
+and the samples/s ratio of the same runs are reported beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common.provenance import commit, machine
+from benchmarks.common.ttl_models import LLAMA, LM_BLOCK, LM_MICRO
+from fdg_schedule.plan import token_overhead as to
+
+ROOT = Path(__file__).resolve().parents[2]
+SEEDS = (301, 302, 303, 304, 305)
+GAS = 4  # micro-batches per train_batch call, both jobs (the 1F1B job's batch; FDG's calls of 4 ticks)
+BUDGET = 1024  # the 1f1b job's micro-batches (the test's baseline budget)
+CAP = 2  # FDG's micro-batches at most: CAP x BUDGET
+EVAL_EVERY = 64  # micro-batches between evaluations
+EVAL_SEQUENCES = 256
+LR, WARMUP = 2e-3, 0.1
+ARMS = ("1f1b", "fdg")
+FDG = {"grad_shrink": 1.0, "weights": "stashed", "activations": "stored", "accumulate": 1, "corrections": "auto"}
+DEADLINE_S = 3600  # one job
+
+
+def micro_batches(arm: str) -> int:
+    return BUDGET * (CAP if arm == "fdg" else 1)
+
+
+def ds_config(arm: str) -> dict[str, Any]:
+    """The job's DeepSpeed config: the two differ only in the ``"schedule"`` key and the scheduler's length."""
+    steps = micro_batches(arm) // (GAS if arm == "1f1b" else 1)  # optimizer steps: the scheduler's length
+    pipeline: dict[str, Any] = {"stages": 2}
+    if arm == "fdg":
+        pipeline.update(schedule="fdg", fdg=dict(FDG))
+    return {
+        "train_micro_batch_size_per_gpu": LM_MICRO,
+        "gradient_accumulation_steps": GAS,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
+        "scheduler": {"type": "WarmupCosineLR", "params": {
+            "total_num_steps": steps, "warmup_num_steps": max(1, int(WARMUP * steps)), "warmup_min_ratio": 0.0,
+            "cos_min_ratio": 0.1, "warmup_type": "linear"}},
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**9,
+        "pipeline": pipeline,
+    }  # fmt: skip
+
+
+def prepare(out: Path) -> tuple[Path, Path]:
+    """The text (one file) and the model's config.json, written once under ``out``."""
+    text, model = out / "perl_docs.txt", out / "llama" / "config.json"
+    if not text.exists():
+        from benchmarks.common import heldout_text
+
+        out.mkdir(parents=True, exist_ok=True)
+        text.write_text("\n".join(heldout_text.perl_doc_texts()), encoding="utf-8")
+    if not model.exists():
+        from transformers import LlamaConfig
+
+        model.parent.mkdir(parents=True, exist_ok=True)
+        LlamaConfig(**LLAMA).to_json_file(str(model))
+    return text, model
+
+
+def folder(out: Path, arm: str, seed: int) -> Path:
+    return out / f"{arm}_s{seed}"
+
+
+def curve(run: Path) -> list[dict[str, float]]:
+    """The run's evaluations from metrics.jsonl: tokens, validation loss, training seconds."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [{"tokens": r["tokens"], "loss": r["val_loss"], "train_s": r["train_s"]} for r in rows if "val_loss" in r]
+
+
+def done(run: Path) -> bool:
+    return (run / "done.json").exists()
+
+
+def command(out: Path, arm: str, seed: int, port: int, target: float | None) -> list[str]:
+    text, model = prepare(out)
+    run = folder(out, arm, seed)
+    return [
+        str(Path(sys.executable).parent / "deepspeed"), "--num_gpus=2", f"--master_port={port}", "recipes/train_lm.py",
+        f"--deepspeed_config={run / 'ds_config.json'}", f"--model_config={model.parent}", f"--data={text}",
+        f"--vocab_size={LLAMA['vocab_size']}", f"--block_size={LM_BLOCK}", f"--max_steps={micro_batches(arm) // GAS}",
+        f"--eval_interval={EVAL_EVERY // GAS}", f"--eval_sequences={EVAL_SEQUENCES}", "--partition=type:BlockPipe",
+        f"--seed={seed}", f"--out_dir={run}", "--log_interval=64", "--sample_tokens=8",
+        *([] if target is None else [f"--target_loss={target!r}"]),
+    ]  # fmt: skip
+
+
+def run_one(out: Path, arm: str, seed: int) -> None:
+    """One job into ``out/<arm>_s<seed>`` (the FDG job after its seed's 1f1b job: it stops at that one's loss)."""
+    from fdg_schedule.tools.launch import free_port, remove_shared_memory
+
+    run = folder(out, arm, seed)
+    target = None
+    if arm == "fdg":
+        base = folder(out, "1f1b", seed)
+        if not done(base):
+            raise RuntimeError(f"{base} has not finished: the FDG job stops at its final loss")
+        target = curve(base)[-1]["loss"]
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "ds_config.json").write_text(json.dumps(ds_config(arm), indent=2) + "\n")
+    port = free_port()
+    argv = command(out, arm, seed, port, target)
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    start = time.time()
+    try:
+        with open(run / "log.txt", "w") as log:
+            subprocess.run(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, check=True,
+                           timeout=DEADLINE_S)  # fmt: skip
+    finally:
+        remove_shared_memory(port)
+    record = {"arm": arm, "seed": seed, "target": target, "wall_s": time.time() - start, "command": " ".join(argv),
+              "machine": machine(), "commit": commit()}  # fmt: skip
+    (run / "done.json").write_text(json.dumps(record, indent=1) + "\n")
+
+
+def run_all(out: Path, seeds: Sequence[int]) -> None:
+    """Every job not done, seed by seed (1f1b, then FDG); restartable."""
+    for seed in seeds:
+        for arm in ARMS:
+            if done(folder(out, arm, seed)):
+                continue
+            print(f"{time.strftime('%F %T')} {arm} seed {seed}", flush=True)
+            run_one(out, arm, seed)
+            last = curve(folder(out, arm, seed))[-1]
+            print(f"{time.strftime('%F %T')} {arm} seed {seed}: loss {last['loss']:.4f} at {last['tokens']:.0f} "
+                  f"tokens, {last['train_s']:.1f} s of training", flush=True)  # fmt: skip
+
+
+def analyze(out: Path, seeds: Sequence[int]) -> dict[str, Any]:
+    """Per seed and over the seeds: the time ratio, the net speed-up (its inverse), r and the samples/s ratio."""
+    pairs_s, pairs_tokens, per_seed = [], [], []
+    for seed in seeds:
+        base_run, fdg_run = folder(out, "1f1b", seed), folder(out, "fdg", seed)
+        if not (done(base_run) and done(fdg_run)):
+            continue
+        base, fdg = curve(base_run), curve(fdg_run)
+        by_s = ([(p["train_s"], p["loss"]) for p in base], [(p["train_s"], p["loss"]) for p in fdg])
+        by_tokens = ([(p["tokens"], p["loss"]) for p in base], [(p["tokens"], p["loss"]) for p in fdg])
+        pairs_s.append(by_s)
+        pairs_tokens.append(by_tokens)
+        time_ratio, r = to.token_overhead(*by_s), to.token_overhead(*by_tokens)
+        rate = (fdg[-1]["tokens"] / fdg[-1]["train_s"]) / (base[-1]["tokens"] / base[-1]["train_s"])
+        per_seed.append({
+            "seed": seed, "target": base[-1]["loss"], "1f1b_s": base[-1]["train_s"], "1f1b_tokens": base[-1]["tokens"],
+            "fdg_s": time_ratio.tokens, "fdg_tokens": r.tokens, "time_ratio": time_ratio.r,
+            "net": None if time_ratio.r is None else 1 / time_ratio.r, "r": r.r,
+            "samples_per_s_ratio": rate,
+        })  # fmt: skip
+    report: dict[str, Any] = {"commit": commit(), "seeds": per_seed, "n": len(per_seed)}
+    if not per_seed:
+        return report
+    times, tokens = to.summarize(pairs_s), to.summarize(pairs_tokens)
+    interval = times.interval
+    report["net"] = {
+        "value": None if times.r is None else 1 / times.r,
+        "at_most": None if times.at_least is None else 1 / times.at_least,  # a seed did not reach within its cap
+        "lower_95": None if times.upper is None else 1 / times.upper,
+        "interval_95": None if interval is None else [1 / interval[1], 1 / interval[0]],
+    }
+    report["r"] = {"value": tokens.r, "at_least": tokens.at_least, "upper_95": tokens.upper,
+                   "interval_95": None if tokens.interval is None else list(tokens.interval)}  # fmt: skip
+    ratios = [s["samples_per_s_ratio"] for s in per_seed]
+    report["samples_per_s_ratio"] = math.exp(sum(map(math.log, ratios)) / len(ratios))
+    return report
+
+
+def table(report: dict[str, Any]) -> str:
+    lines = ["| seed | 1F1B final loss | 1F1B training s | FDG s to that loss | net speed-up | r | samples/s ratio |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for s in report["seeds"]:
+        fdg_s = "not reached" if s["fdg_s"] is None else f"{s['fdg_s']:.1f}"
+        net = "–" if s["net"] is None else f"{s['net']:.2f}"
+        r = "–" if s["r"] is None else f"{s['r']:.3f}"
+        lines.append(f"| {s['seed']} | {s['target']:.4f} | {s['1f1b_s']:.1f} | {fdg_s} | {net} | {r} | "
+                     f"{s['samples_per_s_ratio']:.3f} |")  # fmt: skip
+    net = report.get("net")
+    if net and net["value"] is not None:
+        low = "–" if net["lower_95"] is None else f"{net['lower_95']:.2f}x"
+        two = "–" if net["interval_95"] is None else "{:.2f}–{:.2f}x".format(*net["interval_95"])
+        lines.append(f"\nNet speed-up over the seeds (geometric mean): **{net['value']:.2f}x**, one-sided 95 % lower "
+                     f"bound {low}, two-sided 95 % {two}; r {report['r']['value']:.3f}; samples/s ratio "
+                     f"{report['samples_per_s_ratio']:.3f}.")  # fmt: skip
+    elif net:
+        lines.append(f"\nA seed did not reach the 1F1B job's loss: net speed-up < {net['at_most']:.2f}x.")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    global BUDGET, EVAL_EVERY
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("what", choices=["run", "analyze"])
+    parser.add_argument("--out", type=Path, required=True, help="the jobs' folders (kept outside the repository)")
+    parser.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="comma-separated seeds")
+    parser.add_argument("--json", type=Path, default=None, help="analyze: also write the report here")
+    parser.add_argument("--budget", type=int, default=BUDGET, help="the 1f1b job's micro-batches (smaller: a check)")
+    parser.add_argument("--eval-every", type=int, default=EVAL_EVERY, help="micro-batches between evaluations")
+    args = parser.parse_args(argv)
+    if args.budget % GAS or args.eval_every % GAS:
+        parser.error(f"--budget {args.budget} and --eval-every {args.eval_every} must be multiples of {GAS}")
+    BUDGET, EVAL_EVERY = args.budget, args.eval_every
+    seeds = [int(s) for s in args.seeds.split(",") if s]
+    if args.what == "run":
+        run_all(args.out, seeds)
+        return
+    report = analyze(args.out, seeds)
+    print(table(report))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

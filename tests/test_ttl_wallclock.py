@@ -1,0 +1,80 @@
+"""The end-to-end time-to-loss benchmark (benchmarks/convergence/ttl_wallclock.py): its jobs and its arithmetic.
+
+The jobs themselves are DeepSpeed runs of recipes/train_lm.py (tests/test_zoo_lm.py runs the recipe, --target_loss
+included); here the analysis reads metrics.jsonl files written by hand with a known time to the loss.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from benchmarks.convergence import ttl_wallclock as wc
+from fdg_schedule.base import config as fdg_config
+
+
+def write_run(out: Path, arm: str, seed: int, evals: list[tuple[float, float, float]]) -> None:
+    """metrics.jsonl with evaluations (tokens, loss, train_s) and a training row before each, and done.json."""
+    run = wc.folder(out, arm, seed)
+    run.mkdir(parents=True)
+    rows = []
+    for i, (tokens, loss, train_s) in enumerate(evals):
+        rows.append({"step": i, "tokens": tokens, "train_loss": loss + 0.1, "time": train_s + i, "train_s": train_s})
+        rows.append({"step": i, "tokens": tokens, "val_loss": loss, "time": train_s + i + 0.5, "train_s": train_s})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "done.json").write_text("{}")
+
+
+def test_the_two_jobs_differ_only_in_the_schedule_and_the_schedulers_length() -> None:
+    base, fdg = wc.ds_config("1f1b"), wc.ds_config("fdg")
+    assert base["scheduler"]["params"]["total_num_steps"] == wc.BUDGET // wc.GAS == 256
+    assert fdg["scheduler"]["params"]["total_num_steps"] == wc.CAP * wc.BUDGET == 2048  # a step per micro-batch
+    assert (
+        fdg["scheduler"]["params"]["warmup_num_steps"] == 204 and base["scheduler"]["params"]["warmup_num_steps"] == 25
+    )
+    for config in (base, fdg):
+        config.pop("scheduler")
+    assert fdg.pop("pipeline") == {"stages": 2, "schedule": "fdg", "fdg": wc.FDG}
+    assert base.pop("pipeline") == {"stages": 2} and base == fdg
+    parsed = fdg_config.parse(wc.ds_config("fdg"))
+    assert parsed is not None and (parsed.corrections, parsed.weights, parsed.accumulate) == ("auto", "stashed", 1)
+
+
+def test_the_fdg_job_stops_at_its_seeds_1f1b_loss(tmp_path: Path) -> None:
+    write_run(tmp_path, "1f1b", 7, [(100.0, 6.0, 10.0), (200.0, 5.5, 20.0)])
+    (tmp_path / "perl_docs.txt").write_text("text")  # prepare() finds both files and builds nothing
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text("{}")
+    argv = wc.command(tmp_path, "fdg", 7, 29500, wc.curve(wc.folder(tmp_path, "1f1b", 7))[-1]["loss"])
+    assert "--target_loss=5.5" in argv and f"--max_steps={wc.CAP * wc.BUDGET // wc.GAS}" in argv
+    assert not any(a.startswith("--target_loss") for a in wc.command(tmp_path, "1f1b", 7, 29500, None))
+
+
+def test_net_speed_up_is_the_inverse_time_ratio_read_off_the_training_seconds(tmp_path: Path) -> None:
+    # seed 1: 1F1B ends at loss 5.0 after 100 s; FDG crosses 5.0 halfway between (40 s, 5.2) and (60 s, 4.8):
+    # at 50 s and 3,000 tokens, so time ratio 0.5 and net 2; r = 3,000 / 8,000
+    write_run(tmp_path, "1f1b", 1, [(4000.0, 5.5, 50.0), (8000.0, 5.0, 100.0)])
+    write_run(tmp_path, "fdg", 1, [(2000.0, 5.2, 40.0), (4000.0, 4.8, 60.0)])
+    # seed 2: FDG crosses at 80 s of 1F1B's 100: net 1.25
+    write_run(tmp_path, "1f1b", 2, [(4000.0, 5.5, 50.0), (8000.0, 5.0, 100.0)])
+    write_run(tmp_path, "fdg", 2, [(4000.0, 5.1, 70.0), (6000.0, 4.9, 90.0)])
+    report = wc.analyze(tmp_path, [1, 2, 3])  # seed 3 has no runs: left out
+    one, two = report["seeds"]
+    assert report["n"] == 2 and one["net"] == pytest.approx(2.0) and one["r"] == pytest.approx(3000 / 8000)
+    assert one["samples_per_s_ratio"] == pytest.approx((4000 / 60) / (8000 / 100))
+    assert two["net"] == pytest.approx(1.25) and report["net"]["value"] == pytest.approx(math.sqrt(2.0 * 1.25))
+    low, high = report["net"]["interval_95"]
+    assert low < report["net"]["lower_95"] < report["net"]["value"] < high
+    assert "| 1 | 5.0000 | 100.0 | 50.0 | 2.00 | 0.375 |" in wc.table(report)
+
+
+def test_a_seed_that_never_reaches_bounds_the_net_speed_up_above(tmp_path: Path) -> None:
+    write_run(tmp_path, "1f1b", 1, [(8000.0, 5.0, 100.0)])
+    write_run(tmp_path, "fdg", 1, [(8000.0, 5.3, 90.0), (16000.0, 5.1, 180.0)])  # never 5.0: cap 180 / 100
+    report = wc.analyze(tmp_path, [1])
+    assert report["seeds"][0]["net"] is None and report["net"]["value"] is None
+    assert report["net"]["at_most"] == pytest.approx(100 / 180)
+    assert "net speed-up < 0.56x" in wc.table(report)
