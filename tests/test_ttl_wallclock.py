@@ -78,3 +78,33 @@ def test_a_seed_that_never_reaches_bounds_the_net_speed_up_above(tmp_path: Path)
     assert report["seeds"][0]["net"] is None and report["net"]["value"] is None
     assert report["net"]["at_most"] == pytest.approx(100 / 180)
     assert "net speed-up < 0.56x" in wc.table(report)
+
+
+def test_backprop_is_one_rank_a_step_per_micro_batch_and_its_fdg_job_stops_at_its_loss(tmp_path: Path) -> None:
+    bp = wc.ds_config("bp")
+    assert bp["pipeline"] == {"stages": 1} and bp["gradient_accumulation_steps"] == 1
+    assert bp["scheduler"]["params"]["total_num_steps"] == wc.BUDGET == 1024
+    assert wc.ds_config("fdg_bp") == wc.ds_config("fdg")  # the same FDG job, timed to another loss
+    write_run(tmp_path, "bp", 7, [(100.0, 6.0, 10.0), (200.0, 4.75, 20.0)])
+    (tmp_path / "perl_docs.txt").write_text("text")
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text("{}")
+    argv = wc.command(tmp_path, "bp", 7, 29500, None)
+    assert "--num_gpus=1" in argv and "--max_steps=1024" in argv and "--eval_interval=64" in argv
+    fdg = wc.command(tmp_path, "fdg_bp", 7, 29500, wc.curve(wc.folder(tmp_path, "bp", 7))[-1]["loss"])
+    assert "--num_gpus=2" in fdg and "--target_loss=4.75" in fdg and "--max_steps=512" in fdg
+
+
+def test_analyze_pairs_each_baseline_with_its_own_fdg_job(tmp_path: Path) -> None:
+    write_run(tmp_path, "1f1b", 1, [(8000.0, 5.0, 100.0)])
+    write_run(tmp_path, "fdg", 1, [(4000.0, 4.9, 50.0)])  # net 2 against 1F1B
+    write_run(tmp_path, "bp", 1, [(8000.0, 4.5, 200.0)])
+    write_run(tmp_path, "fdg_bp", 1, [(4000.0, 4.7, 50.0), (8000.0, 4.5, 100.0)])  # net 2 against BP, r 1
+    against_bp = wc.analyze(tmp_path, [1], "bp")
+    assert against_bp["baseline"] == "bp" and against_bp["seeds"][0]["net"] == pytest.approx(2.0)
+    assert against_bp["seeds"][0]["r"] == pytest.approx(1.0) and wc.analyze(tmp_path, [1])["seeds"][0]["r"] == 0.5
+    assert wc.table(against_bp).startswith("| seed | BP final loss | BP training s |")
+    wc.main(["analyze", "--out", str(tmp_path), "--seeds", "1", "--against", "1f1b,bp", "--json", str(tmp_path / "r")])
+    assert set(json.loads((tmp_path / "r").read_text())) == {"1f1b", "bp"}
+    with pytest.raises(SystemExit):
+        wc.main(["analyze", "--out", str(tmp_path), "--against", "gpipe"])

@@ -3,6 +3,8 @@
     export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 PYTHONPATH=$PWD
     python -m benchmarks.convergence.ttl_wallclock run --out OUT [--seeds 301,302,303,304,305]   # a quiet machine
     python -m benchmarks.convergence.ttl_wallclock analyze --out OUT [--json report.json]
+    python -m benchmarks.convergence.ttl_wallclock run --out OUT --against bp       # FDG against backprop as well
+    python -m benchmarks.convergence.ttl_wallclock analyze --out OUT --against bp
     python -m benchmarks.convergence.ttl_wallclock run --out /tmp/smoke --seeds 300 --budget 64 --eval-every 16  # check
 
 The time-to-loss test (docs/results/time-to-loss-preregistration.md) composes its K = 2 net speed-up from two
@@ -16,6 +18,8 @@ two gloo ranks, one after the other, with the test's LLaMA-style model, text and
            ``"stored"``, ``accumulate`` 1, ``"corrections": "auto"``), a step per micro-batch, for up to twice the
            tokens; it stops at its first evaluation at or below the 1f1b job's final validation loss
            (``--target_loss``: what comes after the crossing does not change the time to it)
+    bp     with ``--against bp``: backprop, one stage on one rank, a step per micro-batch, 1,024 micro-batches
+    fdg_bp the FDG job again, stopping at the bp job's final validation loss instead
 
 Both: AdamW (β 0.9 / 0.95, weight decay 0.1), lr 2e-3 with 10 % linear warm-up then cosine to a tenth over the job's
 own optimizer steps (DeepSpeed's ``WarmupCosineLR``): the choice the test's grid made for both arms. Gradient
@@ -34,6 +38,7 @@ and the samples/s ratio of the same runs are reported beside it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -56,24 +61,48 @@ CAP = 2  # FDG's micro-batches at most: CAP x BUDGET
 EVAL_EVERY = 64  # micro-batches between evaluations
 EVAL_SEQUENCES = 256
 LR, WARMUP = 2e-3, 0.1
-ARMS = ("1f1b", "fdg")
 FDG = {"grad_shrink": 1.0, "weights": "stashed", "activations": "stored", "accumulate": 1, "corrections": "auto"}
 DEADLINE_S = 3600  # one job
 
 
+@dataclasses.dataclass(frozen=True)
+class Job:
+    stages: int  # ranks
+    per_call: int  # micro-batches per train_batch call (gradient_accumulation_steps)
+    per_step: int  # micro-batches per optimizer step
+    cap: int  # micro-batches at most: cap x BUDGET
+    baseline: str | None = None  # FDG: the job whose final validation loss it stops at
+
+    @property
+    def fdg(self) -> bool:
+        return self.baseline is not None
+
+
+JOBS = {
+    "1f1b": Job(stages=2, per_call=GAS, per_step=GAS, cap=1),
+    "fdg": Job(stages=2, per_call=GAS, per_step=1, cap=CAP, baseline="1f1b"),
+    "bp": Job(stages=1, per_call=1, per_step=1, cap=1),
+    "fdg_bp": Job(stages=2, per_call=GAS, per_step=1, cap=CAP, baseline="bp"),
+}
+TIMED = {"1f1b": "fdg", "bp": "fdg_bp"}  # a baseline: the FDG job timed to its loss
+LABELS = {"1f1b": "1F1B", "bp": "BP"}
+
+
 def micro_batches(arm: str) -> int:
-    return BUDGET * (CAP if arm == "fdg" else 1)
+    return BUDGET * JOBS[arm].cap
 
 
 def ds_config(arm: str) -> dict[str, Any]:
-    """The job's DeepSpeed config: the two differ only in the ``"schedule"`` key and the scheduler's length."""
-    steps = micro_batches(arm) // (GAS if arm == "1f1b" else 1)  # optimizer steps: the scheduler's length
-    pipeline: dict[str, Any] = {"stages": 2}
-    if arm == "fdg":
+    """The job's DeepSpeed config: FDG's and 1F1B's differ only in the ``"schedule"`` key and the scheduler's
+    length; backprop's in the stages and the micro-batches per step too."""
+    job = JOBS[arm]
+    steps = micro_batches(arm) // job.per_step  # optimizer steps: the scheduler's length
+    pipeline: dict[str, Any] = {"stages": job.stages}
+    if job.fdg:
         pipeline.update(schedule="fdg", fdg=dict(FDG))
     return {
         "train_micro_batch_size_per_gpu": LM_MICRO,
-        "gradient_accumulation_steps": GAS,
+        "gradient_accumulation_steps": job.per_call,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
         "scheduler": {"type": "WarmupCosineLR", "params": {
             "total_num_steps": steps, "warmup_num_steps": max(1, int(WARMUP * steps)), "warmup_min_ratio": 0.0,
@@ -116,25 +145,26 @@ def done(run: Path) -> bool:
 
 def command(out: Path, arm: str, seed: int, port: int, target: float | None) -> list[str]:
     text, model = prepare(out)
-    run = folder(out, arm, seed)
+    run, job = folder(out, arm, seed), JOBS[arm]
     return [
-        str(Path(sys.executable).parent / "deepspeed"), "--num_gpus=2", f"--master_port={port}", "recipes/train_lm.py",
-        f"--deepspeed_config={run / 'ds_config.json'}", f"--model_config={model.parent}", f"--data={text}",
-        f"--vocab_size={LLAMA['vocab_size']}", f"--block_size={LM_BLOCK}", f"--max_steps={micro_batches(arm) // GAS}",
-        f"--eval_interval={EVAL_EVERY // GAS}", f"--eval_sequences={EVAL_SEQUENCES}", "--partition=type:BlockPipe",
+        str(Path(sys.executable).parent / "deepspeed"), f"--num_gpus={job.stages}", f"--master_port={port}",
+        "recipes/train_lm.py", f"--deepspeed_config={run / 'ds_config.json'}", f"--model_config={model.parent}",
+        f"--data={text}", f"--vocab_size={LLAMA['vocab_size']}", f"--block_size={LM_BLOCK}",
+        f"--max_steps={micro_batches(arm) // job.per_call}", f"--eval_interval={EVAL_EVERY // job.per_call}",
+        f"--eval_sequences={EVAL_SEQUENCES}", "--partition=type:BlockPipe",
         f"--seed={seed}", f"--out_dir={run}", "--log_interval=64", "--sample_tokens=8",
         *([] if target is None else [f"--target_loss={target!r}"]),
     ]  # fmt: skip
 
 
 def run_one(out: Path, arm: str, seed: int) -> None:
-    """One job into ``out/<arm>_s<seed>`` (the FDG job after its seed's 1f1b job: it stops at that one's loss)."""
+    """One job into ``out/<arm>_s<seed>`` (an FDG job after its seed's baseline job: it stops at that one's loss)."""
     from fdg_schedule.tools.launch import free_port, remove_shared_memory
 
-    run = folder(out, arm, seed)
+    run, baseline = folder(out, arm, seed), JOBS[arm].baseline
     target = None
-    if arm == "fdg":
-        base = folder(out, "1f1b", seed)
+    if baseline is not None:
+        base = folder(out, baseline, seed)
         if not done(base):
             raise RuntimeError(f"{base} has not finished: the FDG job stops at its final loss")
         target = curve(base)[-1]["loss"]
@@ -155,10 +185,10 @@ def run_one(out: Path, arm: str, seed: int) -> None:
     (run / "done.json").write_text(json.dumps(record, indent=1) + "\n")
 
 
-def run_all(out: Path, seeds: Sequence[int]) -> None:
-    """Every job not done, seed by seed (1f1b, then FDG); restartable."""
+def run_all(out: Path, seeds: Sequence[int], against: Sequence[str] = ("1f1b",)) -> None:
+    """Every job not done, seed by seed (per baseline: it, then the FDG job timed to its loss); restartable."""
     for seed in seeds:
-        for arm in ARMS:
+        for arm in [job for base in against for job in (base, TIMED[base])]:
             if done(folder(out, arm, seed)):
                 continue
             print(f"{time.strftime('%F %T')} {arm} seed {seed}", flush=True)
@@ -168,11 +198,12 @@ def run_all(out: Path, seeds: Sequence[int]) -> None:
                   f"tokens, {last['train_s']:.1f} s of training", flush=True)  # fmt: skip
 
 
-def analyze(out: Path, seeds: Sequence[int]) -> dict[str, Any]:
-    """Per seed and over the seeds: the time ratio, the net speed-up (its inverse), r and the samples/s ratio."""
+def analyze(out: Path, seeds: Sequence[int], baseline: str = "1f1b") -> dict[str, Any]:
+    """Per seed and over the seeds, FDG against ``baseline``: the time ratio, the net speed-up (its inverse), r and
+    the samples/s ratio."""
     pairs_s, pairs_tokens, per_seed = [], [], []
     for seed in seeds:
-        base_run, fdg_run = folder(out, "1f1b", seed), folder(out, "fdg", seed)
+        base_run, fdg_run = folder(out, baseline, seed), folder(out, TIMED[baseline], seed)
         if not (done(base_run) and done(fdg_run)):
             continue
         base, fdg = curve(base_run), curve(fdg_run)
@@ -183,12 +214,13 @@ def analyze(out: Path, seeds: Sequence[int]) -> dict[str, Any]:
         time_ratio, r = to.token_overhead(*by_s), to.token_overhead(*by_tokens)
         rate = (fdg[-1]["tokens"] / fdg[-1]["train_s"]) / (base[-1]["tokens"] / base[-1]["train_s"])
         per_seed.append({
-            "seed": seed, "target": base[-1]["loss"], "1f1b_s": base[-1]["train_s"], "1f1b_tokens": base[-1]["tokens"],
+            "seed": seed, "target": base[-1]["loss"], "baseline_s": base[-1]["train_s"],
+            "baseline_tokens": base[-1]["tokens"],
             "fdg_s": time_ratio.tokens, "fdg_tokens": r.tokens, "time_ratio": time_ratio.r,
             "net": None if time_ratio.r is None else 1 / time_ratio.r, "r": r.r,
             "samples_per_s_ratio": rate,
         })  # fmt: skip
-    report: dict[str, Any] = {"commit": commit(), "seeds": per_seed, "n": len(per_seed)}
+    report: dict[str, Any] = {"commit": commit(), "baseline": baseline, "seeds": per_seed, "n": len(per_seed)}
     if not per_seed:
         return report
     times, tokens = to.summarize(pairs_s), to.summarize(pairs_tokens)
@@ -207,13 +239,14 @@ def analyze(out: Path, seeds: Sequence[int]) -> dict[str, Any]:
 
 
 def table(report: dict[str, Any]) -> str:
-    lines = ["| seed | 1F1B final loss | 1F1B training s | FDG s to that loss | net speed-up | r | samples/s ratio |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    name = LABELS[report["baseline"]]
+    lines = [f"| seed | {name} final loss | {name} training s | FDG s to that loss | net speed-up | r | "
+             "samples/s ratio |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     for s in report["seeds"]:
         fdg_s = "not reached" if s["fdg_s"] is None else f"{s['fdg_s']:.1f}"
         net = "–" if s["net"] is None else f"{s['net']:.2f}"
         r = "–" if s["r"] is None else f"{s['r']:.3f}"
-        lines.append(f"| {s['seed']} | {s['target']:.4f} | {s['1f1b_s']:.1f} | {fdg_s} | {net} | {r} | "
+        lines.append(f"| {s['seed']} | {s['target']:.4f} | {s['baseline_s']:.1f} | {fdg_s} | {net} | {r} | "
                      f"{s['samples_per_s_ratio']:.3f} |")  # fmt: skip
     net = report.get("net")
     if net and net["value"] is not None:
@@ -223,7 +256,7 @@ def table(report: dict[str, Any]) -> str:
                      f"bound {low}, two-sided 95 % {two}; r {report['r']['value']:.3f}; samples/s ratio "
                      f"{report['samples_per_s_ratio']:.3f}.")  # fmt: skip
     elif net:
-        lines.append(f"\nA seed did not reach the 1F1B job's loss: net speed-up < {net['at_most']:.2f}x.")
+        lines.append(f"\nA seed did not reach the {name} job's loss: net speed-up < {net['at_most']:.2f}x.")
     return "\n".join(lines)
 
 
@@ -236,18 +269,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, default=None, help="analyze: also write the report here")
     parser.add_argument("--budget", type=int, default=BUDGET, help="the 1f1b job's micro-batches (smaller: a check)")
     parser.add_argument("--eval-every", type=int, default=EVAL_EVERY, help="micro-batches between evaluations")
+    parser.add_argument("--against", default="1f1b", help="comma-separated baselines: 1f1b, bp (FDG timed to each)")
     args = parser.parse_args(argv)
+    against = [b for b in args.against.split(",") if b]
+    if not against or any(b not in TIMED for b in against):
+        parser.error(f"--against {args.against!r}: name baselines among {', '.join(TIMED)}, comma-separated")
     if args.budget % GAS or args.eval_every % GAS:
         parser.error(f"--budget {args.budget} and --eval-every {args.eval_every} must be multiples of {GAS}")
     BUDGET, EVAL_EVERY = args.budget, args.eval_every
     seeds = [int(s) for s in args.seeds.split(",") if s]
     if args.what == "run":
-        run_all(args.out, seeds)
+        run_all(args.out, seeds, against)
         return
-    report = analyze(args.out, seeds)
-    print(table(report))
+    reports = {base: analyze(args.out, seeds, base) for base in against}  # the JSON: one report per baseline
+    print("\n\n".join(table(report) for report in reports.values()))
     if args.json:
-        args.json.write_text(json.dumps(report, indent=1) + "\n")
+        args.json.write_text(json.dumps(reports, indent=1) + "\n")
 
 
 if __name__ == "__main__":
