@@ -21,8 +21,8 @@ two gloo ranks, one after the other, with the test's LLaMA-style model, text and
     bp     with ``--against bp``: backprop, one stage on one rank, a step per micro-batch, 1,024 micro-batches
     fdg_bp the FDG job again, stopping at the bp job's final validation loss instead
 
-Both: AdamW (β 0.9 / 0.95, weight decay 0.1), lr 2e-3 with 10 % linear warm-up then cosine to a tenth over the job's
-own optimizer steps (DeepSpeed's ``WarmupCosineLR``): the choice the test's grid made for both arms. Gradient
+Every job: AdamW (β 0.9 / 0.95, weight decay 0.1), lr 2e-3 with 10 % linear warm-up then cosine to a tenth over the
+job's own optimizer steps (DeepSpeed's ``WarmupCosineLR``): the test's grid chose it for every arm. Gradient
 clipping 1.0. The decoder blocks spread evenly over the stages (``type:BlockPipe``, the test's split). Text: Perl's
 core documentation (the test's); the recipe's split (the last 10 % of tokens validate), its BPE, its shuffle seeded
 by the run's seed. Evaluation every 64 micro-batches on the first 256 validation blocks.
@@ -32,7 +32,8 @@ The time of a run is metrics.jsonl's ``train_s``: wall-clock seconds of training
 with the token-overhead measure itself (``fdg_schedule.plan.token_overhead``, linear between evaluations), so
 time ratio = FDG's seconds to the 1f1b job's final loss ÷ the 1f1b job's seconds, and **net speed-up = 1 ÷ time
 ratio**, over seeds with the same one-sided and two-sided 95 % bounds (Student t on the log). The token overhead r
-and the samples/s ratio of the same runs are reported beside it.
+and the samples/s ratio of the same runs are reported beside it. Protocol and results:
+docs/results/time_to_loss/end_to_end/README.md.
 """
 
 from __future__ import annotations
