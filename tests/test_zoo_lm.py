@@ -448,9 +448,8 @@ def test_recipe_stops_at_the_target_loss_on_every_rank_and_clocks_training_apart
     logs = run_two_ranks(command, tmp_path, deadline=240, cache=text_cache)
     assert "reached --target_loss 100: stopping at step 3" in logs[0], logs[0][-2000:]
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "train_loss" in r] == [1, 2, 3] and [
-        r["step"] for r in rows if "val_loss" in r
-    ] == [3]
+    assert [r["step"] for r in rows if "train_loss" in r] == [1, 2, 3]
+    assert [r["step"] for r in rows if "val_loss" in r] == [3]
     assert all(0 <= r["train_s"] <= r["time"] for r in rows)
     val = next(r for r in rows if "val_loss" in r)
     assert val["time"] - val["train_s"] > 0  # the evaluation's own time is what train_s leaves out
