@@ -108,3 +108,37 @@ def test_analyze_pairs_each_baseline_with_its_own_fdg_job(tmp_path: Path) -> Non
     assert set(json.loads((tmp_path / "r").read_text())) == {"1f1b", "bp"}
     with pytest.raises(SystemExit):
         wc.main(["analyze", "--out", str(tmp_path), "--against", "gpipe"])
+
+
+def test_each_job_takes_its_own_lr_and_warm_up_and_muon_is_deepspeeds_with_the_tests_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lr, warmup = wc.per_job("1f1b=0.04,fdg=0.02", "--lr"), wc.per_job("fdg=0", "--warmup")
+    assert (wc.own(lr, "1f1b", 9.0), wc.own(lr, "fdg", 9.0), wc.own(lr, "fdg_bp", 9.0), wc.own(lr, "bp", 9.0)) == (
+        0.04, 0.02, 0.02, 9.0)  # fmt: skip
+    assert wc.own(warmup, "fdg", 0.1) == 0.0 and wc.own(warmup, "1f1b", 0.1) == 0.1
+    config = wc.ds_config("fdg", 0.02, 0.0, "muon")
+    assert config["optimizer"] == {
+        "type": "Muon",
+        "params": {
+            "muon_lr": 0.02,
+            "momentum": 0.95,
+            "adam_lr": 1e-3,
+            "betas": [0.9, 0.95],
+            "eps": 1e-8,
+            "weight_decay": 0.1,
+        },
+    }
+    assert config["scheduler"]["params"]["warmup_num_steps"] == 1  # no warm-up: one step, as the test's runs
+    assert wc.ds_config("1f1b")["optimizer"]["params"]["lr"] == wc.LR == wc.DEFAULT_LR["adamw"] == 2e-3
+    monkeypatch.setattr(wc, "OPTIMIZER", "muon")
+    monkeypatch.setattr(wc, "JOB_LR", lr)
+    monkeypatch.setattr(wc, "JOB_WARMUP", warmup)
+    lrs = {arm: wc.job_config(arm)["optimizer"]["params"]["muon_lr"] for arm in wc.JOBS}
+    assert lrs == {"1f1b": 0.04, "fdg": 0.02, "bp": 0.02, "fdg_bp": 0.02}  # bp unnamed: Muon's default, not AdamW's
+    assert wc.job_config("fdg_bp")["scheduler"]["params"]["warmup_num_steps"] == 1  # fdg's warm-up, 0
+    for bad in ("gpipe=0.1", "fdg=fast"):
+        with pytest.raises(ValueError, match="--lr"):
+            wc.per_job(bad, "--lr")
+    with pytest.raises(SystemExit):
+        wc.main(["run", "--out", str(tmp_path), "--lr", "fdg=fast"])

@@ -6,6 +6,7 @@
     python -m benchmarks.convergence.ttl_wallclock run --out OUT --against bp       # FDG against backprop as well
     python -m benchmarks.convergence.ttl_wallclock analyze --out OUT --against bp
     python -m benchmarks.convergence.ttl_wallclock run --out /tmp/smoke --seeds 300 --budget 64 --eval-every 16  # check
+    python -m benchmarks.convergence.ttl_wallclock run --out OUT_MUON --optimizer muon --lr 1f1b=0.04,fdg=0.02
 
 The time-to-loss test (docs/results/time-to-loss-preregistration.md) composes its K = 2 net speed-up from two
 measurements made apart: r from `fdg_reference` curves, and the samples/s ratio of the two DeepSpeed jobs. This
@@ -22,7 +23,9 @@ two gloo ranks, one after the other, with the test's LLaMA-style model, text and
     fdg_bp the FDG job again, stopping at the bp job's final validation loss instead
 
 Every job: AdamW (β 0.9 / 0.95, weight decay 0.1), lr 2e-3 with 10 % linear warm-up then cosine to a tenth over the
-job's own optimizer steps (DeepSpeed's ``WarmupCosineLR``): the test's grid chose it for every arm. Gradient
+job's own optimizer steps (DeepSpeed's ``WarmupCosineLR``): the test's grid chose it for every arm. ``--optimizer
+muon`` runs DeepSpeed's Muon instead (the test's: momentum 0.95, its Adam half at 1e-3), and ``--lr`` / ``--warmup``
+set a job's own (``JOB=VALUE,...``: each arm's choice on the test's grid). Gradient
 clipping 1.0. The decoder blocks spread evenly over the stages (``type:BlockPipe``, the test's split). Text: Perl's
 core documentation (the test's); the recipe's split (the last 10 % of tokens validate), its BPE, its shuffle seeded
 by the run's seed. Evaluation every 64 micro-batches on the first 256 validation blocks.
@@ -61,7 +64,11 @@ BUDGET = 1024  # the 1f1b job's micro-batches (the test's baseline budget)
 CAP = 2  # FDG's micro-batches at most: CAP x BUDGET
 EVAL_EVERY = 64  # micro-batches between evaluations
 EVAL_SEQUENCES = 256
-LR, WARMUP = 2e-3, 0.1
+LR, WARMUP = 2e-3, 0.1  # every job's, unless --lr / --warmup name the job
+OPTIMIZER = "adamw"
+DEFAULT_LR = {"adamw": LR, "muon": 0.02}  # Muon's: muon_lr, the middle of the test's grid (0.01, 0.02, 0.04)
+JOB_LR: dict[str, float] = {}  # --lr JOB=VALUE: a job's own lr (fdg_bp takes fdg's unless named)
+JOB_WARMUP: dict[str, float] = {}  # --warmup JOB=VALUE
 FDG = {"grad_shrink": 1.0, "weights": "stashed", "activations": "stored", "accumulate": 1, "corrections": "auto"}
 DEADLINE_S = 3600  # one job
 
@@ -93,7 +100,18 @@ def micro_batches(arm: str) -> int:
     return BUDGET * JOBS[arm].cap
 
 
-def ds_config(arm: str) -> dict[str, Any]:
+def optimizer_block(optimizer: str, lr: float) -> dict[str, Any]:
+    """The job's optimizer: the test's AdamW, or DeepSpeed's Muon with the test's settings (its lr is Muon's)."""
+    if optimizer == "adamw":
+        return {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}}
+    if optimizer == "muon":
+        from benchmarks.common.optimizers import MUON
+
+        return {"type": "Muon", "params": {"muon_lr": lr, **MUON}}
+    raise ValueError(f"optimizer {optimizer!r}: use adamw or muon")
+
+
+def ds_config(arm: str, lr: float = LR, warmup: float = WARMUP, optimizer: str = OPTIMIZER) -> dict[str, Any]:
     """The job's DeepSpeed config: FDG's and 1F1B's differ only in the ``"schedule"`` key and the scheduler's
     length; backprop's in the stages and the micro-batches per step too."""
     job = JOBS[arm]
@@ -104,9 +122,9 @@ def ds_config(arm: str) -> dict[str, Any]:
     return {
         "train_micro_batch_size_per_gpu": LM_MICRO,
         "gradient_accumulation_steps": job.per_call,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
+        "optimizer": optimizer_block(optimizer, lr),
         "scheduler": {"type": "WarmupCosineLR", "params": {
-            "total_num_steps": steps, "warmup_num_steps": max(1, int(WARMUP * steps)), "warmup_min_ratio": 0.0,
+            "total_num_steps": steps, "warmup_num_steps": max(1, int(warmup * steps)), "warmup_min_ratio": 0.0,
             "cos_min_ratio": 0.1, "warmup_type": "linear"}},
         "gradient_clipping": 1.0,
         "steps_per_print": 10**9,
@@ -158,6 +176,30 @@ def command(out: Path, arm: str, seed: int, port: int, target: float | None) -> 
     ]  # fmt: skip
 
 
+def own(table: dict[str, float], arm: str, default: float) -> float:
+    """A job's own setting: its entry, else (for ``fdg_bp``, the same FDG job) FDG's, else ``default``."""
+    return table.get(arm, table.get("fdg", default) if arm == "fdg_bp" else default)
+
+
+def job_config(arm: str) -> dict[str, Any]:
+    """The DeepSpeed config a job of this run gets: the optimizer, and the job's own lr and warm-up."""
+    return ds_config(arm, own(JOB_LR, arm, DEFAULT_LR[OPTIMIZER]), own(JOB_WARMUP, arm, WARMUP), OPTIMIZER)
+
+
+def per_job(text: str, flag: str) -> dict[str, float]:
+    """``JOB=VALUE,...`` as a dict; a job not in :data:`JOBS` or a value that is not a number is refused."""
+    table: dict[str, float] = {}
+    for item in filter(None, text.split(",")):
+        job, _, value = item.partition("=")
+        try:
+            table[job] = float(value)
+        except ValueError:
+            raise ValueError(f"{flag} {item!r}: give JOB=NUMBER, e.g. {flag} 1f1b=0.04,fdg=0.02") from None
+        if job not in JOBS:
+            raise ValueError(f"{flag} {item!r}: {job!r} is not a job; the jobs are {', '.join(JOBS)}")
+    return table
+
+
 def run_one(out: Path, arm: str, seed: int) -> None:
     """One job into ``out/<arm>_s<seed>`` (an FDG job after its seed's baseline job: it stops at that one's loss)."""
     from fdg_schedule.tools.launch import free_port, remove_shared_memory
@@ -170,7 +212,7 @@ def run_one(out: Path, arm: str, seed: int) -> None:
             raise RuntimeError(f"{base} has not finished: the FDG job stops at its final loss")
         target = curve(base)[-1]["loss"]
     run.mkdir(parents=True, exist_ok=True)
-    (run / "ds_config.json").write_text(json.dumps(ds_config(arm), indent=2) + "\n")
+    (run / "ds_config.json").write_text(json.dumps(job_config(arm), indent=2) + "\n")
     port = free_port()
     argv = command(out, arm, seed, port, target)
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -262,7 +304,7 @@ def table(report: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    global BUDGET, EVAL_EVERY
+    global BUDGET, EVAL_EVERY, OPTIMIZER
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("what", choices=["run", "analyze"])
     parser.add_argument("--out", type=Path, required=True, help="the jobs' folders (kept outside the repository)")
@@ -271,7 +313,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--budget", type=int, default=BUDGET, help="the 1f1b job's micro-batches (smaller: a check)")
     parser.add_argument("--eval-every", type=int, default=EVAL_EVERY, help="micro-batches between evaluations")
     parser.add_argument("--against", default="1f1b", help="comma-separated baselines: 1f1b, bp (FDG timed to each)")
+    parser.add_argument("--optimizer", default=OPTIMIZER, choices=["adamw", "muon"], help="every job's optimizer")
+    parser.add_argument("--lr", default="", help="JOB=LR,... (default: AdamW 2e-3, Muon's muon_lr 0.02, every job)")
+    parser.add_argument("--warmup", default="", help=f"JOB=FRACTION,... (default {WARMUP:g} for every job)")
     args = parser.parse_args(argv)
+    try:
+        JOB_LR.update(per_job(args.lr, "--lr"))
+        JOB_WARMUP.update(per_job(args.warmup, "--warmup"))
+    except ValueError as error:
+        parser.error(str(error))
+    OPTIMIZER = args.optimizer
     against = [b for b in args.against.split(",") if b]
     if not against or any(b not in TIMED for b in against):
         parser.error(f"--against {args.against!r}: name baselines among {', '.join(TIMED)}, comma-separated")
