@@ -205,3 +205,36 @@ def test_the_command_line_prints_r_and_writes_the_json(tmp_path: Path, capsys: p
 def test_summarize_needs_pairs() -> None:
     with pytest.raises(ValueError, match="no \\(baseline, delayed\\) pairs"):
         summarize([])
+
+
+def test_by_train_s_reads_the_recipes_training_seconds_and_gives_the_time_ratio(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """recipes/train_lm.py's metrics.jsonl carries train_s: against it, r is FDG's seconds to the baseline's final
+    loss over the baseline's seconds, and 1 / r the net speed-up (docs/token-overhead.md, "Timing your own job")."""
+
+    def run(name: str, evals: list[tuple[int, float, float]]) -> Path:
+        folder = tmp_path / name
+        folder.mkdir()
+        rows = [
+            {"step": i, "tokens": t, "val_loss": v, "time": s + 1, "train_s": s} for i, (t, v, s) in enumerate(evals)
+        ]
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return folder
+
+    base = run("1f1b", [(4000, 5.5, 50.0), (8000, 5.0, 100.0)])
+    fdg = run("fdg", [(2000, 5.2, 40.0), (4000, 4.8, 60.0)])  # crosses 5.0 at 50 s (and 3,000 tokens)
+    assert load_curve(str(fdg), "train_s") == [(40.0, 5.2), (60.0, 4.8)]
+    assert main([str(base), str(fdg), "--by", "train_s"]) == 0
+    text = capsys.readouterr().out
+    assert "| baseline train_s | delayed train_s |" in text and "r = 0.500 over 1 seeds" in text
+    assert "net speed-up = 1 / r = 2.000" in text
+    assert main([str(base), str(fdg)]) == 0 and "r = 0.375 over 1 seeds" in capsys.readouterr().out  # tokens
+    with pytest.raises(SystemExit):
+        main([str(base), str(fdg), "--by", "train_s", "--json", str(tmp_path / "r.json")])
+    assert "time ratio, not a token overhead" in capsys.readouterr().err
+    old = tmp_path / "old"  # a metrics.jsonl from before train_s
+    old.mkdir()
+    (old / "metrics.jsonl").write_text(json.dumps({"step": 1, "tokens": 10, "val_loss": 6.0}) + "\n")
+    with pytest.raises(ValueError, match="has no 'train_s'"):
+        load_curve(str(old), "train_s")

@@ -2,6 +2,7 @@
 
     python -m fdg_schedule.plan.token_overhead BP.json FDG.json [BP_2.json FDG_2.json ...] \
         [--throughput-ratio 1.15] [--json overhead.json]
+    python -m fdg_schedule.plan.token_overhead runs/1f1b runs/fdg --by train_s   # time to loss, from metrics.jsonl
 
 Definitions (docs/token-overhead.md states them in full):
 
@@ -400,8 +401,9 @@ def read(path: str | Path) -> Recorded:
 # Reading curves from the project's run files
 
 
-def load_curve(spec: str) -> list[tuple[float, float]]:
-    """A validation curve from ``PATH[:RUN]``.
+def load_curve(spec: str, by: str = "tokens") -> list[tuple[float, float]]:
+    """A validation curve from ``PATH[:RUN]``, against ``by``: "tokens", or "train_s" (a ``metrics.jsonl``'s
+    training seconds, recipes/train_lm.py's: then r is the time ratio, docs/token-overhead.md).
 
     - a directory, or a ``.jsonl`` file: ``benchmarks/convergence/lm_convergence.py``'s ``metrics.jsonl``, rows
       with ``tokens`` and ``val_loss`` (rows without ``val_loss`` are training rows and skipped);
@@ -418,7 +420,9 @@ def load_curve(spec: str) -> list[tuple[float, float]]:
         raise ValueError(f"no curve at {path} (from {spec!r}); give PATH or PATH:RUN")
     text = path.read_text()
     if path.suffix == ".jsonl":
-        return _curve([json.loads(line) for line in text.splitlines() if line.strip()], spec)
+        return _curve([json.loads(line) for line in text.splitlines() if line.strip()], spec, by)
+    if by != "tokens":
+        raise ValueError(f"{path}: curves against {by!r} come from a metrics.jsonl with that column, not a .json")
     data = json.loads(text)
     if isinstance(data, dict) and "runs" in data:
         runs = {name: r for name, r in data["runs"].items() if isinstance(r, dict) and "val" in r}
@@ -438,14 +442,16 @@ def load_curve(spec: str) -> list[tuple[float, float]]:
     return _curve(data, spec)
 
 
-def _curve(rows: list[Any], spec: str) -> list[tuple[float, float]]:
+def _curve(rows: list[Any], spec: str, by: str = "tokens") -> list[tuple[float, float]]:
     out: list[tuple[float, float]] = []
     for row in rows:
         if isinstance(row, dict):
             loss = row.get("val_loss", row.get("validation"))
             if loss is None:
                 continue  # a training row
-            out.append((float(row["tokens"]), float(loss)))
+            if by not in row:
+                raise ValueError(f"{spec}: an evaluation row has no {by!r} (recipes/train_lm.py writes train_s)")
+            out.append((float(row[by]), float(loss)))
         else:
             tokens, loss = row
             out.append((float(tokens), float(loss)))
@@ -456,10 +462,10 @@ def _curve(rows: list[Any], spec: str) -> list[tuple[float, float]]:
 # Command line
 
 
-def report(m: Measurement) -> str:
+def report(m: Measurement, by: str = "tokens") -> str:
     """The measurement as text: per seed, r over seeds, the band, and the net speed-up if a ratio was given."""
     lines = [
-        "| seed | baseline | delayed | target loss | baseline tokens | delayed tokens | r |",
+        f"| seed | baseline | delayed | target loss | baseline {by} | delayed {by} | r |",
         "|---|---|---|---|---|---|---|",
     ]
     for i, ((b, d), o) in enumerate(zip(m.labels, m.final.seeds)):
@@ -480,6 +486,9 @@ def report(m: Measurement) -> str:
         verdict = ("worth it" if (net.value or 0) > 1 else "not worth it") if net.value is not None else (
             "not worth it" if (net.at_most or 0) <= 1 else "undecided: r is only bounded below")  # fmt: skip
         lines += ["", f"net speed-up = {m.throughput_ratio:g} / r = {net}: {verdict}"]
+    if by == "train_s" and s.r is not None:  # r is the time ratio: its inverse is the net speed-up, measured
+        low = "" if s.upper is None else f" (95 % lower bound {1 / s.upper:.3f})"
+        lines += ["", f"against training seconds r is the time ratio: net speed-up = 1 / r = {1 / s.r:.3f}{low}"]
     return "\n".join(lines)
 
 
@@ -491,6 +500,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--throughput-ratio", type=float, default=None, help="delayed samples/s over baseline's: net")
     p.add_argument("--json", default=None, help="write the measurement here (the planner's --token-overhead reads it)")
     p.add_argument("--fractions", default=",".join(map(str, FRACTIONS)), help="the band: fractions of BP's tokens")
+    p.add_argument("--by", default="tokens", choices=["tokens", "train_s"],
+                   help="the curves' axis; train_s (metrics.jsonl's training seconds): the time ratio")  # fmt: skip
     for flag, kind in (("family", str), ("optimizer", str), ("stages", int), ("corrections", str),
                        ("accumulate", int), ("baseline-batch", int)):  # fmt: skip
         p.add_argument(f"--{flag}", type=kind, default=None, help="recorded in the JSON; the planner matches on it")
@@ -505,13 +516,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"give curves in pairs, BASELINE DELAYED per seed; got {len(args.curves)}")
         fractions = [float(f) for f in args.fractions.split(",") if f]
         labels = list(zip(args.curves[::2], args.curves[1::2]))
-        pairs = [(load_curve(b), load_curve(d)) for b, d in labels]
+        if args.by != "tokens" and (args.json or args.throughput_ratio is not None):
+            raise ValueError("--by train_s measures time itself: its r is a time ratio, not a token overhead, so "
+                             "--json (the planner's input) and --throughput-ratio do not apply; drop them")  # fmt: skip
+        pairs = [(load_curve(b, args.by), load_curve(d, args.by)) for b, d in labels]
         setting = Setting(args.family, args.optimizer, args.stages, args.corrections, args.accumulate,
                           args.baseline_batch)  # fmt: skip
         m = measure(pairs, labels, setting, args.throughput_ratio, fractions)
     except (ValueError, KeyError) as error:
         p.error(str(error))
-    print(report(m))
+    print(report(m, args.by))
     if args.json:
         write(args.json, m)
     return 0
