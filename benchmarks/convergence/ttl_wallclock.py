@@ -44,8 +44,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -244,29 +244,28 @@ def run_all(out: Path, seeds: Sequence[int], against: Sequence[str] = ("1f1b",))
 def analyze(out: Path, seeds: Sequence[int], baseline: str = "1f1b") -> dict[str, Any]:
     """Per seed and over the seeds, FDG against ``baseline``: the time ratio, the net speed-up (its inverse), r and
     the samples/s ratio."""
-    pairs_s, pairs_tokens, per_seed = [], [], []
+    pairs_s, pairs_tokens, runs = [], [], []
     for seed in seeds:
         base_run, fdg_run = folder(out, baseline, seed), folder(out, TIMED[baseline], seed)
         if not (done(base_run) and done(fdg_run)):
             continue
         base, fdg = curve(base_run), curve(fdg_run)
-        by_s = ([(p["train_s"], p["loss"]) for p in base], [(p["train_s"], p["loss"]) for p in fdg])
-        by_tokens = ([(p["tokens"], p["loss"]) for p in base], [(p["tokens"], p["loss"]) for p in fdg])
-        pairs_s.append(by_s)
-        pairs_tokens.append(by_tokens)
-        time_ratio, r = to.token_overhead(*by_s), to.token_overhead(*by_tokens)
-        rate = (fdg[-1]["tokens"] / fdg[-1]["train_s"]) / (base[-1]["tokens"] / base[-1]["train_s"])
-        per_seed.append({
-            "seed": seed, "target": base[-1]["loss"], "baseline_s": base[-1]["train_s"],
-            "baseline_tokens": base[-1]["tokens"],
+        pairs_s.append(([(p["train_s"], p["loss"]) for p in base], [(p["train_s"], p["loss"]) for p in fdg]))
+        pairs_tokens.append(([(p["tokens"], p["loss"]) for p in base], [(p["tokens"], p["loss"]) for p in fdg]))
+        runs.append((seed, base[-1], fdg[-1]))
+    report: dict[str, Any] = {"commit": commit(), "baseline": baseline, "seeds": [], "n": len(runs)}
+    if not runs:
+        return report
+    times, tokens = to.summarize(pairs_s), to.summarize(pairs_tokens)  # per seed: their .seeds, in order
+    for (seed, base_end, fdg_end), time_ratio, r in zip(runs, times.seeds, tokens.seeds):
+        rate = (fdg_end["tokens"] / fdg_end["train_s"]) / (base_end["tokens"] / base_end["train_s"])
+        report["seeds"].append({
+            "seed": seed, "target": base_end["loss"], "baseline_s": base_end["train_s"],
+            "baseline_tokens": base_end["tokens"],
             "fdg_s": time_ratio.tokens, "fdg_tokens": r.tokens, "time_ratio": time_ratio.r,
             "net": None if time_ratio.r is None else 1 / time_ratio.r, "r": r.r,
             "samples_per_s_ratio": rate,
         })  # fmt: skip
-    report: dict[str, Any] = {"commit": commit(), "baseline": baseline, "seeds": per_seed, "n": len(per_seed)}
-    if not per_seed:
-        return report
-    times, tokens = to.summarize(pairs_s), to.summarize(pairs_tokens)
     interval = times.interval
     report["net"] = {
         "value": None if times.r is None else 1 / times.r,
@@ -276,8 +275,7 @@ def analyze(out: Path, seeds: Sequence[int], baseline: str = "1f1b") -> dict[str
     }
     report["r"] = {"value": tokens.r, "at_least": tokens.at_least, "upper_95": tokens.upper,
                    "interval_95": None if tokens.interval is None else list(tokens.interval)}  # fmt: skip
-    ratios = [s["samples_per_s_ratio"] for s in per_seed]
-    report["samples_per_s_ratio"] = math.exp(sum(map(math.log, ratios)) / len(ratios))
+    report["samples_per_s_ratio"] = statistics.geometric_mean(s["samples_per_s_ratio"] for s in report["seeds"])
     return report
 
 
