@@ -27,6 +27,13 @@ resnet_fdg_k4_warmuplr.json, DeepSpeed's WarmupLR, the scheduler's peak); at lr 
 diverge there. ``--delay-lr-epochs E`` sets pipeline.fdg.delay_lr_ticks to E epochs of ticks (one tick
 per micro-batch), for a config that sets its correction keys itself: next to "corrections" "auto" or
 "none" it is refused, since those choose the keys.
+
+Time to a loss (docs/token-overhead.md): ``--eval-interval N`` also evaluates every N steps, ``--val-images N``
+evaluates on N training images held out from ``--train-subset`` instead of the test set (MNIST, Fashion-MNIST),
+``--target-loss L`` stops every rank at the first evaluation at or below L, and ``--metrics FILE`` writes a JSON
+line per step and per evaluation with ``train_s``, the training seconds with evaluations and checkpoints left out
+(the ranks meet at a barrier before each evaluation), which ``python -m fdg_schedule.plan.token_overhead BASE FDG
+--by train_s`` reads.
 """
 
 import argparse
@@ -68,6 +75,10 @@ freed_memory = "retain"  # on CPU: "retain" keeps freed memory in the process (f
 warmup_epochs = 0  # epochs at a constant 0.1 x lr before the schedule starts (the paper's code: 3)
 delay_lr_epochs = None  # FDG's delay_lr_ticks in epochs, explicit keys only (ResNet-20 K=4: epochs before 1st decay)
 checkpoint_every = 0  # epochs; 0 = never
+eval_interval = 0  # also evaluate every N steps (train_batch calls); 0: at epoch ends only
+val_images = 0  # evaluate on this many held-out training images instead of the test set (0: the test set)
+target_loss = 0.0  # stop at the first evaluation at or below this loss (0: never; time-to-loss runs)
+metrics_file = None  # JSON lines (rank 0): one per step and one per evaluation, with train_s
 seed = 0
 default_config = Path(__file__).resolve().parents[1] / "ds_configs" / "resnet_fdg_k2.json"
 # -----------------------------------------------------------------------------
@@ -100,6 +111,16 @@ parser.add_argument("--num-workers", type=int, default=0, help="DataLoader worke
 parser.add_argument("--checkpoint-dir", default=None, help="default: checkpoints/<model>_<config name>")
 parser.add_argument("--checkpoint-every", type=int, default=checkpoint_every)
 parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
+parser.add_argument("--eval-interval", type=int, default=eval_interval, help="also evaluate every N steps")
+parser.add_argument(
+    "--val-images",
+    type=int,
+    default=val_images,
+    help="evaluate on N training images outside --train-subset, not augmented, instead of the test set (MNIST, "
+    "Fashion-MNIST)",
+)
+parser.add_argument("--target-loss", type=float, default=target_loss, help="stop at the first evaluation <= this")
+parser.add_argument("--metrics", default=metrics_file, help="write JSON lines here: a row per step and evaluation")
 parser.add_argument("--seed", type=int, default=seed)
 parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
 parser = deepspeed.add_config_arguments(parser)
@@ -116,6 +137,16 @@ if world_size % stages:
     parser.error(f"world size {world_size} is not a multiple of --pipeline-parallel-size {stages}")
 if args.partition == "paper" and stages > 1 and stages not in resnet.PAPER_SPLITS.get(args.model, {}):
     args.partition = "parameters"  # no preset for this model and K: DeepSpeed balances parameters instead
+if args.eval_interval < 0 or args.val_images < 0 or args.target_loss < 0:
+    parser.error(
+        f"--eval-interval {args.eval_interval}, --val-images {args.val_images}, --target-loss {args.target_loss:g}: "
+        "none may be negative (0 turns each off)"
+    )
+if args.val_images and args.dataset not in ("mnist", "fashion-mnist"):
+    parser.error(
+        f"--val-images {args.val_images}: a held-out validation split is built for mnist and fashion-mnist, not "
+        f"{args.dataset}; drop it to evaluate on the test set"
+    )
 config_path = args.deepspeed_config
 with open(config_path) as f:
     ds_config = json.load(f)
@@ -195,6 +226,14 @@ elif args.partition == "balanced":
 # Data: the first stage reads images; the last stage reads the labels of the same items in the same order.
 train_set = vision_data.subset(data.train, args.train_subset, args.seed)
 test_set = vision_data.subset(data.test, args.test_subset, args.seed)
+if args.val_images:  # the training images after the subset's, in the subset's order (vision_data.held_out)
+    try:
+        eval_set = vision_data.held_out(args.dataset, args.data_dir, args.train_subset, args.val_images, args.seed)
+    except ValueError as error:
+        raise SystemExit(f"train_resnet.py: error: --val-images {args.val_images}: {error}") from None
+else:
+    eval_set = test_set
+eval_name = "val" if args.val_images else "test"  # the metrics' and the log's names: val_loss or test_loss
 
 
 def ticks_per_epoch(micro_batch, per_step, dp_size):
@@ -265,11 +304,12 @@ if first or last:
         stage_view(train_set), micro_batch, sampler=sampler, drop_last=True, num_workers=args.num_workers
     )
     train_iter = ((x.to(input_dtype), y) for x, y in vision_data.forever(train_loader))
-test_loader = test_loader_of(test_set)
+eval_loader = test_loader_of(eval_set)
 
 
-def evaluate(dataset=test_set, loader=test_loader):
-    """Test loss and accuracy with the current weights, summed over the last stage's data-parallel ranks."""
+def evaluate(dataset=eval_set, loader=eval_loader):
+    """Loss and accuracy on the test set (or --val-images) with the current weights, summed over the last stage's
+    data-parallel ranks."""
     totals = torch.zeros(3, dtype=torch.float64)  # correct, count, summed loss
     eval_batches = math.ceil(math.ceil(len(dataset) / dp_size) / micro_batch)  # the same on every rank
     batches = vision_data.padded_batches(loader, micro_batch, eval_batches) if loader else None
@@ -316,17 +356,55 @@ if args.resume:
     if logging_rank:
         print(f"resumed from {path} at epoch {start_epoch}")
 
+metrics = Path(args.metrics) if args.metrics else None
+if metrics and logging_rank:
+    metrics.parent.mkdir(parents=True, exist_ok=True)
+    metrics.write_text("")
+
+
+def record(**row: object) -> None:
+    if metrics and logging_rank:
+        with open(metrics, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
 if logging_rank:
     print(
         f"{args.model} on {args.dataset}: {stages} stage(s) x {dp_size} data-parallel, schedule {schedule}, "
-        f"partition {net.parts}, {len(train_set)} train / {len(test_set)} test images, "
+        f"partition {net.parts}, {len(train_set)} train / {len(eval_set)} {eval_name} images, "
         f"{steps_per_epoch} steps/epoch of {samples_per_step}"
         + (f", delay_lr_ticks {delay_lr_ticks}" if delay_lr_ticks else "")
     )
 step = 0
-train_time = 0.0
-wall_start = time.time()
+wall_start = train_start = time.time()
+untimed_s = 0.0  # evaluations and checkpoints: the training seconds (train_s) leave them out
 test_acc = test_loss = float("nan")
+reached = False  # --target-loss: an evaluation at or below it ends the run on every rank
+
+
+def timed_evaluation():
+    """(accuracy, loss) now, recorded with the training seconds so far. The ranks meet first, so that the clock
+    reads the pipeline's training time and not one stage's lead."""
+    global untimed_s
+    dist.barrier()
+    eval_start = time.time()
+    train_s = eval_start - train_start - untimed_s
+    acc, loss = evaluate()  # every rank gets the numbers (all_reduce)
+    untimed_s += time.time() - eval_start
+    samples = step * samples_per_step
+    row = {f"{eval_name}_loss": loss, f"{eval_name}_acc": acc}
+    record(step=step, samples=samples, **row, time=time.time() - train_start, train_s=train_s)
+    return acc, loss
+
+
+def target_reached(loss):
+    if args.target_loss and loss <= args.target_loss:
+        if logging_rank:
+            print(f"{eval_name} loss {loss:.4f} reached --target-loss {args.target_loss:g}: stopping at step {step}")
+        return True
+    return False
+
+
 for epoch in range(start_epoch, args.epochs):
     if "scheduler" not in ds_config:
         for group in engine.optimizer.param_groups:
@@ -340,7 +418,7 @@ for epoch in range(start_epoch, args.epochs):
         mininterval=1.0,
         dynamic_ncols=True,
     )
-    for _ in range(steps_per_epoch):
+    for index in range(steps_per_epoch):
         loss = engine.train_batch(data_iter=train_iter)
         if staleness_log:
             staleness_log.collect()
@@ -349,20 +427,36 @@ for epoch in range(start_epoch, args.epochs):
             bar.set_postfix(step=step, loss=f"{losses[-1]:.3f}", refresh=False)
         bar.update(engine.train_batch_size())
         step += 1
+        elapsed = time.time() - train_start
+        train_loss_now = float(loss) if loss is not None else float("nan")
+        record(step=step, samples=step * samples_per_step, train_loss=train_loss_now, time=elapsed,
+               train_s=elapsed - untimed_s)  # fmt: skip
         if args.max_steps is not None and step >= args.max_steps:
             break
+        if args.eval_interval and step % args.eval_interval == 0 and index < steps_per_epoch - 1:
+            test_acc, test_loss = timed_evaluation()  # (at the epoch's end the evaluation below runs)
+            if logging_rank:
+                print(f"step {step}: {eval_name}_loss {test_loss:.6f} {eval_name}_acc {test_acc:.2%}", flush=True)
+            if target_reached(test_loss):
+                reached = True
+                break
     bar.close()
-    train_time += time.time() - epoch_start
-    final_epoch = epoch == args.epochs - 1 or (args.max_steps is not None and step >= args.max_steps)
+    final_epoch = epoch == args.epochs - 1 or (args.max_steps is not None and step >= args.max_steps) or reached
     if final_epoch:
         drain()
-    test_acc, test_loss = evaluate()
+    if not reached:  # (a run stopped at the target ends with the evaluation that reached it)
+        test_acc, test_loss = timed_evaluation()
+        if target_reached(test_loss):
+            reached = True
+            if not final_epoch:
+                drain()  # FDG: finish the backwards still in flight before the checkpoint and the report
+            final_epoch = True
     train_loss = sum(losses) / len(losses) if losses else float("nan")
     staleness = staleness_log.line() if staleness_log else None  # every rank: a gather
     if logging_rank:
         print(
-            f"epoch {epoch + 1}/{args.epochs}: train_loss {train_loss:.6f} test_loss {test_loss:.6f} "
-            f"test_acc {test_acc:.2%} lr {engine.optimizer.param_groups[0]['lr']:.4g} "
+            f"epoch {epoch + 1}/{args.epochs}: train_loss {train_loss:.6f} {eval_name}_loss {test_loss:.6f} "
+            f"{eval_name}_acc {test_acc:.2%} lr {engine.optimizer.param_groups[0]['lr']:.4g} "
             f"({time.time() - epoch_start:.1f} s)",
             flush=True,
         )
@@ -370,14 +464,20 @@ for epoch in range(start_epoch, args.epochs):
             print(staleness, flush=True)
         if engine.monitor.enabled:
             samples = engine.global_samples
-            engine.monitor.write_events([("Test/accuracy", test_acc, samples), ("Test/loss", test_loss, samples)])
+            split = "Validation" if args.val_images else "Test"
+            engine.monitor.write_events(
+                [(f"{split}/accuracy", test_acc, samples), (f"{split}/loss", test_loss, samples)]
+            )
     if args.checkpoint_every and ((epoch + 1) % args.checkpoint_every == 0 or final_epoch):
+        checkpoint_start = time.time()
         drain()
         engine.save_checkpoint(
             checkpoint_dir, tag=f"epoch{epoch + 1}", client_state={"epoch": epoch, "base_lr": base_lr}
         )
+        untimed_s += time.time() - checkpoint_start
     if final_epoch:
         break
+train_time = time.time() - train_start - untimed_s
 
 if args.final_full_test:  # the curve may use a test subset; the final number the whole test set
     full_acc, full_loss = evaluate(data.test, test_loader_of(data.test))
@@ -395,7 +495,7 @@ report = stage_report(engine, clock)
 if logging_rank:
     print(report, flush=True)
     print(
-        f"final: test_acc {test_acc:.2%} test_loss {test_loss:.4f} | "
+        f"final: {eval_name}_acc {test_acc:.2%} {eval_name}_loss {test_loss:.4f} | "
         f"{trained_samples / max(train_time, 1e-9):.1f} samples/s | wall {time.time() - wall_start:.1f} s | "
         f"{args.model} {args.dataset} K={stages} {schedule}",
         flush=True,

@@ -82,6 +82,11 @@ BAD_COMMANDS = {
         r'--delay-lr-epochs 8 sets pipeline.fdg.delay_lr_ticks, but pipeline.fdg.corrections is "auto" in '
         r".*resnet_fdg_k4.json, which decides that key itself; drop --delay-lr-epochs, or remove corrections",
     ),
+    "val-images-on-cifar": (
+        ["--val-images", "64", "--dataset", "cifar10"],
+        r"--val-images 64: a held-out validation split is built for mnist and fashion-mnist, not cifar10",
+    ),
+    "negative-eval-interval": (["--eval-interval", "-1"], r"--eval-interval -1, .*none may be negative"),
     "delay-lr-epochs-and-none": (
         ["--delay-lr-epochs", "8", "--deepspeed_config", "no_corrections.json"],  # written by the fixture
         r'--delay-lr-epochs 8 sets pipeline.fdg.delay_lr_ticks, but pipeline.fdg.corrections is "none" in '
@@ -258,3 +263,38 @@ def test_reference_trainer_prints_what_the_recipe_prints_on_the_engine(tmp_path:
     assert [count for _, count in on_engine] == ["5", "6"], engine[-3000:]
     for (value, _), (engine_value, _) in zip(measured, on_engine, strict=True):
         assert abs(float(value) - float(engine_value)) <= 2e-3 * float(value)  # printed to 4 digits
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not fashion_mnist_available(), reason="needs `apt-get install -y dataset-fashion-mnist`")
+@pytest.mark.parametrize("interval, stop", [(3, 3), (8, 8)], ids=["within-an-epoch", "at-an-epoch-end"])
+def test_target_loss_stops_every_rank_and_metrics_clock_training(tmp_path: Path, interval: int, stop: int) -> None:
+    """--target-loss ends the run at the first evaluation at or below it, on both ranks (else one would wait for
+    a tick that never comes and the deadline would fail the test), whether that evaluation falls inside an epoch
+    (--eval-interval 3 of 8 steps) or at an epoch's end that is not the last (8: FDG then drains there).
+    --val-images evaluates held-out training images; --metrics writes a row per step and per evaluation, whose
+    train_s leaves the evaluations out."""
+    config = json.loads((ROOT / "ds_configs" / "resnet_fdg_k2.json").read_text())
+    config["train_micro_batch_size_per_gpu"] = 32
+    (tmp_path / "fdg_k2.json").write_text(json.dumps(config))
+    metrics = tmp_path / "out" / "metrics.jsonl"
+    output = launch(
+        2,
+        "--deepspeed_config", str(tmp_path / "fdg_k2.json"), "--epochs", "3", "--train-subset", "256",
+        "--val-images", "64", "--eval-interval", str(interval), "--target-loss", "100", "--metrics", str(metrics),
+        "--partition", "paper",
+        cwd=ROOT,
+        timeout=240,
+    )  # fmt: skip
+    assert f"reached --target-loss 100: stopping at step {stop}" in output, output[-3000:]
+    assert "256 train / 64 val images" in output
+    assert re.search(r"epoch 1/3: train_loss \S+ val_loss \S+ val_acc", output) and "epoch 2/3" not in output
+    assert re.search(r"final: val_acc [\d.]+% val_loss", output)
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    evaluations = [r for r in rows if "val_loss" in r]
+    assert [r["step"] for r in rows if "train_loss" in r] == list(range(1, stop + 1))
+    assert len(evaluations) == 1 and evaluations[0]["step"] == stop and evaluations[0]["samples"] == 32 * stop
+    assert 0 <= evaluations[0]["val_acc"] <= 1 and evaluations[0]["val_loss"] <= 100
+    assert all(0 <= r["train_s"] <= r["time"] for r in rows)
+    assert evaluations[0]["time"] - evaluations[0]["train_s"] > 0  # the evaluation's own time is left out

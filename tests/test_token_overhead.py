@@ -238,3 +238,31 @@ def test_by_train_s_reads_the_recipes_training_seconds_and_gives_the_time_ratio(
     (old / "metrics.jsonl").write_text(json.dumps({"step": 1, "tokens": 10, "val_loss": 6.0}) + "\n")
     with pytest.raises(ValueError, match="has no 'train_s'"):
         load_curve(str(old), "train_s")
+
+
+def test_by_samples_reads_the_resnet_recipes_metrics_with_test_or_validation_loss(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """recipes/train_resnet.py --metrics counts images (``samples``) and names its loss by what it evaluated:
+    ``val_loss`` with --val-images, ``test_loss`` without. Training rows (no loss) are skipped."""
+
+    def run(name: str, key: str, evals: list[tuple[int, float, float]]) -> Path:
+        rows: list[dict[str, float]] = []
+        for step, (samples, loss, seconds) in enumerate(evals):
+            rows.append({"step": step, "samples": samples, "train_loss": 9.0, "train_s": seconds})
+            rows.append({"step": step, "samples": samples, key: loss, f"{key[:-5]}_acc": 0.5, "train_s": seconds})
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return path
+
+    base = run("1f1b", "val_loss", [(1024, 1.0, 10.0), (2048, 0.5, 20.0)])
+    fdg = run("fdg", "val_loss", [(1024, 0.75, 8.0), (2048, 0.25, 16.0)])  # 0.5 at 1,536 images, 12 s
+    assert load_curve(str(fdg), "samples") == [(1024.0, 0.75), (2048.0, 0.25)]
+    assert main([str(base), str(fdg), "--by", "samples", "--throughput-ratio", "1.2"]) == 0
+    text = capsys.readouterr().out
+    assert "r = 0.750 over 1 seeds" in text and "net speed-up = 1.2 / r = 1.600" in text  # 1536 / 2048
+    assert main([str(base), str(fdg), "--by", "train_s"]) == 0 and "r = 0.600 over 1 seeds" in capsys.readouterr().out
+    tested = run("test", "test_loss", [(1024, 0.75, 8.0)])
+    assert load_curve(str(tested), "samples") == [(1024.0, 0.75)]
+    with pytest.raises(ValueError, match="has no 'tokens'.*train_resnet.py samples"):
+        load_curve(str(fdg), "tokens")

@@ -3,6 +3,7 @@
     python -m fdg_schedule.plan.token_overhead BP.json FDG.json [BP_2.json FDG_2.json ...] \
         [--throughput-ratio 1.15] [--json overhead.json]
     python -m fdg_schedule.plan.token_overhead runs/1f1b runs/fdg --by train_s   # time to loss, from metrics.jsonl
+    python -m fdg_schedule.plan.token_overhead bp.jsonl fdg.jsonl --by samples   # recipes/train_resnet.py --metrics
 
 Definitions (docs/token-overhead.md states them in full):
 
@@ -402,11 +403,13 @@ def read(path: str | Path) -> Recorded:
 
 
 def load_curve(spec: str, by: str = "tokens") -> list[tuple[float, float]]:
-    """A validation curve from ``PATH[:RUN]``, against ``by``: "tokens", or "train_s" (a ``metrics.jsonl``'s
-    training seconds, recipes/train_lm.py's: then r is the time ratio, docs/token-overhead.md).
+    """A validation curve from ``PATH[:RUN]``, against ``by``: "tokens", "samples" (images: the metrics file of
+    ``recipes/train_resnet.py --metrics``) or "train_s" (the training seconds both recipes write: then r is the time
+    ratio, docs/token-overhead.md).
 
-    - a directory, or a ``.jsonl`` file: ``benchmarks/convergence/lm_convergence.py``'s ``metrics.jsonl``, rows
-      with ``tokens`` and ``val_loss`` (rows without ``val_loss`` are training rows and skipped);
+    - a directory, or a ``.jsonl`` file: ``benchmarks/convergence/lm_convergence.py``'s and the recipes'
+      ``metrics.jsonl``, rows with ``tokens`` (or ``samples``) and ``val_loss`` (``recipes/train_resnet.py``
+      without ``--val-images``: ``test_loss``); rows without a loss are training rows and skipped;
     - a ``.json`` file holding ``{"runs": {RUN: {"val": [[tokens, loss], ...]}}}``, the staleness evidence
       (``docs/results/staleness/staleness_gpt2_*.json``): ``:RUN`` names the run;
     - a ``.json`` file holding a list of ``[tokens, loss]`` pairs or of rows, or a dict with one of ``val``,
@@ -446,11 +449,12 @@ def _curve(rows: list[Any], spec: str, by: str = "tokens") -> list[tuple[float, 
     out: list[tuple[float, float]] = []
     for row in rows:
         if isinstance(row, dict):
-            loss = row.get("val_loss", row.get("validation"))
+            loss = row.get("val_loss", row.get("validation", row.get("test_loss")))
             if loss is None:
                 continue  # a training row
             if by not in row:
-                raise ValueError(f"{spec}: an evaluation row has no {by!r} (recipes/train_lm.py writes train_s)")
+                raise ValueError(f"{spec}: an evaluation row has no {by!r} (the recipes write train_s; "
+                                 "train_lm.py tokens, train_resnet.py samples)")  # fmt: skip
             out.append((float(row[by]), float(loss)))
         else:
             tokens, loss = row
@@ -500,8 +504,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--throughput-ratio", type=float, default=None, help="delayed samples/s over baseline's: net")
     p.add_argument("--json", default=None, help="write the measurement here (the planner's --token-overhead reads it)")
     p.add_argument("--fractions", default=",".join(map(str, FRACTIONS)), help="the band: fractions of BP's tokens")
-    p.add_argument("--by", default="tokens", choices=["tokens", "train_s"],
-                   help="the curves' axis; train_s (metrics.jsonl's training seconds): the time ratio")  # fmt: skip
+    p.add_argument("--by", default="tokens", choices=["tokens", "samples", "train_s"],
+                   help="the curves' axis: tokens, samples (images), or train_s (metrics.jsonl's training "
+                        "seconds): the time ratio")  # fmt: skip
     for flag, kind in (("family", str), ("optimizer", str), ("stages", int), ("corrections", str),
                        ("accumulate", int), ("baseline-batch", int)):  # fmt: skip
         p.add_argument(f"--{flag}", type=kind, default=None, help="recorded in the JSON; the planner matches on it")
@@ -516,7 +521,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"give curves in pairs, BASELINE DELAYED per seed; got {len(args.curves)}")
         fractions = [float(f) for f in args.fractions.split(",") if f]
         labels = list(zip(args.curves[::2], args.curves[1::2]))
-        if args.by != "tokens" and (args.json or args.throughput_ratio is not None):
+        if args.by == "train_s" and (args.json or args.throughput_ratio is not None):
             raise ValueError("--by train_s measures time itself: its r is a time ratio, not a token overhead, so "
                              "--json (the planner's input) and --throughput-ratio do not apply; drop them")  # fmt: skip
         pairs = [(load_curve(b, args.by), load_curve(d, args.by)) for b, d in labels]
