@@ -33,7 +33,8 @@ and schedule shape as the LM's. Its lr and warm-up come from ``tune``: each job 
 0.1, 0.2 × warm-up 0 and 10 %) on seed 300, chosen by the test's rules (a baseline: the lowest final validation
 loss; FDG: the fewest images to the chosen 1f1b job's final loss, its grid runs stopping there; none reaching: the
 lowest final loss; ties: the earlier point), then, while a job's choice is the grid's highest (lowest) lr, the same
-job at twice (half) that lr with its chosen warm-up, kept if lower (FDG: sooner), at most two steps.
+job at twice (half) that lr with its chosen warm-up, kept if lower (FDG: sooner), at most two steps. ``tune`` does
+the same for the LM with its optimizer's grid (``--optimizer muon``: Muon lr 0.01, 0.02, 0.04).
 
 LM jobs: AdamW (β 0.9 / 0.95, weight decay 0.1), lr 2e-3 with 10 % linear warm-up then cosine to a tenth over the
 job's own optimizer steps (DeepSpeed's ``WarmupCosineLR``): the test's grid chose it for every arm. ``--optimizer
