@@ -1,7 +1,7 @@
 """Grid-edge check for the test's other configurations (outside the time-to-loss test; grid_edge/README.md).
 
-As run_muon.py did for lm / Muon at K = 2, arm by arm: wait until the arm's grid on seed 300 is in (the queue's
-folder) and read its choice with the frozen runner's own rule; if it is at the grid's top (bottom) lr, run the arm
+As run_muon.py did for lm / Muon at K = 2, arm by arm as their grids on seed 300 come in (the queue's folder): read
+the arm's choice with the frozen runner's own rule; if it is at the grid's top (bottom) lr, run the arm
 once at twice (half) that lr with the chosen warm-up on seed 300 into /work/ttl_grid_ext, and once more if that is
 better. "Better" is each arm's own selection rule: a baseline's lower final loss; FDG's fewer tokens to the chosen
 ``bp_a4`` run's final loss (then the lower final loss). The baselines of the LM configurations are shared by K and
@@ -45,8 +45,8 @@ def merit(task: str, optimizer: str, run: ttl.Run, result: dict | None) -> tuple
 
 
 def check(task: str, optimizer: str, arm: str) -> None:
-    while (chosen := ttl.choose(OUT, task, optimizer, arm)) is None:
-        time.sleep(60)
+    chosen = ttl.choose(OUT, task, optimizer, arm)
+    assert chosen is not None
     grid = ttl.GRIDS[optimizer]
     if chosen.lr not in (grid[0], grid[-1]):
         say(f"{task}_{optimizer}/{arm}: chose lr {chosen.lr:g} w{chosen.warmup:g}, inside the grid")
@@ -68,6 +68,12 @@ def check(task: str, optimizer: str, arm: str) -> None:
 
 
 if __name__ == "__main__":
-    for task, optimizer, arm in ARMS:
-        check(task, optimizer, arm)
+    left = list(ARMS)
+    while left:  # the first arm whose grid is in, then the next
+        ready = [a for a in left if ttl.choose(OUT, *a) is not None]
+        if not ready:
+            time.sleep(60)
+            continue
+        check(*ready[0])
+        left.remove(ready[0])
     say("done")
