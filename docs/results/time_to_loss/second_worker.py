@@ -9,13 +9,13 @@ process ran it or when. Run from the queue's worktree (commit 7c941ae), as the q
 """
 
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 from benchmarks.convergence import time_to_loss as ttl
 
-OUT, QUIET, MARGIN = Path("/work/ttl_results"), "/work/QUIET", 5
+OUT, MARGIN = Path("/work/ttl_results"), 5
+ttl.PAUSE_WHILE = Path("/work/QUIET")  # the queue's own child command then waits while it exists
 
 
 def pending() -> list[ttl.Run]:
@@ -27,8 +27,7 @@ def main() -> None:
     while len(left := pending()) >= MARGIN:
         run = left[-1]
         print(f"{time.strftime('%F %T')} {run.name} ({len(left)} known runs left)", flush=True)
-        command = [sys.executable, "-m", "benchmarks.convergence.time_to_loss", "one", run.name, "--out", str(OUT)]
-        subprocess.run([*command, "--pause-while", QUIET], check=False, capture_output=True)
+        subprocess.run(ttl.child_command(OUT, run), check=False, capture_output=True)
         result = ttl.read(run.path(OUT))
         state = "no result (rerun)" if result is None else result.get("failed", f"final {result.get('final')}")
         print(f"{time.strftime('%F %T')} {run.name}: {str(state)[-200:]}", flush=True)

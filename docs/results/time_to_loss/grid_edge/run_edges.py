@@ -11,13 +11,13 @@ were checked at K = 2, so only the FDG arms are left there. Run from the queue's
 import dataclasses
 import math
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 from benchmarks.convergence import time_to_loss as ttl
 
 OUT, EXT = Path("/work/ttl_results"), Path("/work/ttl_grid_ext")
+ttl.PAUSE_WHILE = Path("/work/QUIET")  # the queue's own child command then waits while it exists
 ARMS = (  # (task, optimizer, arm), in the order their grids come in
     ("resnet", "sgd", "bp_a4"),
     ("resnet", "sgd", "bp_a1"),
@@ -58,8 +58,7 @@ def check(task: str, optimizer: str, arm: str) -> None:
     for _ in range(2):
         run = dataclasses.replace(run, lr=run.lr * factor)
         if not run.path(EXT).exists():
-            command = [sys.executable, "-m", "benchmarks.convergence.time_to_loss", "one", run.name, "--out", str(EXT)]
-            subprocess.run([*command, "--pause-while", "/work/QUIET"], check=False, capture_output=True)
+            subprocess.run(ttl.child_command(EXT, run), check=False, capture_output=True)
         now = merit(task, optimizer, run, ttl.read(run.path(EXT)))
         say(f"{run.name}: {now}")
         if not now < best:
